@@ -1,0 +1,3 @@
+from tenplex_jax.cli import main
+
+raise SystemExit(main())

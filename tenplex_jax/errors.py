@@ -1,0 +1,21 @@
+"""Typed exceptions raised by tenplex_jax.
+
+Every exception subclasses a built-in so callers may catch either. Messages
+name the leaf (its key path), the axis and the numbers involved.
+"""
+
+
+class TenplexError(Exception):
+  """Base class of all tenplex_jax errors."""
+
+
+class LayoutError(TenplexError, ValueError):
+  """A layout (PTC) or sharding is malformed or does not match a tree."""
+
+
+class PlanError(TenplexError, ValueError):
+  """Two layouts cannot be planned against each other."""
+
+
+class ReshardError(TenplexError, RuntimeError):
+  """Executing a plan on devices failed; the source state is left intact."""
