@@ -1,0 +1,571 @@
+"""Layouts: Tenplex's parallelizable tensor collection (PTC) for jax shardings.
+
+A PTC describes how every tensor of a state is cut and where the pieces live:
+
+* the *slicing* (sigma): the distinct index boxes of a tensor,
+* the *partitioning* and *allocation* (phi, alpha): which devices hold each
+  box (its replicas), and which process each device belongs to.
+
+Layouts are derived from ``Sharding.devices_indices_map``, so every jax
+sharding works: ``NamedSharding`` (partial replication, several mesh axes on
+one dimension, meshes over a subset or a permutation of devices),
+``SingleDeviceSharding`` and any other ``jax.sharding.Sharding``. They can
+also be built analytically from a mesh description without any devices
+(:func:`named_layout`), which is how the planner is tested at thousands of
+devices.
+
+Everything here is pure: frozen values, no transfers, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from tenplex_jax.errors import LayoutError
+
+# A box is the half-open index range [start, stop) of each dimension.
+Box = tuple[tuple[int, int], ...]
+
+__all__ = [
+    "Box",
+    "PTC",
+    "Placement",
+    "TensorLayout",
+    "box_volume",
+    "intersect",
+    "key_path_name",
+    "named_layout",
+]
+
+
+def box_volume(box: Box) -> int:
+  """Number of elements in ``box``.
+
+  >>> box_volume(((0, 2), (4, 8)))
+  8
+  """
+  return math.prod(stop - start for start, stop in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+  """The box common to ``a`` and ``b``, or ``None`` if they do not overlap.
+
+  Zero-size boxes (of zero-size arrays) intersect to zero-size boxes when
+  their ranges coincide, so that every element-free shard is still planned.
+
+  >>> intersect(((0, 4), (0, 4)), ((2, 6), (1, 2)))
+  ((2, 4), (1, 2))
+  >>> intersect(((0, 2),), ((2, 4),)) is None
+  True
+  """
+  out = []
+  for (a0, a1), (b0, b1) in zip(a, b):
+    lo, hi = max(a0, b0), min(a1, b1)
+    if hi < lo or (hi == lo and not (a0 == a1 == b0 == b1)):
+      return None
+    out.append((lo, hi))
+  return tuple(out)
+
+
+def _slices_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
+  box = []
+  for s, n in zip(index, shape):
+    start, stop, step = s.indices(n)
+    if step != 1:
+      raise LayoutError(f"strided shard index {s} is not supported")
+    box.append((start, max(start, stop)))
+  # devices_indices_map may give fewer slices than dims for scalars.
+  for n in shape[len(index):]:
+    box.append((0, n))
+  return tuple(box)
+
+
+def key_path_name(path: Sequence[Any]) -> str:
+  """Names a pytree key path like a file path: ``params/Dense_0/kernel``.
+
+  >>> import jax
+  >>> [key_path_name(p) for p, _ in
+  ...  jax.tree_util.tree_flatten_with_path({"a": [1, {"b": 2}]})[0]]
+  ['a/0', 'a/1/b']
+  """
+  parts = []
+  for k in path:
+    if isinstance(k, jax.tree_util.DictKey):
+      parts.append(str(k.key))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      parts.append(str(k.name))
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      parts.append(str(k.idx))
+    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(k.key))
+    else:  # pragma: no cover - future key types
+      parts.append(str(k))
+  return "/".join(parts) if parts else "."
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """The boxes of one tensor and the devices holding each (its replicas).
+
+  Attributes:
+    boxes: the distinct index boxes; together they tile the tensor.
+    holders: for each box, the ids of the devices holding it, sorted.
+  """
+
+  boxes: tuple[Box, ...]
+  holders: tuple[tuple[int, ...], ...]
+
+  def __post_init__(self):
+    if len(self.boxes) != len(self.holders):
+      raise LayoutError(
+          f"placement has {len(self.boxes)} boxes but {len(self.holders)}"
+          " holder lists")
+
+  @functools.cached_property
+  def box_of_device(self) -> dict[int, int]:
+    """Device id -> index of the box it holds."""
+    out = {}
+    for i, devs in enumerate(self.holders):
+      for d in devs:
+        if d in out:
+          raise LayoutError(f"device {d} holds two boxes of one tensor")
+        out[d] = i
+    return out
+
+  @functools.cached_property
+  def devices(self) -> tuple[int, ...]:
+    return tuple(sorted(self.box_of_device))
+
+  @functools.cached_property
+  def _hash(self) -> int:
+    return hash((self.boxes, self.holders))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    if self is other:
+      return True
+    if not isinstance(other, Placement):
+      return NotImplemented
+    return (self._hash == other._hash and self.boxes == other.boxes
+            and self.holders == other.holders)
+
+  def check_tiles(self, shape: Sequence[int], path: str) -> None:
+    """Raises LayoutError unless the boxes tile ``shape`` exactly."""
+    shape = tuple(shape)
+    total = 0
+    for b in self.boxes:
+      if len(b) != len(shape) or any(
+          not 0 <= lo <= hi <= n for (lo, hi), n in zip(b, shape)):
+        raise LayoutError(f"{path}: box {b} does not fit shape {shape}")
+      total += box_volume(b)
+    if total != math.prod(shape):
+      raise LayoutError(
+          f"{path}: boxes cover {total} elements but shape {shape} has"
+          f" {math.prod(shape)}; overlapping or missing shards are not"
+          " supported")
+
+  def to_json(self) -> dict:
+    return {"boxes": [[list(r) for r in b] for b in self.boxes],
+            "holders": [list(h) for h in self.holders]}
+
+  @classmethod
+  def from_json(cls, d: Mapping) -> Placement:
+    return cls(tuple(tuple(tuple(r) for r in b) for b in d["boxes"]),
+               tuple(tuple(h) for h in d["holders"]))
+
+
+def _placement_from_indices_map(indices: Mapping[Any, tuple],
+                                shape: tuple[int, ...]) -> Placement:
+  by_box: dict[Box, list[int]] = {}
+  for dev, index in indices.items():
+    by_box.setdefault(_slices_to_box(index, shape), []).append(dev.id)
+  items = sorted(by_box.items(), key=lambda kv: kv[0])
+  return Placement(tuple(b for b, _ in items),
+                   tuple(tuple(sorted(h)) for _, h in items))
+
+
+def _spec_to_json(spec: PartitionSpec) -> list:
+  out = []
+  for entry in spec:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      out.append(None)
+    elif isinstance(entry, str):
+      out.append(entry)
+    else:
+      out.append(list(entry))
+  return out
+
+
+def _spec_from_json(entries: Sequence) -> PartitionSpec:
+  return PartitionSpec(*[tuple(e) if isinstance(e, list) else e
+                         for e in entries])
+
+
+def describe_sharding(sharding: jax.sharding.Sharding) -> dict:
+  """A JSON description from which :func:`sharding_from_description` rebuilds
+  the sharding. Kinds: ``named``, ``single``, or ``opaque`` (not rebuildable).
+  """
+  if isinstance(sharding, NamedSharding):
+    mesh = sharding.mesh
+    return {
+        "kind": "named",
+        "axis_names": list(mesh.axis_names),
+        "mesh_shape": [int(n) for n in mesh.devices.shape],
+        "device_ids": [int(d.id) for d in mesh.devices.flat],
+        "axis_types": [str(t).split(".")[-1] for t in mesh.axis_types],
+        "spec": _spec_to_json(sharding.spec),
+        "memory_kind": sharding.memory_kind,
+    }
+  if isinstance(sharding, SingleDeviceSharding):
+    (dev,) = sharding.device_set
+    return {"kind": "single", "device": int(dev.id),
+            "memory_kind": sharding.memory_kind}
+  return {"kind": "opaque", "repr": repr(sharding)}
+
+
+def sharding_from_description(desc: Mapping, path: str = "?",
+                              devices: Sequence[Any] | None = None
+                              ) -> jax.sharding.Sharding:
+  """Rebuilds a sharding from :func:`describe_sharding` output.
+
+  Raises:
+    LayoutError: the description names devices that do not exist, or is an
+      ``opaque`` one.
+  """
+  by_id = {d.id: d for d in (devices if devices is not None else jax.devices())}
+
+  def dev(i):
+    if i not in by_id:
+      raise LayoutError(
+          f"{path}: layout names device {i}, which does not exist here"
+          f" (devices: {sorted(by_id)[:16]}{'...' if len(by_id) > 16 else ''})")
+    return by_id[i]
+
+  kind = desc.get("kind")
+  if kind == "single":
+    return SingleDeviceSharding(dev(desc["device"]),
+                                memory_kind=desc.get("memory_kind"))
+  if kind == "named":
+    grid = np.array([dev(i) for i in desc["device_ids"]], dtype=object)
+    grid = grid.reshape(desc["mesh_shape"])
+    types = tuple(getattr(jax.sharding.AxisType, t)
+                  for t in desc.get("axis_types") or ["Auto"] * grid.ndim)
+    mesh = jax.sharding.Mesh(grid, tuple(desc["axis_names"]), axis_types=types)
+    return NamedSharding(mesh, _spec_from_json(desc["spec"]),
+                         memory_kind=desc.get("memory_kind"))
+  raise LayoutError(
+      f"{path}: a layout of kind {kind!r} cannot be turned back into a"
+      " sharding; pass a pytree of shardings instead")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+  """The layout of one tensor of the collection.
+
+  Attributes:
+    path: the tensor's key path, e.g. ``params/Dense_0/kernel``.
+    shape: the global shape.
+    dtype: the dtype's name (``float32``, ``bfloat16``, ``key<fry>``, ...).
+    itemsize: bytes per element (for PRNG keys, the bytes of one key).
+    placement: the boxes and their holders.
+    sharding: a JSON description of the sharding (see
+      :func:`describe_sharding`), or ``None`` for layouts built by hand.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  itemsize: int
+  placement: Placement
+  sharding: Mapping | None = dataclasses.field(default=None, compare=False,
+                                                hash=False)
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * self.itemsize
+
+  def shard_box(self, device_id: int) -> Box | None:
+    i = self.placement.box_of_device.get(device_id)
+    return None if i is None else self.placement.boxes[i]
+
+  def to_json(self) -> dict:
+    return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+            "itemsize": self.itemsize, "placement": self.placement.to_json(),
+            "sharding": self.sharding}
+
+
+def _dtype_info(dtype) -> tuple[str, int]:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return str(dtype), int(dtype.itemsize)
+  dt = np.dtype(dtype)
+  return dt.name, int(dt.itemsize)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_placement(sharding: jax.sharding.Sharding,
+                      shape: tuple[int, ...]) -> Placement:
+  return _placement_from_indices_map(sharding.devices_indices_map(shape), shape)
+
+
+def placement_of(sharding: jax.sharding.Sharding, shape: Sequence[int],
+                 path: str = "?") -> Placement:
+  """The placement of an array of ``shape`` under ``sharding``.
+
+  Raises:
+    LayoutError: ``sharding`` cannot shard ``shape`` (indivisible dimension,
+      spec longer than the rank, unknown mesh axis); the message names
+      ``path``.
+  """
+  shape = tuple(int(n) for n in shape)
+  try:
+    return _cached_placement(sharding, shape)
+  except Exception as e:  # jax raises ValueError / IndivisibleError / KeyError
+    raise LayoutError(f"{path}: sharding {sharding} does not fit shape {shape}:"
+                      f" {e}") from e
+
+
+def _is_array_like(x) -> bool:
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+@dataclasses.dataclass(frozen=True)
+class PTC:
+  """A parallelizable tensor collection: the layout of every tensor of a state.
+
+  Attributes:
+    tensors: per tensor, its :class:`TensorLayout`, in the tree's leaf order.
+    processes: ``(device id, process index)`` for every device any tensor
+      uses, sorted by device id.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    >>> x = jax.ShapeDtypeStruct((8, 4), np.float32,
+    ...                          sharding=NamedSharding(mesh, P("model")))
+    >>> ptc = PTC.from_tree({"w": x, "step": 3})
+    >>> ptc["w"].placement.boxes
+    (((0, 4), (0, 4)), ((4, 8), (0, 4)))
+    >>> PTC.from_json(ptc.to_json()) == ptc
+    True
+  """
+
+  tensors: tuple[TensorLayout, ...]
+  processes: tuple[tuple[int, int], ...]
+
+  def __post_init__(self):
+    seen = set()
+    for t in self.tensors:
+      if t.path in seen:
+        raise LayoutError(f"two tensors share the path {t.path!r}")
+      seen.add(t.path)
+
+  @functools.cached_property
+  def by_path(self) -> dict[str, TensorLayout]:
+    return {t.path: t for t in self.tensors}
+
+  @functools.cached_property
+  def process_of(self) -> dict[int, int]:
+    return dict(self.processes)
+
+  def __getitem__(self, path: str) -> TensorLayout:
+    try:
+      return self.by_path[path]
+    except KeyError:
+      raise KeyError(f"no tensor {path!r} in this layout; tensors:"
+                     f" {list(self.by_path)[:8]}...") from None
+
+  def __len__(self) -> int:
+    return len(self.tensors)
+
+  def __iter__(self):
+    return iter(self.tensors)
+
+  @property
+  def paths(self) -> tuple[str, ...]:
+    return tuple(t.path for t in self.tensors)
+
+  @property
+  def devices(self) -> tuple[int, ...]:
+    return tuple(d for d, _ in self.processes)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of one copy of the state (replicas not counted)."""
+    return sum(t.nbytes for t in self.tensors)
+
+  @classmethod
+  def from_tree(cls, tree: Any) -> PTC:
+    """Derives the layout of every array leaf of ``tree``.
+
+    Array leaves are ``jax.Array``s and ``jax.ShapeDtypeStruct``s carrying a
+    sharding; every other leaf (Python scalars, strings, numpy arrays) is not
+    part of the layout and passes through untouched.
+
+    Raises:
+      LayoutError: a ``ShapeDtypeStruct`` has no sharding, or a sharding does
+        not fit its leaf's shape; the message names the leaf.
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    tensors = []
+    processes: dict[int, int] = {}
+    for path, leaf in leaves:
+      if not _is_array_like(leaf):
+        continue
+      name = key_path_name(path)
+      sharding = getattr(leaf, "sharding", None)
+      if sharding is None:
+        raise LayoutError(
+            f"{name}: ShapeDtypeStruct{tuple(leaf.shape)} {leaf.dtype} carries"
+            " no sharding; give it sharding=...")
+      shape = tuple(int(n) for n in leaf.shape)
+      placement = placement_of(sharding, shape, name)
+      dtype, itemsize = _dtype_info(leaf.dtype)
+      tensors.append(TensorLayout(name, shape, dtype, itemsize, placement,
+                                  describe_sharding(sharding)))
+      for dev in sharding.device_set:
+        processes[int(dev.id)] = int(dev.process_index)
+    return cls(tuple(tensors), tuple(sorted(processes.items())))
+
+  def to_json(self) -> str:
+    """The universal JSON description of this parallelization config."""
+    placements: dict[Placement, int] = {}
+    tensors = []
+    for t in self.tensors:
+      idx = placements.setdefault(t.placement, len(placements))
+      d = t.to_json()
+      d["placement"] = idx
+      tensors.append(d)
+    return json.dumps({
+        "format": "tenplex_jax.PTC",
+        "version": 1,
+        "processes": [list(p) for p in self.processes],
+        "placements": [p.to_json() for p in placements],
+        "tensors": tensors,
+    })
+
+  @classmethod
+  def from_json(cls, text: str | Mapping) -> PTC:
+    """Parses :meth:`to_json` output (a string or the parsed dict)."""
+    d = json.loads(text) if isinstance(text, (str, bytes)) else text
+    if d.get("format") != "tenplex_jax.PTC":
+      raise LayoutError("not a tenplex_jax.PTC JSON document"
+                        f" (format={d.get('format')!r})")
+    placements = [Placement.from_json(p) for p in d["placements"]]
+    tensors = tuple(
+        TensorLayout(t["path"], tuple(t["shape"]), t["dtype"],
+                     int(t["itemsize"]), placements[t["placement"]],
+                     t.get("sharding"))
+        for t in d["tensors"])
+    return cls(tensors, tuple(tuple(p) for p in d["processes"]))
+
+  def validate(self) -> None:
+    """Checks that every tensor's boxes tile its shape exactly."""
+    for t in self.tensors:
+      t.placement.check_tiles(t.shape, t.path)
+      missing = [d for d in t.placement.devices if d not in self.process_of]
+      if missing:
+        raise LayoutError(f"{t.path}: devices {missing} have no process")
+
+
+def named_layout(
+    path: str,
+    shape: Sequence[int],
+    dtype: Any,
+    *,
+    mesh_shape: Mapping[str, int],
+    spec: PartitionSpec | Sequence,
+    device_ids: Sequence[int] | None = None,
+) -> TensorLayout:
+  """The layout a ``NamedSharding`` gives, computed without devices.
+
+  The device grid is ``device_ids`` (default ``range(n)``) reshaped to the
+  mesh shape, in the axis order of ``mesh_shape``; a dimension sharded over
+  several axes is split with the first axis major, as JAX does.
+
+  >>> t = named_layout("w", (8, 4), "float32", mesh_shape={"x": 2, "y": 2},
+  ...                  spec=("y",))
+  >>> t.placement.boxes, t.placement.holders
+  ((((0, 4), (0, 4)), ((4, 8), (0, 4))), ((0, 2), (1, 3)))
+  """
+  names = list(mesh_shape)
+  sizes = [int(mesh_shape[n]) for n in names]
+  n_dev = math.prod(sizes)
+  ids = np.arange(n_dev) if device_ids is None else np.asarray(device_ids)
+  if ids.size != n_dev:
+    raise LayoutError(f"{path}: mesh {dict(mesh_shape)} needs {n_dev} devices,"
+                      f" got {ids.size}")
+  grid = ids.reshape(sizes)
+  shape = tuple(int(n) for n in shape)
+  spec = tuple(spec)
+  if len(spec) > len(shape):
+    raise LayoutError(f"{path}: spec {spec} has {len(spec)} entries but the"
+                      f" tensor has rank {len(shape)} (shape {shape})")
+  # For each tensor dim, the mesh axes it is split over (major first).
+  dim_axes: list[tuple[int, ...]] = []
+  for d, entry in enumerate(spec + (None,) * (len(shape) - len(spec))):
+    axes = () if entry is None else ((entry,) if isinstance(entry, str)
+                                     else tuple(entry))
+    for a in axes:
+      if a not in mesh_shape:
+        raise LayoutError(f"{path}: axis {a!r} of spec {spec} is not a mesh"
+                          f" axis (mesh axes: {names})")
+    idx = tuple(names.index(a) for a in axes)
+    parts = math.prod(sizes[i] for i in idx)
+    if shape[d] % parts:
+      raise LayoutError(
+          f"{path}: dimension {d} of size {shape[d]} cannot be split"
+          f" {parts} ways over mesh axes {axes} (shape {shape})")
+    dim_axes.append(idx)
+  # Box coordinate of every grid position, vectorised over the grid.
+  coords = np.indices(sizes).reshape(len(sizes), -1)  # [n_axes, n_dev]
+  chunk_idx = []
+  for d, idx in enumerate(dim_axes):
+    lin = np.zeros(n_dev, dtype=np.int64)
+    for i in idx:
+      lin = lin * sizes[i] + coords[i]
+    chunk_idx.append(lin)
+  parts = [math.prod(sizes[i] for i in idx) for idx in dim_axes]
+  flat_ids = grid.reshape(-1)
+  by_box: dict[tuple[int, ...], list[int]] = {}
+  key = np.stack(chunk_idx, axis=1) if chunk_idx else np.zeros((n_dev, 0),
+                                                              np.int64)
+  for k, dev in zip(map(tuple, key.tolist()), flat_ids.tolist()):
+    by_box.setdefault(k, []).append(int(dev))
+  items = sorted(by_box.items())
+  boxes = []
+  for k, _ in items:
+    boxes.append(tuple((c * (n // p), (c + 1) * (n // p))
+                       for c, n, p in zip(k, shape, parts)))
+  placement = Placement(tuple(boxes), tuple(tuple(sorted(h)) for _, h in items))
+  name, itemsize = _dtype_info(dtype)
+  return TensorLayout(path, shape, name, itemsize, placement, None)
+
+
+def ptc_from_layouts(tensors: Iterable[TensorLayout],
+                     process_of: Mapping[int, int] | int = 1) -> PTC:
+  """Builds a PTC from hand-made layouts (see :func:`named_layout`).
+
+  Args:
+    tensors: the tensor layouts.
+    process_of: device id -> process index, or an int ``k`` meaning ``k``
+      devices per process (device ``d`` is in process ``d // k``).
+  """
+  tensors = tuple(tensors)
+  devs = sorted({d for t in tensors for d in t.placement.devices})
+  if isinstance(process_of, int):
+    procs = tuple((d, d // process_of) for d in devs)
+  else:
+    procs = tuple((d, int(process_of[d])) for d in devs)
+  return PTC(tensors, procs)

@@ -1,0 +1,395 @@
+"""Executing a plan in one process: move pieces, assemble new shards.
+
+Two executors share one plan:
+
+* ``cpu`` (fast path, CPU devices): a device buffer is host memory, so each
+  new shard is one host allocation filled by one ``memcpy`` per piece from
+  zero-copy views of the old shards, then handed to the device without a
+  further copy. No XLA program is compiled.
+* ``generic`` (any backend): each piece is sliced on its source device,
+  copied to the destination device, and the pieces are concatenated there.
+
+Both reuse an old shard's buffer untouched wherever a device keeps exactly
+the box it had, and copy a whole shard device-to-device where a box only
+changes device. Neither depends on ``jax.device_put`` between meshes (which
+can stall on simulated CPU devices with many arrays in flight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+
+from tenplex_jax.errors import LayoutError, ReshardError
+from tenplex_jax.layout import (PTC, Box, TensorLayout, _dtype_info, describe_sharding,
+                                key_path_name, placement_of, sharding_from_description)
+from tenplex_jax.planner import Plan, Template, plan
+
+__all__ = ["ReshardReport", "reshard", "reshard_with_report", "resolve_targets"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardReport:
+  """What a reshard moved and how long each phase took.
+
+  Attributes:
+    n_tensors: arrays in the state.
+    state_bytes: bytes of one copy of the state.
+    moved_bytes: bytes that arrived at a device from another device.
+    lower_bound_bytes: bytes of new shards their devices did not hold.
+    local_bytes: bytes of new shards that stayed where they were.
+    naive_bytes: bytes moved had every new shard been shipped whole.
+    reused_shards: shards whose buffer was kept as it was (no copy).
+    method: the executor used, ``cpu`` or ``generic``.
+    seconds: time per phase (``layout``, ``plan``, ``transfer``, ``total``).
+    plan: the plan that was executed.
+  """
+
+  n_tensors: int
+  state_bytes: int
+  moved_bytes: int
+  lower_bound_bytes: int
+  local_bytes: int
+  naive_bytes: int
+  reused_shards: int
+  method: str
+  seconds: Mapping[str, float]
+  plan: Plan | None = dataclasses.field(default=None, repr=False,
+                                        compare=False)
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.pop("plan")
+    d["seconds"] = dict(self.seconds)
+    return d
+
+  def __str__(self) -> str:
+    mib = 1 << 20
+    s = self.seconds
+    return (f"resharded {self.n_tensors} arrays ({self.state_bytes / mib:.1f}"
+            f" MiB): moved {self.moved_bytes / mib:.1f} MiB (lower bound"
+            f" {self.lower_bound_bytes / mib:.1f} MiB, naive"
+            f" {self.naive_bytes / mib:.1f} MiB), kept"
+            f" {self.local_bytes / mib:.1f} MiB in place,"
+            f" {self.reused_shards} shards reused; {self.method} path;"
+            f" layout {s.get('layout', 0) * 1e3:.1f} ms, plan"
+            f" {s.get('plan', 0) * 1e3:.1f} ms, transfer"
+            f" {s.get('transfer', 0) * 1e3:.1f} ms")
+
+
+def _is_sharding_leaf(x) -> bool:
+  return x is None or isinstance(x, Sharding)
+
+
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data_sharding(sharding: Sharding, ndim: int, extra: int) -> Sharding:
+  """The sharding of ``key_data(k)`` for keys ``k`` sharded by ``sharding``."""
+  if isinstance(sharding, NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec) + extra)
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec),
+                         memory_kind=sharding.memory_kind)
+  if isinstance(sharding, SingleDeviceSharding):
+    return sharding
+  raise LayoutError(f"PRNG key arrays support NamedSharding and"
+                    f" SingleDeviceSharding, not {type(sharding).__name__}")
+
+
+def resolve_targets(tree: Any, target: Any) -> tuple[list, Callable]:
+  """Pairs every leaf of ``tree`` with its target sharding.
+
+  Args:
+    tree: the state.
+    target: a pytree of shardings with the structure of ``tree`` (``None``
+      for non-array leaves), or a :class:`PTC` whose tensors are matched by
+      key path.
+
+  Returns:
+    ``(items, rebuild)``: ``items`` is a list of ``(path, leaf, sharding or
+    None)`` and ``rebuild(new_leaves)`` puts leaves back in the structure.
+
+  Raises:
+    LayoutError: the structures differ, an array has no target, a sharding
+      is given for a non-array, or (for a PTC) shapes or dtypes differ; all
+      problems are reported together, each with its leaf path.
+  """
+  problems = []
+  if isinstance(target, PTC):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    items = []
+    used = set()
+    cache: dict[str, Sharding] = {}
+    for path, leaf in flat:
+      name = key_path_name(path)
+      if not isinstance(leaf, jax.Array):
+        items.append((name, leaf, None))
+        continue
+      t = target.by_path.get(name)
+      if t is None:
+        problems.append(f"{name}: no layout for this array in the target PTC")
+        items.append((name, leaf, None))
+        continue
+      used.add(name)
+      dtype, _ = _dtype_info(leaf.dtype)
+      if tuple(leaf.shape) != t.shape or dtype != t.dtype:
+        problems.append(f"{name}: array is {dtype}{list(leaf.shape)}, target"
+                        f" layout is {t.dtype}{list(t.shape)}")
+      if t.sharding is None:
+        problems.append(f"{name}: the target layout has no sharding"
+                        " description to rebuild")
+        items.append((name, leaf, None))
+        continue
+      k = repr(sorted(t.sharding.items()))
+      if k not in cache:
+        cache[k] = sharding_from_description(t.sharding, name)
+      items.append((name, leaf, cache[k]))
+    extra = sorted(set(target.paths) - used)
+    if extra:
+      problems.append(f"target layout has tensors the state lacks: {extra}")
+    rebuild = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
+  else:
+    tflat, ttree = jax.tree_util.tree_flatten_with_path(
+        target, is_leaf=_is_sharding_leaf)
+    try:
+      subtrees = ttree.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+      raise LayoutError(f"the target's tree structure does not match the"
+                        f" state's: {e}") from e
+    items = []
+    for (path, s), leaf in zip(tflat, subtrees):
+      name = key_path_name(path)
+      is_arr = isinstance(leaf, jax.Array)
+      if s is None and is_arr:
+        problems.append(f"{name}: array {leaf.dtype}{list(leaf.shape)} has"
+                        " target None; give it a sharding")
+      elif s is not None and not is_arr:
+        problems.append(f"{name}: a sharding is given for a non-array leaf"
+                        f" of type {type(leaf).__name__}")
+      items.append((name, leaf, s))
+    rebuild = ttree.unflatten
+  if problems:
+    raise LayoutError("cannot reshard:\n  " + "\n  ".join(problems))
+  return items, rebuild
+
+
+def _rel(piece: Box, outer: Box) -> tuple[slice, ...]:
+  return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(piece, outer))
+
+
+def _assemble_generic(pieces: list[tuple[Box, jax.Array]], box: Box):
+  """Concatenates pieces (on one device) that tile ``box`` in grid order."""
+  ndim = len(box)
+  if len(pieces) == 1 or ndim == 0:
+    return pieces[0][1]
+
+  def build(items, d):
+    if d == ndim:
+      (_, arr), = items
+      return arr
+    starts = sorted({p[d][0] for p, _ in items})
+    parts = [build([it for it in items if it[0][d][0] == s], d + 1)
+             for s in starts]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=d)
+
+  return build(pieces, 0)
+
+
+def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
+             rotation: int, src_boxes, dst_layout: TensorLayout, method: str,
+             donate: bool) -> tuple[jax.Array, int]:
+  shards = {s.device.id: s for s in x.addressable_shards}
+  dst_box_of = dst_layout.placement.box_of_device
+  boxes = dst_layout.placement.boxes
+  np_dtype = x.dtype
+  views: dict[int, np.ndarray] = {}
+  out = []
+  reused: set[int] = set()
+  for dev in sharding.addressable_devices:
+    dbox = boxes[dst_box_of[dev.id]]
+    moves = template.moves_to(dev.id)
+    whole = len(moves) == 1 and src_boxes[moves[0].src_box] == dbox
+    if whole:
+      src = moves[0].source(rotation)
+      data = shards[src].data
+      if src == dev.id:
+        out.append(data)
+        reused.add(src)
+      else:
+        out.append(jax.device_put(data, dev))
+      continue
+    if method == "cpu":
+      buf = np.empty(tuple(b - a for a, b in dbox), dtype=np_dtype)
+      for m in moves:
+        src = m.source(rotation)
+        if src not in views:
+          views[src] = np.asarray(shards[src].data)
+        buf[_rel(m.box, dbox)] = views[src][_rel(m.box, src_boxes[m.src_box])]
+      out.append(jax.device_put(buf, dev, may_alias=True))
+      del buf
+    else:
+      pieces = []
+      for m in moves:
+        src = m.source(rotation)
+        piece = shards[src].data[_rel(m.box, src_boxes[m.src_box])]
+        pieces.append((m.box, jax.device_put(piece, dev)))
+      out.append(_assemble_generic(pieces, dbox))
+  del views
+  new = jax.make_array_from_single_device_arrays(x.shape, sharding, out)
+  if donate:
+    if reused:
+      for d, s in shards.items():
+        if d not in reused:
+          s.data.delete()
+    else:
+      x.delete()
+  return new, len(reused)
+
+
+def _check_sources(path: str, x: jax.Array, template: Template,
+                   sharding: Sharding, rotation: int) -> None:
+  have = {s.device.id for s in x.addressable_shards}
+  for dev in sharding.addressable_devices:
+    for m in template.moves_to(dev.id):
+      if m.source(rotation) not in have:
+        # Prefer any addressable replica before giving up.
+        raise ReshardError(
+            f"{path}: device {dev.id} needs piece {list(m.box)} held only on"
+            f" devices {list(m.sources)}, none addressable from process"
+            f" {jax.process_index()}; moving data across processes needs"
+            " tenplex_jax.store (save, then restore in the new job)")
+
+
+def reshard_with_report(tree: Any, target: Any, *, donate: bool = False,
+                        method: str = "auto") -> tuple[Any, ReshardReport]:
+  """Like :func:`reshard`, and also returns a :class:`ReshardReport`."""
+  t0 = time.perf_counter()
+  items, rebuild = resolve_targets(tree, target)
+  # Physical view: PRNG keys travel as their uint32 key data.
+  phys = []
+  for name, leaf, s in items:
+    if s is None:
+      phys.append((name, leaf, None, None))
+      continue
+    if _is_key(leaf):
+      extra = jax.random.key_data(leaf).ndim - leaf.ndim
+      s_data = _key_data_sharding(s, leaf.ndim, extra)
+      phys.append((name, jax.random.key_data(leaf), s_data,
+                   jax.random.key_impl(leaf)))
+    else:
+      phys.append((name, leaf, s, None))
+  src_sds, dst_sds = {}, {}
+  for name, leaf, s, _ in phys:
+    if s is not None:
+      src_sds[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                           sharding=leaf.sharding)
+      placement_of(s, leaf.shape, name)  # raises LayoutError naming the leaf
+      dst_sds[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+  src_ptc = PTC.from_tree(src_sds)
+  dst_ptc = PTC.from_tree(dst_sds)
+  t1 = time.perf_counter()
+  the_plan = plan(src_ptc, dst_ptc)
+  t2 = time.perf_counter()
+  if method == "auto":
+    platforms = {d.platform for _, leaf, s, _ in phys if s is not None
+                 for d in (*leaf.sharding.device_set, *s.device_set)}
+    method = "cpu" if platforms <= {"cpu"} else "generic"
+  if method not in ("cpu", "generic"):
+    raise ValueError(f"method must be 'auto', 'cpu' or 'generic', not"
+                     f" {method!r}")
+  for name, leaf, s, _ in phys:
+    if s is not None:
+      tpl, rot = the_plan.template(name)
+      _check_sources(name, leaf, tpl, s, rot)
+  new_leaves = []
+  reused = 0
+  done: dict[int, Any] = {}
+  for (name, orig, _), (_, leaf, s, impl) in zip(items, phys):
+    if s is None:
+      new_leaves.append(orig)
+      continue
+    if id(orig) in done:  # the same array twice in the tree
+      new_leaves.append(done[id(orig)])
+      continue
+    tpl, rot = the_plan.template(name)
+    try:
+      new, n_reused = _execute(name, leaf, s, tpl, rot,
+                               src_ptc[name].placement.boxes, dst_ptc[name],
+                               method, donate and impl is None)
+    except Exception as e:
+      raise ReshardError(f"{name}: resharding failed: {e}") from e
+    if impl is not None:
+      new = jax.random.wrap_key_data(new, impl=impl)
+      if donate:
+        orig.delete()
+    reused += n_reused
+    done[id(orig)] = new
+    new_leaves.append(new)
+  t3 = time.perf_counter()
+  report = ReshardReport(
+      n_tensors=len(src_ptc), state_bytes=src_ptc.nbytes,
+      moved_bytes=the_plan.moved_bytes,
+      lower_bound_bytes=the_plan.lower_bound_bytes,
+      local_bytes=the_plan.local_bytes, naive_bytes=the_plan.naive_bytes,
+      reused_shards=reused, method=method,
+      seconds={"layout": t1 - t0, "plan": t2 - t1, "transfer": t3 - t2,
+               "total": t3 - t0},
+      plan=the_plan)
+  return rebuild(new_leaves), report
+
+
+def reshard(tree: Any, target: Any, *, donate: bool = False,
+            method: str = "auto") -> Any:
+  """Moves every array of ``tree`` onto its target sharding.
+
+  Values are bitwise equal and each new array's sharding is the target. Only
+  pieces a device does not already hold move; a shard whose device keeps its
+  box is reused without a copy. Every dtype works, ``bfloat16``, float8,
+  ``int4``, ``bool``, 0-d and zero-size arrays and typed PRNG key arrays
+  (``jax.random.key``) included.
+
+  Args:
+    tree: any pytree; its ``jax.Array`` leaves are resharded, other leaves
+      pass through.
+    target: a pytree of shardings with the structure of ``tree`` (``None``
+      at non-array leaves), or a :class:`PTC` (arrays matched by key path;
+      its tensors must carry sharding descriptions, as ``PTC.from_tree``
+      records).
+    donate: free each source array once its new version is built, so peak
+      memory stays near one copy of the state plus one array. A failure
+      then leaves the arrays already converted freed in the source tree;
+      without ``donate`` a failure never touches the source.
+    method: ``"auto"`` (the CPU fast path when every device is a CPU, else
+      generic), ``"cpu"`` or ``"generic"``.
+
+  Returns:
+    The tree with the same structure, every array on its target sharding.
+
+  Raises:
+    LayoutError: the target does not match the tree (structure, shapes,
+      dtypes, shardings that do not fit); nothing has moved yet.
+    ReshardError: a piece is not addressable from this process, or a device
+      transfer failed; the source state is intact unless ``donate``.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> devs = np.array(jax.devices()[:4])
+    >>> a = Mesh(devs.reshape(2, 2), ("data", "tensor"))
+    >>> b = Mesh(devs.reshape(1, 4), ("data", "tensor"))
+    >>> x = jax.device_put(np.arange(32.0).reshape(4, 8),
+    ...                    NamedSharding(a, P(None, "tensor")))
+    >>> y = reshard({"w": x}, {"w": NamedSharding(b, P(None, "tensor"))})["w"]
+    >>> bool((np.asarray(y) == np.asarray(x)).all()), y.sharding.spec
+    (True, PartitionSpec(None, 'tensor'))
+  """
+  return reshard_with_report(tree, target, donate=donate, method=method)[0]
