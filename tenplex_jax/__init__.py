@@ -6,14 +6,33 @@ movement between two layouts, and execute it in one process, across a
 restart through per-host tensor stores, or on a Flax train state.
 """
 
-from tenplex_jax.errors import LayoutError, PlanError, ReshardError, TenplexError
+from tenplex_jax.errors import (LayoutError, PlanError, ReplicationWarning,
+                                ReshardError, TenplexError)
+from tenplex_jax.layout import PTC, Placement, TensorLayout, key_path_name, named_layout
+from tenplex_jax.planner import Plan, Transfer, plan
+from tenplex_jax.remesh import RemeshReport, remesh
+from tenplex_jax.reshard import ReshardReport, reshard, reshard_with_report
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LayoutError",
+    "PTC",
+    "Placement",
+    "Plan",
     "PlanError",
+    "RemeshReport",
+    "ReplicationWarning",
     "ReshardError",
+    "ReshardReport",
+    "TensorLayout",
     "TenplexError",
+    "Transfer",
     "__version__",
+    "key_path_name",
+    "named_layout",
+    "plan",
+    "remesh",
+    "reshard",
+    "reshard_with_report",
 ]

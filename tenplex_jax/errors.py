@@ -19,3 +19,7 @@ class PlanError(TenplexError, ValueError):
 
 class ReshardError(TenplexError, RuntimeError):
   """Executing a plan on devices failed; the source state is left intact."""
+
+
+class ReplicationWarning(UserWarning):
+  """A dimension the new mesh cannot divide falls back to replication."""

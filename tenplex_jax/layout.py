@@ -109,6 +109,11 @@ def key_path_name(path: Sequence[Any]) -> str:
       parts.append(str(k.key))
     else:  # pragma: no cover - future key types
       parts.append(str(k))
+  # Flax boxes (nn.LogicallyPartitioned, nnx.Variable) hold their array in a
+  # ``value`` attribute: ``params/Dense_0/kernel`` names the parameter.
+  if len(parts) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) \
+      and path[-1].name == "value":
+    parts.pop()
   return "/".join(parts) if parts else "."
 
 

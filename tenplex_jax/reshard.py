@@ -274,6 +274,17 @@ def reshard_with_report(tree: Any, target: Any, *, donate: bool = False,
   """Like :func:`reshard`, and also returns a :class:`ReshardReport`."""
   t0 = time.perf_counter()
   items, rebuild = resolve_targets(tree, target)
+  return reshard_items(items, rebuild, donate=donate, method=method, t0=t0)
+
+
+def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
+                  method: str = "auto", t0: float | None = None
+                  ) -> tuple[Any, ReshardReport]:
+  """Reshards ``(path, leaf, sharding or None)`` items; see :func:`reshard`.
+
+  ``rebuild(new_leaves)`` restores the caller's structure.
+  """
+  t0 = time.perf_counter() if t0 is None else t0
   # Physical view: PRNG keys travel as their uint32 key data.
   phys = []
   for name, leaf, s in items:
