@@ -543,16 +543,15 @@ def named_layout(
     chunk_idx.append(lin)
   parts = [math.prod(sizes[i] for i in idx) for idx in dim_axes]
   flat_ids = grid.reshape(-1)
-  by_box: dict[tuple[int, ...], list[int]] = {}
+  by_box: dict[Box, list[int]] = {}
   key = np.stack(chunk_idx, axis=1) if chunk_idx else np.zeros((n_dev, 0),
                                                               np.int64)
   for k, dev in zip(map(tuple, key.tolist()), flat_ids.tolist()):
-    by_box.setdefault(k, []).append(int(dev))
+    box = tuple((c * (n // p), (c + 1) * (n // p))
+                for c, n, p in zip(k, shape, parts))
+    by_box.setdefault(box, []).append(int(dev))
   items = sorted(by_box.items())
-  boxes = []
-  for k, _ in items:
-    boxes.append(tuple((c * (n // p), (c + 1) * (n // p))
-                       for c, n, p in zip(k, shape, parts)))
+  boxes = [b for b, _ in items]
   placement = Placement(tuple(boxes), tuple(tuple(sorted(h)) for _, h in items))
   name, itemsize = _dtype_info(dtype)
   return TensorLayout(path, shape, name, itemsize, placement, None)

@@ -354,12 +354,20 @@ class Plan:
     })
 
 
-def _fmt(n: int) -> str:
+def fmt_bytes(n: float) -> str:
+  """``1536`` -> ``'1.50 KiB'``.
+
+  >>> fmt_bytes(1536)
+  '1.50 KiB'
+  """
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if abs(n) < 1024 or unit == "TiB":
       return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
     n /= 1024
   return str(n)
+
+
+_fmt = fmt_bytes
 
 
 def check_compatible(src: PTC, dst: PTC) -> None:
@@ -412,8 +420,8 @@ def plan(src: PTC, dst: PTC) -> Plan:
     >>> p = plan(a, b)
     >>> p.moved_bytes == p.lower_bound_bytes
     True
-    >>> p.moved_bytes
-    96
+    >>> p.moved_bytes  # devices 1 and 2 each fetch an 8 x 2 float32 piece
+    128
   """
   check_compatible(src, dst)
   process_of = {**src.process_of, **dst.process_of}

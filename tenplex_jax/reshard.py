@@ -18,7 +18,6 @@ can stall on simulated CPU devices with many arrays in flight).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,9 +28,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from tenplex_jax.errors import LayoutError, ReshardError
-from tenplex_jax.layout import (PTC, Box, TensorLayout, _dtype_info, describe_sharding,
-                                key_path_name, placement_of, sharding_from_description)
-from tenplex_jax.planner import Plan, Template, plan
+from tenplex_jax.layout import (PTC, Box, TensorLayout, _dtype_info, key_path_name,
+                                placement_of, sharding_from_description)
+from tenplex_jax.planner import Plan, Template, fmt_bytes, plan
 
 __all__ = ["ReshardReport", "reshard", "reshard_with_report", "resolve_targets"]
 
@@ -72,13 +71,12 @@ class ReshardReport:
     return d
 
   def __str__(self) -> str:
-    mib = 1 << 20
+    f = fmt_bytes
     s = self.seconds
-    return (f"resharded {self.n_tensors} arrays ({self.state_bytes / mib:.1f}"
-            f" MiB): moved {self.moved_bytes / mib:.1f} MiB (lower bound"
-            f" {self.lower_bound_bytes / mib:.1f} MiB, naive"
-            f" {self.naive_bytes / mib:.1f} MiB), kept"
-            f" {self.local_bytes / mib:.1f} MiB in place,"
+    return (f"resharded {self.n_tensors} arrays ({f(self.state_bytes)}):"
+            f" moved {f(self.moved_bytes)} (lower bound"
+            f" {f(self.lower_bound_bytes)}, naive {f(self.naive_bytes)}),"
+            f" kept {f(self.local_bytes)} in place,"
             f" {self.reused_shards} shards reused; {self.method} path;"
             f" layout {s.get('layout', 0) * 1e3:.1f} ms, plan"
             f" {s.get('plan', 0) * 1e3:.1f} ms, transfer"

@@ -1,0 +1,268 @@
+"""reshard on 8 simulated CPU devices: values bitwise, shardings as targeted."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import tenplex_jax as tj
+from tenplex_jax import LayoutError, PTC, ReshardError, reshard, reshard_with_report
+from tenplex_jax.layout import placement_of
+
+DEVS = jax.devices()
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn,
+          jnp.float8_e5m2, jnp.int8, jnp.int32, jnp.uint8, jnp.bool_,
+          jnp.complex64, jnp.int4]
+
+
+def bits(x):
+  """A bitwise view of an array (or typed key array) as host bytes."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  a = np.asarray(x)
+  if a.dtype == jnp.int4:
+    return a.astype(np.int8).tobytes()
+  return a.reshape(-1).view(np.uint8).tobytes()
+
+
+def make(shape, dtype, sharding, seed=0):
+  rng = np.random.default_rng(seed)
+  if dtype == jnp.bool_:
+    host = rng.integers(0, 2, shape).astype(bool)
+  elif dtype == jnp.int4:
+    host = rng.integers(-8, 8, shape).astype(jnp.int4)
+  elif jnp.issubdtype(dtype, jnp.complexfloating):
+    host = (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(dtype)
+  else:
+    host = rng.normal(size=shape).astype(np.float32).astype(dtype) if \
+        jnp.issubdtype(dtype, jnp.floating) else \
+        rng.integers(0, 100, shape).astype(dtype)
+  return jax.device_put(host, sharding)
+
+
+@st.composite
+def mesh_strategy(draw):
+  n = draw(st.sampled_from([1, 2, 4, 8]))
+  ids = draw(st.permutations(range(8)))[:n]
+  factor = draw(st.sampled_from([f for f in (1, 2, 4, 8) if n % f == 0]))
+  shape = (factor, n // factor)
+  names = ("x", "y")
+  return Mesh(np.array([DEVS[i] for i in ids]).reshape(shape), names)
+
+
+@st.composite
+def sharding_strategy(draw, ndim):
+  if draw(st.integers(0, 9)) == 0:
+    return SingleDeviceSharding(DEVS[draw(st.integers(0, 7))])
+  mesh = draw(mesh_strategy())
+  names = ["x", "y"]
+  spec = []
+  for _ in range(ndim):
+    k = draw(st.integers(0, 3))
+    if k == 0 or not names:
+      spec.append(None)
+    elif k == 3 and len(names) == 2:
+      spec.append(tuple(draw(st.permutations(names))))
+      names = []
+    else:
+      spec.append(names.pop(draw(st.integers(0, len(names) - 1))))
+  return NamedSharding(mesh, P(*spec))
+
+
+def parts(s, ndim):
+  if not isinstance(s, NamedSharding):
+    return [1] * ndim
+  out = []
+  for d in range(ndim):
+    e = s.spec[d] if d < len(s.spec) else None
+    axes = () if e is None else ((e,) if isinstance(e, str) else e)
+    out.append(math.prod(s.mesh.shape[a] for a in axes))
+  return out
+
+
+@st.composite
+def case(draw):
+  ndim = draw(st.integers(0, 3))
+  a = draw(sharding_strategy(ndim))
+  b = draw(sharding_strategy(ndim))
+  pa, pb = parts(a, ndim), parts(b, ndim)
+  shape = tuple(math.lcm(x, y) * draw(st.sampled_from([0, 1, 2, 3]))
+                for x, y in zip(pa, pb))
+  if draw(st.integers(0, 3)):  # mostly non-empty
+    shape = tuple(max(n, math.lcm(x, y)) for n, x, y in zip(shape, pa, pb))
+  dtype = draw(st.sampled_from(DTYPES))
+  method = draw(st.sampled_from(["cpu", "generic"]))
+  return shape, dtype, a, b, method
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case())
+def test_random_reshard_is_bitwise_and_on_target(c):
+  shape, dtype, a, b, method = c
+  x = make(shape, dtype, a)
+  before = bits(x)
+  y, report = reshard_with_report({"x": x}, {"x": b}, method=method)
+  y = y["x"]
+  assert bits(y) == before
+  assert bits(x) == before  # source untouched
+  assert y.sharding.is_equivalent_to(b, len(shape))
+  assert y.dtype == x.dtype and y.shape == x.shape
+  assert report.moved_bytes == report.lower_bound_bytes
+  # Round trip is the identity.
+  z = reshard(y, a, method=method)
+  assert bits(z) == before and z.sharding.is_equivalent_to(a, len(shape))
+
+
+def test_layouts_match_jax_for_zero_size_dims():
+  mesh = Mesh(np.array(DEVS[:4]).reshape(2, 2), ("x", "y"))
+  s = NamedSharding(mesh, P("x", "y"))
+  from tenplex_jax.layout import named_layout
+  t = named_layout("t", (0, 4), "float32", mesh_shape={"x": 2, "y": 2},
+                   spec=("x", "y"), device_ids=[d.id for d in DEVS[:4]])
+  assert t.placement == placement_of(s, (0, 4))
+
+
+def mesh24():
+  return Mesh(np.array(DEVS).reshape(2, 4), ("data", "tensor"))
+
+
+def test_every_dtype_and_keys_and_scalars():
+  m1 = mesh24()
+  m2 = Mesh(np.array(DEVS[::-1][:4]).reshape(4, 1), ("data", "tensor"))
+  tree = {f"d{i}": make((8, 4), dt, NamedSharding(m1, P("data", "tensor")))
+          for i, dt in enumerate(DTYPES)}
+  tree["scalar"] = jax.device_put(jnp.float32(3.0), NamedSharding(m1, P()))
+  tree["empty"] = jax.device_put(jnp.zeros((0, 4)),
+                                 NamedSharding(m1, P(None, "tensor")))
+  tree["keys"] = jax.device_put(jax.random.split(jax.random.key(1), 8),
+                                NamedSharding(m1, P("data")))
+  tree["key"] = jax.random.key(3)
+  tree["step"] = 7
+  tree["name"] = "not an array"
+  target = {k: (None if not isinstance(v, jax.Array) else
+                NamedSharding(m2, P("data")) if v.ndim else
+                NamedSharding(m2, P())) for k, v in tree.items()}
+  for method in ("cpu", "generic"):
+    new = reshard(tree, target, method=method)
+    for k, v in tree.items():
+      if not isinstance(v, jax.Array):
+        assert new[k] is v
+        continue
+      assert bits(new[k]) == bits(v), k
+      assert new[k].dtype == v.dtype, k
+      assert new[k].sharding.is_equivalent_to(target[k], v.ndim), k
+
+
+def test_ptc_target_round_trips_through_json():
+  m1, m2 = mesh24(), Mesh(np.array(DEVS[2:6]).reshape(2, 2), ("a", "b"))
+  x = make((8, 8), jnp.float32, NamedSharding(m1, P("data", "tensor")))
+  target = {"x": jax.ShapeDtypeStruct((8, 8), jnp.float32,
+                                      sharding=NamedSharding(m2, P("b", "a")))}
+  ptc = PTC.from_json(PTC.from_tree(target).to_json())
+  y = reshard({"x": x}, ptc)["x"]
+  assert bits(y) == bits(x)
+  assert y.sharding.is_equivalent_to(target["x"].sharding, 2)
+
+
+def test_unchanged_shards_are_reused_without_copy():
+  m = mesh24()
+  x = make((8, 8), jnp.float32, NamedSharding(m, P("data", "tensor")))
+  # Same boxes on the same devices, different mesh object.
+  m_same = Mesh(np.array(DEVS).reshape(2, 4), ("d", "t"))
+  y, rep = reshard_with_report(x, NamedSharding(m_same, P("d", "t")))
+  assert rep.moved_bytes == 0 and rep.reused_shards == 8
+  ptr = {s.device.id: s.data.unsafe_buffer_pointer() for s in
+         x.addressable_shards}
+  for s in y.addressable_shards:
+    assert s.data.unsafe_buffer_pointer() == ptr[s.device.id]
+
+
+def test_donate_frees_source_and_keeps_values():
+  m = mesh24()
+  x = make((16, 8), jnp.float32, NamedSharding(m, P("data", "tensor")))
+  ref = bits(x)
+  y = reshard({"x": x}, {"x": NamedSharding(m, P("data", None))},
+              donate=True)["x"]
+  assert x.is_deleted()
+  assert bits(y) == ref
+  # Partly reused buffers survive donation.
+  x2 = make((16, 8), jnp.float32, NamedSharding(m, P("data", "tensor")))
+  ref2 = bits(x2)
+  m_half = Mesh(np.array(DEVS[:4]).reshape(1, 4), ("data", "tensor"))
+  y2 = reshard(x2, NamedSharding(m_half, P("data", "tensor")), donate=True)
+  assert bits(y2) == ref2
+
+
+def test_structure_mismatch_names_the_leaf():
+  m = mesh24()
+  x = make((8, 8), jnp.float32, NamedSharding(m, P("data")))
+  with pytest.raises(LayoutError, match="structure"):
+    reshard({"a": x}, {"b": NamedSharding(m, P())})
+  with pytest.raises(LayoutError, match="a/w: array float32\\[8, 8\\] has"
+                     " target None"):
+    reshard({"a": {"w": x}}, {"a": {"w": None}})
+
+
+def test_indivisible_target_names_leaf_and_numbers():
+  m = mesh24()
+  x = make((6, 8), jnp.float32, NamedSharding(m, P(None, "tensor")))
+  with pytest.raises(LayoutError) as e:
+    reshard({"layer": {"w": x}}, {"layer": {"w": NamedSharding(m, P("tensor"))}})
+  msg = str(e.value)
+  assert "layer/w" in msg and "6" in msg and "4" in msg
+
+
+def test_ptc_target_errors_name_leaf_and_numbers():
+  m = mesh24()
+  x = make((8, 8), jnp.float32, NamedSharding(m, P("data")))
+  other = {"x": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16,
+                                     sharding=NamedSharding(m, P()))}
+  with pytest.raises(LayoutError, match=r"x: array is float32\[8, 8\], target"
+                     r" layout is bfloat16\[8, 4\]"):
+    reshard({"x": x}, PTC.from_tree(other))
+  # A layout naming a device that does not exist.
+  good = PTC.from_tree({"x": jax.ShapeDtypeStruct(
+      (8, 8), jnp.float32, sharding=SingleDeviceSharding(DEVS[1]))})
+  bad = PTC.from_json(good.to_json().replace('"device": 1', '"device": 99'))
+  with pytest.raises(LayoutError, match="x: layout names device 99"):
+    reshard({"x": x}, bad)
+
+
+def test_axis_not_in_mesh_is_an_error():
+  from tenplex_jax.layout import named_layout
+  with pytest.raises(LayoutError, match="axis 'expert'"):
+    named_layout("moe/w", (8,), "float32", mesh_shape={"data": 2},
+                 spec=("expert",))
+
+
+def test_failure_midway_leaves_source_intact(monkeypatch):
+  m = mesh24()
+  m2 = Mesh(np.array(DEVS[4:]).reshape(2, 2), ("data", "tensor"))
+  tree = {f"w{i}": make((8, 8), jnp.float32,
+                        NamedSharding(m, P("data", "tensor")), seed=i)
+          for i in range(4)}
+  ref = {k: bits(v) for k, v in tree.items()}
+  real = jax.make_array_from_single_device_arrays
+  calls = {"n": 0}
+
+  def flaky(*a, **k):
+    calls["n"] += 1
+    if calls["n"] == 3:
+      raise RuntimeError("injected transfer failure")
+    return real(*a, **k)
+
+  monkeypatch.setattr(jax, "make_array_from_single_device_arrays", flaky)
+  with pytest.raises(ReshardError, match="w2: resharding failed: injected"):
+    reshard(tree, {k: NamedSharding(m2, P("tensor")) for k in tree})
+  for k, v in tree.items():
+    assert not v.is_deleted() and bits(v) == ref[k]
+
+
+def test_public_names_resolve():
+  for name in tj.__all__:
+    assert getattr(tj, name) is not None
