@@ -244,7 +244,7 @@ def remesh(state: Any, mesh: Mesh | None = None, *, rules=None,
     >>> w = jax.device_put(np.ones((8, 4), np.float32),
     ...                    NamedSharding(old, P(None, "tensor")))
     >>> state, report = remesh({"w": w, "step": 3}, new)
-    >>> state["w"].sharding.mesh.shape
+    >>> dict(state["w"].sharding.mesh.shape)
     {'data': 1, 'tensor': 2}
   """
   t0 = time.perf_counter()

@@ -399,6 +399,6 @@ def reshard(tree: Any, target: Any, *, donate: bool = False,
     ...                    NamedSharding(a, P(None, "tensor")))
     >>> y = reshard({"w": x}, {"w": NamedSharding(b, P(None, "tensor"))})["w"]
     >>> bool((np.asarray(y) == np.asarray(x)).all()), y.sharding.spec
-    (True, PartitionSpec(None, 'tensor'))
+    (True, P(None, 'tensor'))
   """
   return reshard_with_report(tree, target, donate=donate, method=method)[0]
