@@ -19,3 +19,7 @@ class PlanError(TenplexError, ValueError):
 
 class ReshardError(TenplexError, RuntimeError):
   """Executing a plan on devices failed; the source state is left intact."""
+
+
+class DataError(TenplexError, ValueError):
+  """A dataset, its index or an iterator state is malformed or does not match."""
