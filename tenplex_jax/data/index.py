@@ -54,6 +54,10 @@ class FileEntry:
     size: the file size in bytes when indexed.
     dtype: the row dtype as ``numpy.lib.format.dtype_to_descr`` (None for records).
     row_shape: the shape of one sample (row), ``()`` for records.
+
+  Example:
+    >>> FileEntry(path="/d/b.npz", member="x", kind="npz", size=1, dtype="<f4").name
+    'b.npz::x'
   """
   path: str
   member: str | None
@@ -87,6 +91,14 @@ class DatasetIndex:
     entries: ``(file_id, offset, length)`` per sample, int64 (maybe a memmap).
     fingerprint: sha256 hex of the file table and the entries
       (:func:`index_fingerprint`).
+
+  Example:
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> np.save(os.path.join(d, "a.npy"), np.zeros((3, 2), np.float32))
+    >>> idx = build_index([os.path.join(d, "a.npy")])
+    >>> len(idx), idx.entries.dtype, idx.files[0].row_shape
+    (3, dtype('int64'), (2,))
   """
   files: tuple[FileEntry, ...]
   entries: np.ndarray
