@@ -30,3 +30,17 @@ def test_elastic_resume_follows_static_curve_naive_diverges(tmp_path):
   assert not np.allclose(c["naive"][r:], c["static"][r:])
   ex.plot(result, str(tmp_path / "curve.png"))
   assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_benchmark_runs_and_writes_json(tmp_path):
+  import json
+  import subprocess
+  bench = _PATH.parents[1] / "benchmarks" / "bench_data.py"
+  out = tmp_path / "bench.json"
+  proc = subprocess.run([sys.executable, str(bench), "--out", str(out), "--samples", "300",
+                         "--batch", "32", "--repeats", "1", "--compute-ms", "0.5",
+                         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  results = json.loads(out.read_text())["results"]
+  assert "memmap loop (baseline)" in results and "ElasticIterator(reader, prefetch=4)" in results
+  assert all(v["samples_per_s"] > 0 for v in results.values())

@@ -397,6 +397,10 @@ class DatasetReader:
     self.decode_record = decode_record
     self._dtypes = [None if f.dtype is None else np.lib.format.descr_to_dtype(f.dtype)
                     for f in index.files]
+    # A plain ndarray view of the (maybe memory-mapped) entries: no copy, and
+    # row lookups skip np.memmap's per-slice overhead.
+    self._entries = np.asarray(index.entries)
+    self._row_shapes = [f.row_shape for f in index.files]
     self._fds: dict[int, int] = {}
     self._lock = threading.Lock()
     self.stats = {"local": 0, "fallback": [0] * len(self.fallbacks), "missing_local": 0}
@@ -447,7 +451,10 @@ class DatasetReader:
       b'\\x03'
     """
     i = self._check_id(i)
-    file_id, offset, length = (int(x) for x in self.index.entries[i])
+    return self._read(i)[1]
+
+  def _read(self, i: int) -> tuple[int, bytes]:
+    file_id, offset, length = self._entries[i].tolist()
     fd = self._fd(file_id)
     chunks = []
     got = 0
@@ -459,15 +466,26 @@ class DatasetReader:
             f"[{offset}, {offset + length}) but the file ends before byte {offset + got + 1}")
       chunks.append(chunk)
       got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return file_id, (chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
   def decode(self, i: int, data: bytes) -> Any:
-    """Decodes sample ``i``'s bytes (a row array, a dict of fields, or a record)."""
-    file_id = int(self.index.entries[i, 0])
+    """Decodes sample ``i``'s bytes (a row array, a dict of fields, or a record).
+
+    Example:
+      >>> import tempfile, os
+      >>> d = tempfile.mkdtemp()
+      >>> np.save(os.path.join(d, "a.npy"), np.arange(4, dtype=np.uint8).reshape(2, 2))
+      >>> r = DatasetReader(build_index([os.path.join(d, "a.npy")]))
+      >>> r.decode(1, b"\\x07\\x08").tolist()
+      [7, 8]
+    """
+    return self._decode(int(self._entries[i, 0]), data)
+
+  def _decode(self, file_id: int, data: bytes) -> Any:
     dtype = self._dtypes[file_id]
     if dtype is None:
       return data if self.decode_record is None else self.decode_record(data)
-    row = np.frombuffer(data, dtype=dtype).reshape(self.index.files[file_id].row_shape)
+    row = np.frombuffer(data, dtype=dtype).reshape(self._row_shapes[file_id])
     if dtype.names:
       return {name: np.array(row[name]) for name in dtype.names}
     return row.copy()
@@ -475,7 +493,7 @@ class DatasetReader:
   def __getitem__(self, i: int) -> Any:
     i = self._check_id(i)
     try:
-      data = self.read_bytes(i)
+      file_id, data = self._read(i)
     except OSError as local_error:
       with self._lock:
         self.stats["missing_local"] += 1
@@ -493,7 +511,7 @@ class DatasetReader:
           from local_error
     with self._lock:
       self.stats["local"] += 1
-    return self.decode(i, data)
+    return self._decode(file_id, data)
 
   def close(self) -> None:
     """Closes the cached file descriptors."""
