@@ -169,6 +169,21 @@ def test_prefetch_thread_stops_on_close_and_with_block():
   assert time.perf_counter() - t0 < 2.0 and not slow.prefetch_alive
 
 
+def test_dropped_iterators_stop_their_threads():
+  import gc
+  its = [ElasticIterator(list(range(100)), global_batch_size=4, seed=0, prefetch=2)
+         for _ in range(5)]
+  threads = []
+  for it in its:
+    next(it)
+    threads.append(it._thread)
+  del its, it
+  gc.collect()
+  for t in threads:
+    t.join(timeout=2.0)
+  assert not any(t.is_alive() for t in threads)
+
+
 def test_reader_errors_propagate_and_iteration_can_retry():
   src = CountingSource(12, fail_at=None)
   it = ElasticIterator(src, global_batch_size=4, seed=0, shuffle=False, prefetch=2)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -258,7 +259,11 @@ class ElasticIterator:
 
   # -- prefetch thread -------------------------------------------------------
 
-  def _produce(self, start: tuple[int, int], q: queue.Queue, stop: threading.Event) -> None:
+  @staticmethod
+  def _produce(ref: weakref.ref, start: tuple[int, int], q: queue.Queue,
+               stop: threading.Event) -> None:
+    # Holds the iterator only through a weak reference between batches, so an
+    # iterator dropped without close() is collected and its thread stops.
 
     def put(item: Any) -> bool:
       while not stop.is_set():
@@ -269,18 +274,22 @@ class ElasticIterator:
           continue
       return False
 
-    try:
-      pos = start
-      while not self._finished(pos):
-        if stop.is_set():
-          return
-        item = (pos, self._make_batch(*pos))
-        if not put(item):
-          return
-        pos = self._advance(pos)
-      put(_END)
-    except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-      put(_Raised(exc))
+    pos = start
+    while not stop.is_set():
+      it = ref()
+      if it is None:
+        return
+      try:
+        if it._finished(pos):
+          item = _END
+        else:
+          item = (pos, it._make_batch(*pos))
+          pos = it._advance(pos)
+      except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        item = _Raised(exc)
+      del it
+      if not put(item) or item is _END or isinstance(item, _Raised):
+        return
 
   def _start(self) -> None:
     if self.read_threads > 1 and self._pool is None:
@@ -291,7 +300,8 @@ class ElasticIterator:
     self._queue = queue.Queue(maxsize=self.prefetch)
     self._stop = threading.Event()
     self._thread = threading.Thread(
-        target=self._produce, args=(self._yielded, self._queue, self._stop),
+        target=ElasticIterator._produce,
+        args=(weakref.ref(self), self._yielded, self._queue, self._stop),
         name=f"tenplex-data-prefetch-{self.shard_index}", daemon=True)
     self._thread.start()
 
