@@ -6,11 +6,12 @@ movement between two layouts, and execute it in one process, across a
 restart through per-host tensor stores, or on a Flax train state.
 """
 
-from tenplex_jax.errors import LayoutError, PlanError, ReshardError, TenplexError
+from tenplex_jax.errors import DataError, LayoutError, PlanError, ReshardError, TenplexError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataError",
     "LayoutError",
     "PlanError",
     "ReshardError",
