@@ -6,7 +6,8 @@ movement between two layouts, and execute it in one process, across a
 restart through per-host tensor stores, or on a Flax train state.
 """
 
-from tenplex_jax.errors import (LayoutError, PlanError, ReplicationWarning,
+from tenplex_jax import data
+from tenplex_jax.errors import (DataError, LayoutError, PlanError, ReplicationWarning,
                                 ReshardError, TenplexError)
 from tenplex_jax.layout import PTC, Placement, TensorLayout, key_path_name, named_layout
 from tenplex_jax.planner import Plan, Transfer, plan
@@ -16,6 +17,7 @@ from tenplex_jax.reshard import ReshardReport, reshard, reshard_with_report
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataError",
     "LayoutError",
     "PTC",
     "Placement",
@@ -29,6 +31,7 @@ __all__ = [
     "TenplexError",
     "Transfer",
     "__version__",
+    "data",
     "key_path_name",
     "named_layout",
     "plan",

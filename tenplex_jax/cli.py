@@ -13,6 +13,7 @@ import sys
 # Modules that define ``register(subparsers)``; each adds its verbs.
 _VERBS: tuple[str, ...] = (
     "tenplex_jax._cli_core",
+    "tenplex_jax.data.cli",
 )
 
 

@@ -23,3 +23,6 @@ class ReshardError(TenplexError, RuntimeError):
 
 class ReplicationWarning(UserWarning):
   """A dimension the new mesh cannot divide falls back to replication."""
+
+class DataError(TenplexError, ValueError):
+  """A dataset, its index or an iterator state is malformed or does not match."""

@@ -1,0 +1,57 @@
+"""Elastic dataset state: an order independent of the device count, exactly-once samples.
+
+* :mod:`~tenplex_jax.data.order`: the epoch order and the split of a global batch;
+* :mod:`~tenplex_jax.data.index`: the byte-range dataset index and its reader;
+* :mod:`~tenplex_jax.data.records`: a length-prefixed record format;
+* :mod:`~tenplex_jax.data.iterator`: :class:`ElasticIterator`;
+* :mod:`~tenplex_jax.data.rng`: per-sample PRNG keys.
+"""
+
+from tenplex_jax.data.index import (
+    DatasetIndex,
+    DatasetReader,
+    FileEntry,
+    build_index,
+    index_fingerprint,
+    load_index,
+    save_index,
+)
+from tenplex_jax.data.iterator import ElasticIterator
+from tenplex_jax.data.order import (
+    PAD_ID,
+    epoch_permutation,
+    epoch_seed_sequence,
+    global_batch_ids,
+    shard_batch_ids,
+    shard_bounds,
+    steps_per_epoch,
+)
+from tenplex_jax.data.records import RECORD_MAGIC, read_records, scan_records, write_records
+from tenplex_jax.data.rng import sample_key, sample_key_data, sample_keys
+from tenplex_jax.errors import DataError
+
+__all__ = [
+    "PAD_ID",
+    "RECORD_MAGIC",
+    "DataError",
+    "DatasetIndex",
+    "DatasetReader",
+    "ElasticIterator",
+    "FileEntry",
+    "build_index",
+    "epoch_permutation",
+    "epoch_seed_sequence",
+    "global_batch_ids",
+    "index_fingerprint",
+    "load_index",
+    "read_records",
+    "sample_key",
+    "sample_key_data",
+    "sample_keys",
+    "save_index",
+    "scan_records",
+    "shard_batch_ids",
+    "shard_bounds",
+    "steps_per_epoch",
+    "write_records",
+]
