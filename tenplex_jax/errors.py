@@ -19,3 +19,8 @@ class PlanError(TenplexError, ValueError):
 
 class ReshardError(TenplexError, RuntimeError):
   """Executing a plan on devices failed; the source state is left intact."""
+
+
+class SearchError(TenplexError, ValueError):
+  """A configuration search got inputs it cannot search (unknown preset,
+  impossible topology, no feasible layout)."""
