@@ -48,8 +48,9 @@ class Calibration:
   formulas.
 
   Attributes:
-    mfu: fraction of peak FLOP/s a large transformer GEMM reaches (Megatron
-      reports 0.4-0.55 on A100s for GPT-3-sized models).
+    mfu: fraction of peak FLOP/s a transformer layer reaches with large
+      GEMMs, non-GEMM kernels included, before communication and bubbles
+      (Megatron-LM reaches 0.5-0.6 of peak per GPU on large GPT models).
     gemm_width0: per-device GEMM width ``h / t`` at which kernel efficiency
       halves; models the loss of large tensor degrees (``w / (w + w0)``).
     gemm_rows0: rows per micro-batch ``b s`` at which efficiency halves
@@ -57,10 +58,15 @@ class Calibration:
     fast_efficiency: achieved fraction of NVLink/ICI bandwidth (NCCL bus
       bandwidth over link peak).
     host_efficiency: achieved fraction of PCIe bandwidth between fast domains.
-    inter_efficiency: achieved fraction of the network bandwidth.
+    inter_efficiency: achieved fraction of the network bandwidth for NCCL
+      collectives. 0.4 (5 GB/s on 100 Gb/s InfiniBand) is the one constant
+      set with the paper's Fig. 3 in mind: PCIe hosts like the paper's A6000
+      machines stage inter-host traffic through host memory and share one
+      NIC; docs/search.md shows how the ranking moves with it.
     dp_overlap: fraction of the data-parallel gradient all-reduce hidden
-      behind the backward pass (bucketed reduction of later layers while
-      earlier layers compute).
+      behind the backward pass. 0 (all exposed) matches Megatron-LM 23.06
+      used in the paper, which reduces gradients after the backward pass;
+      raise it for frameworks that bucket and overlap the reduction.
     fsdp_overlap: fraction of FSDP gathers/scatters hidden by prefetching.
     memory_margin: fraction of device memory kept free (allocator
       fragmentation, XLA temporaries the model does not see). A layout is
@@ -69,19 +75,23 @@ class Calibration:
       cuBLAS/NCCL workspaces.
     logits_bytes: bytes per logit element kept for the loss: fp32 logits and
       their gradient (4 + 4).
+    microbatch_overhead_s: host-side seconds per micro-batch slot on a stage
+      (schedule step, point-to-point handshakes, kernel launches of a forward
+      and a backward pass); penalises very many tiny micro-batches.
   """
 
-  mfu: float = 0.5
+  mfu: float = 0.55
   gemm_width0: float = 128.0
-  gemm_rows0: float = 256.0
+  gemm_rows0: float = 128.0
   fast_efficiency: float = 0.8
   host_efficiency: float = 0.7
-  inter_efficiency: float = 0.7
-  dp_overlap: float = 0.5
+  inter_efficiency: float = 0.4
+  dp_overlap: float = 0.0
   fsdp_overlap: float = 0.5
   memory_margin: float = 0.10
   overhead_bytes: int = 1 * GiB
   logits_bytes: float = 8.0
+  microbatch_overhead_s: float = 2e-3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -314,27 +324,40 @@ def estimate(model: ModelSpec, topo: Topology, work: Workload,
   memory = weights + act + logits + fsdp_buf + overhead
 
   # ---- compute ----------------------------------------------------------
-  attn_flops = 12.0 * L * s * h                 # QK^T and AV, fwd + bwd, per token
-  per_token = 6.0 * N + attn_flops
-  recompute = np.select([r == 0, r == 1], [0.0, attn_flops / 3.0],
-                        2.0 * N + attn_flops / 3.0)
-  flops = (per_token + recompute) * work.global_batch * s
+  # FLOPs per token: 6 N for the GEMMs (fwd + bwd) plus 12 L s h for the
+  # attention scores; remat adds a forward (2 N + 4 L s h) or, selective, the
+  # attention scores' forward (4 L s h). The LM head (6 V h, tied to the
+  # embedding) runs on the last pipeline stage only, so that stage is the
+  # slowest: the slot time of the pipeline is the last stage's time.
+  head = 6.0 * V * h
+  body = 6.0 * (N - V * h) + 12.0 * L * s * h
+  recompute = np.select([r == 0, r == 1], [0.0, 4.0 * L * s * h],
+                        (body + head) / 3.0)
+  stage_flops = np.where(p > 1, (body + recompute) / p + head, body + recompute + head)
+  flops = (body + head + recompute) * work.global_batch * s
   width = h / t
   rows = b * s
   eff = calib.mfu * width / (width + calib.gemm_width0) * rows / (rows + calib.gemm_rows0)
-  compute = flops / (n_dev * topo.hardware.peak_flops * eff)
-  c_mb = compute / m
+  rate = topo.hardware.peak_flops * eff
+  # One micro-batch on the slowest stage: b s tokens over t devices.
+  c_mb = stage_flops * b * s / (t * rate)
+  compute = flops / (n_dev * rate)              # the balanced share, for reports
 
   # ---- tensor parallel: activation all-reduces per layer and micro-batch --
+  # Per layer 2 forward + 2 backward (+2 recomputed forward with full remat);
+  # plus the vocab-parallel embedding's forward all-reduce (first stage) and
+  # the LM head's input-gradient all-reduce (last stage): 2 without pipeline,
+  # 1 on the slowest stage with it.
   n_ar = np.where(r == 2, 6.0, 4.0)
-  tp_mb = layers_per_stage * n_ar * ring_allreduce(
+  n_extra = np.where(V > 0, np.where(p > 1, 1.0, 2.0), 0.0)
+  tp_mb = (layers_per_stage * n_ar + n_extra) * ring_allreduce(
       t, b * s * h * ab, links["tensor"]["bw"], links["tensor"]["latency"])
 
   # ---- pipeline: point-to-point + bubble ---------------------------------
   p2p_bytes = b * s * h * ab / t
   p2p_mb = np.where(p > 1, 2.0 * (links["pipeline"]["latency"]
                                   + p2p_bytes / links["pipeline"]["bw"]), 0.0)
-  slot = c_mb + tp_mb + p2p_mb
+  slot = c_mb + tp_mb + p2p_mb + calib.microbatch_overhead_s
   bubble = (p - 1.0) * slot
 
   # ---- data parallel: gradient all-reduce once per step --------------------
@@ -355,10 +378,12 @@ def estimate(model: ModelSpec, topo: Topology, work: Workload,
   return {
       "step_time_s": step,
       "memory_bytes": memory,
-      "compute_s": m * c_mb,
+      "compute_s": compute,
+      "stage_imbalance_s": m * c_mb - compute,
       "tensor_comm_s": m * tp_mb,
       "pipeline_p2p_s": m * p2p_mb,
       "bubble_s": bubble,
+      "microbatch_overhead_s": m * calib.microbatch_overhead_s,
       "data_comm_s": dp_exposed,
       "fsdp_comm_s": fsdp_exposed,
       "weights_bytes": weights,

@@ -34,7 +34,7 @@ from tenplex_jax.search.space import (divisors, factorizations,
 
 Rule = tuple[str, "str | tuple[str, ...] | None"]
 
-_BREAKDOWN_KEYS = ("compute_s", "tensor_comm_s", "pipeline_p2p_s", "bubble_s",
+_BREAKDOWN_KEYS = ("compute_s", "stage_imbalance_s", "tensor_comm_s", "pipeline_p2p_s", "bubble_s", "microbatch_overhead_s",
                    "data_comm_s", "fsdp_comm_s", "weights_bytes",
                    "activation_bytes", "logits_bytes", "fsdp_buffer_bytes",
                    "overhead_bytes")
