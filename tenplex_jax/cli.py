@@ -12,6 +12,7 @@ import sys
 
 # Modules that define ``register(subparsers)``; each adds its verbs.
 _VERBS: tuple[str, ...] = (
+    "tenplex_jax.search.cli",
 )
 
 

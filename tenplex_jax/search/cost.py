@@ -164,7 +164,7 @@ def axis_link(topo: Topology, calib: Calibration, *, size: int,
     'host'
     >>> link = axis_link(topo, Calibration(), size=2, stride=8)
     >>> link.tier, round(link.bw / 1e9, 3)
-    ('inter', 2.188)
+    ('inter', 1.25)
   """
   hw = topo.hardware
   if size <= 1:
@@ -255,7 +255,7 @@ def sharded_param_count(model: ModelSpec, *, data: int, fsdp: int,
     >>> full == m.param_count
     True
     >>> round(sharded_param_count(m, data=1, fsdp=1, pipeline=4, tensor=2) / full, 3)
-    0.135
+    0.145
   """
   sizes = {"data": data, "fsdp": fsdp, "pipeline": pipeline, "tensor": tensor}
   active = {n: model.divisible(n, sizes[ax]) for n, ax in LOGICAL_TO_MESH.items()}

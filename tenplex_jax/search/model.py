@@ -155,7 +155,7 @@ def transformer_spec(*, name: str, layers: int, hidden: int, heads: int,
     >>> spec = transformer_spec(name="tiny", layers=2, hidden=64, heads=4,
     ...                         vocab=128, seq_len=32)
     >>> spec.ffn, spec.param_count
-    (256, 110080)
+    (256, 110336)
   """
   ffn = 4 * hidden if ffn is None else ffn
   if hidden % max(heads, 1):
@@ -205,7 +205,7 @@ def model_preset(name: str, *, seq_len: int | None = None) -> ModelSpec:
 
   Example:
     >>> round(model_preset("gpt3-6.7b").param_count / 1e9, 1)
-    6.6
+    6.7
   """
   try:
     kw = dict(_PRESETS[name])

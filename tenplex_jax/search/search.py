@@ -97,7 +97,7 @@ class Candidate:
       >>> import jax
       >>> c = Candidate(data=2, fsdp=1, tensor=2, pipeline=2, microbatches=1,
       ...               remat="none", step_time_s=1.0, memory_bytes=0)
-      >>> c.make_mesh(jax.devices()[:8]).shape
+      >>> dict(c.make_mesh(jax.devices()[:8]).shape)
       {'data': 2, 'fsdp': 1, 'pipeline': 2, 'tensor': 2}
     """
     devs = np.asarray(list(devices), dtype=object)
