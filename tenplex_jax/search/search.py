@@ -249,14 +249,26 @@ def _price(model: ModelSpec, topo: Topology, work: Workload, calib: Calibration,
       params_per_device=params[mesh_idx], links=links)
 
 
-def _candidate(model, mesh, m, remat, est, i) -> Candidate:
-  d, f, t, p = mesh
-  return Candidate(
-      data=d, fsdp=f, tensor=t, pipeline=p, microbatches=int(m),
-      remat=REMAT_CHOICES[int(remat)], step_time_s=float(est["step_time_s"][i]),
-      memory_bytes=int(est["memory_bytes"][i]),
-      breakdown=tuple((k, float(est[k][i])) for k in _BREAKDOWN_KEYS),
-      rules=_rules(model, {"data": d, "fsdp": f, "tensor": t, "pipeline": p}))
+def _candidates(model, meshes, mesh_idx, m, remat, est, order) -> list[Candidate]:
+  """Materialises candidates ``order`` (indices into the priced arrays)."""
+  order = np.asarray(order, dtype=np.int64)
+  cols = [est[k][order].tolist() for k in _BREAKDOWN_KEYS]
+  step = est["step_time_s"][order].tolist()
+  mem = est["memory_bytes"][order].tolist()
+  ms, rs, idx = m[order].tolist(), remat[order].tolist(), mesh_idx[order].tolist()
+  rules_cache: dict[int, tuple[Rule, ...]] = {}
+  out = []
+  for j in range(len(order)):
+    k = idx[j]
+    d, f, t, p = meshes[k]
+    rules = rules_cache.get(k)
+    if rules is None:
+      rules = rules_cache[k] = _rules(model, {"data": d, "fsdp": f, "tensor": t, "pipeline": p})
+    out.append(Candidate(
+        data=d, fsdp=f, tensor=t, pipeline=p, microbatches=ms[j],
+        remat=REMAT_CHOICES[rs[j]], step_time_s=step[j], memory_bytes=int(mem[j]),
+        breakdown=tuple(zip(_BREAKDOWN_KEYS, (c[j] for c in cols))), rules=rules))
+  return out
 
 
 def search(model: ModelSpec | str, hardware: Topology | Hardware | str, *,
@@ -341,16 +353,16 @@ def search(model: ModelSpec | str, hardware: Topology | Hardware | str, *,
     est = _price(model, topo, work, calibration, meshes, m_all, r_all, idx_all)
     mem = est["memory_bytes"]
     fits = mem <= limit
-    for i in np.flatnonzero(~fits):
-      d, f, t, p = meshes[idx_all[i]]
+    over = np.flatnonzero(~fits)
+    for k, mb, ri, mb_bytes in zip(idx_all[over].tolist(), m_all[over].tolist(),
+                                   r_all[over].tolist(), mem[over].tolist()):
+      d, f, t, p = meshes[k]
       rejected.append(Rejection(data=d, fsdp=f, tensor=t, pipeline=p, reason="memory",
-                                microbatches=int(m_all[i]),
-                                remat=REMAT_CHOICES[int(r_all[i])],
-                                memory_bytes=int(mem[i])))
+                                microbatches=mb, remat=REMAT_CHOICES[ri],
+                                memory_bytes=int(mb_bytes)))
     ok = np.flatnonzero(fits)
     order = ok[np.lexsort((mem[ok], est["step_time_s"][ok]))]
-    candidates = [_candidate(model, meshes[idx_all[i]], m_all[i], r_all[i], est, i)
-                  for i in order]
+    candidates = _candidates(model, meshes, idx_all, m_all, r_all, est, order)
   return SearchResult(
       candidates=tuple(candidates), rejected=tuple(rejected), model=model,
       topology=topo, workload=work, calibration=calibration,
@@ -394,7 +406,8 @@ def evaluate(model: ModelSpec | str, hardware: Topology | Hardware | str, *,
   mesh = (data, fsdp, tensor, pipeline)
   est = _price(model, topo, work, calibration, [mesh], np.asarray([microbatches]),
                np.asarray([REMAT_CHOICES.index(remat)]), np.asarray([0]))
-  return _candidate(model, mesh, microbatches, REMAT_CHOICES.index(remat), est, 0)
+  return _candidates(model, [mesh], np.asarray([0]), np.asarray([microbatches]),
+                     np.asarray([REMAT_CHOICES.index(remat)]), est, [0])[0]
 
 
 class BestMesh(NamedTuple):
