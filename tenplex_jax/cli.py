@@ -14,6 +14,7 @@ import sys
 _VERBS: tuple[str, ...] = (
     "tenplex_jax._cli_core",
     "tenplex_jax.data.cli",
+    "tenplex_jax.search.cli",
 )
 
 

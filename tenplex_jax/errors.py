@@ -26,3 +26,7 @@ class ReplicationWarning(UserWarning):
 
 class DataError(TenplexError, ValueError):
   """A dataset, its index or an iterator state is malformed or does not match."""
+
+class SearchError(TenplexError, ValueError):
+  """A configuration search got inputs it cannot search (unknown preset,
+  impossible topology, no feasible layout)."""
