@@ -137,35 +137,55 @@ def run(schedule: Sequence[Phase] = default_schedule(), *, steps: int = 40,
         global_batch: int = 32, seed: int = 0, log=None) -> DemoResult:
   """Trains for ``steps`` steps, re-meshing at every phase of ``schedule``.
 
-  The global batch of step ``t`` is the same whatever the device count; each
-  data-parallel shard holds its contiguous part of it.
+  Batches come from :class:`tenplex_jax.data.ElasticIterator`, one iterator
+  per data-parallel shard. At a resize the dataset state is taken from the
+  old iterators and given to new ones with the new shard count: the global
+  batch of every step is the same whatever the device count.
   """
+  from tenplex_jax.data import ElasticIterator
+
   x_all, y_all = make_dataset(seed=seed)
-  n = len(x_all)
+  source = [{"x": x, "y": y} for x, y in zip(x_all, y_all)]
   phases = sorted(schedule, key=lambda p: p.step)
   if not phases or phases[0].step != 0:
     raise ValueError("the schedule must start with a phase at step 0")
+
+  def iterators(mesh, data_state):
+    its = [ElasticIterator(source, global_batch_size=global_batch, seed=seed,
+                           shard_index=i, shard_count=mesh.shape["data"])
+           for i in range(mesh.shape["data"])]
+    for it in its:
+      if data_state is not None:
+        it.set_state(data_state)
+    return its
+
   mesh = make_mesh(phases[0])
   state = create_state(mesh, seed=seed)
+  its = iterators(mesh, None)
   losses, reports = [], []
   next_phase = 1
   for t in range(steps):
     if next_phase < len(phases) and phases[next_phase].step == t:
+      data_state = its[0].get_state()
+      for it in its:
+        it.close()
       mesh = make_mesh(phases[next_phase])
       state, report = remesh(state, mesh, rules=RULES)
+      its = iterators(mesh, data_state)
       reports.append((t, report))
       if log:
         log(f"step {t}: {report}")
       next_phase += 1
     sharding = NamedSharding(mesh, P("data"))
-    epoch, start = divmod(t * global_batch, n)
-    order = np.random.default_rng([seed, epoch]).permutation(n)
-    ids = order[start:start + global_batch]
-    xs, ys = x_all[ids], y_all[ids]
+    parts = [next(it) for it in its]
+    xs = np.concatenate([p["x"] for p in parts])
+    ys = np.concatenate([p["y"] for p in parts])
     state, loss = train_step(state, jax.device_put(xs, sharding),
                              jax.device_put(ys, sharding))
     losses.append(float(loss))
     if log and (t % 5 == 0 or t == steps - 1):
       log(f"step {t:3d}  devices {mesh.size}  data {mesh.shape['data']}"
           f"  tensor {mesh.shape['tensor']}  loss {losses[-1]:.4f}")
+  for it in its:
+    it.close()
   return DemoResult(tuple(losses), tuple(reports))

@@ -212,17 +212,43 @@ def target_shardings(state: Any, mesh: Mesh, *, rules=None,
   return items, treedef, fallbacks
 
 
+def _search_mesh(state, devices, *, global_batch, seq_len, hardware):
+  """The configuration search's mesh and rules for ``state`` on ``devices``."""
+  from tenplex_jax.search import best_mesh_for
+
+  if global_batch is None:
+    raise TypeError("remesh(devices=...) needs global_batch= for the"
+                    " configuration search")
+  params = getattr(state, "params", state)
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+      if isinstance(x, jax.Array) else x, params)
+  best = best_mesh_for(abstract, list(devices), global_batch=global_batch,
+                       seq_len=seq_len, hardware=hardware)
+  return best.mesh, tuple(best.rules)
+
+
 def remesh(state: Any, mesh: Mesh | None = None, *, rules=None,
-           shardings: Any = None, strict: bool = False, donate: bool = False,
+           shardings: Any = None, devices: Sequence[Any] | None = None,
+           global_batch: int | None = None, seq_len: int = 1,
+           hardware: Any = "cpu", strict: bool = False, donate: bool = False,
            method: str = "auto") -> tuple[Any, RemeshReport]:
   """Moves a training state onto a new mesh.
 
   Args:
     state: a Flax ``TrainState``, an ``nnx.State``, or any pytree of arrays.
-    mesh: the new mesh. Required unless ``shardings`` is given.
+    mesh: the new mesh. Required unless ``shardings`` or ``devices`` is
+      given.
     rules: logical axis rules (``(("embed", "fsdp"), ("mlp", "tensor"),
       ...)``) for leaves with logical names.
     shardings: an explicit pytree of target shardings (see ``reshard``).
+    devices: with no mesh, the devices to run on: the configuration search
+      (:func:`tenplex_jax.search.best_mesh_for`) picks the mesh shape and the
+      logical axis rules (unless ``rules`` is given) from the state's
+      parameters (``state.params`` if present, else the whole state).
+    global_batch: samples per step, needed with ``devices``.
+    seq_len: tokens per sample, for the search's cost model.
+    hardware: a hardware preset name or ``search.Hardware`` for the search.
     strict: raise instead of replicating a dimension the mesh cannot divide.
     donate: free old arrays as they are converted (see ``reshard``).
     method: the executor, as in ``reshard``.
@@ -254,8 +280,13 @@ def remesh(state: Any, mesh: Mesh | None = None, *, rules=None,
     meshes = {s.mesh for _, _, s in items if isinstance(s, NamedSharding)}
     mesh_shape = dict(next(iter(meshes)).shape) if len(meshes) == 1 else {}
   else:
+    if mesh is None and devices is not None:
+      mesh, found = _search_mesh(state, devices, global_batch=global_batch,
+                                 seq_len=seq_len, hardware=hardware)
+      rules = found if rules is None else rules
     if mesh is None:
-      raise TypeError("remesh needs a mesh or a pytree of shardings")
+      raise TypeError("remesh needs a mesh, devices, or a pytree of"
+                      " shardings")
     items, treedef, fallbacks = target_shardings(state, mesh, rules=rules,
                                                  strict=strict)
     rebuild = treedef.unflatten

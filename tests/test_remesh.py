@@ -137,3 +137,16 @@ def test_nnx_state_remesh_with_rules():
                                           2)
   assert np.array_equal(np.asarray(k[...]), np.asarray(kernel))
   assert report.moved_bytes == report.lower_bound_bytes
+
+
+def test_devices_without_mesh_uses_the_configuration_search():
+  m8 = demo.make_mesh(demo.Phase(0, 4, 2))
+  state = demo.create_state(m8)
+  new, report = remesh(state, devices=DEVS[:4], global_batch=32)
+  assert leaves_bits(new) == leaves_bits(state)
+  k = new.params["Dense_0"]["kernel"].value
+  assert k.sharding.mesh.size == 4
+  assert set(k.sharding.mesh.axis_names) >= {"data", "tensor"}
+  assert report.moved_bytes == report.lower_bound_bytes
+  with pytest.raises(TypeError, match="global_batch"):
+    remesh(state, devices=DEVS[:4])
