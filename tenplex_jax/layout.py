@@ -504,18 +504,35 @@ def named_layout(
   >>> t.placement.boxes, t.placement.holders
   ((((0, 4), (0, 4)), ((4, 8), (0, 4))), ((0, 2), (1, 3)))
   """
+  shape = tuple(int(n) for n in shape)
+  spec = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
+  ids = None if device_ids is None else tuple(int(i) for i in device_ids)
+  placement = _named_placement(path, shape, tuple(
+      (str(k), int(v)) for k, v in mesh_shape.items()), spec, ids)
+  name, itemsize = _dtype_info(dtype)
+  return TensorLayout(path, shape, name, itemsize, placement, None)
+
+
+def _named_placement(path, shape, mesh_items, spec, device_ids) -> Placement:
+  try:
+    return _named_placement_cached(shape, mesh_items, spec, device_ids)
+  except LayoutError as e:
+    raise LayoutError(f"{path}: {e}") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_placement_cached(shape, mesh_items, spec, device_ids) -> Placement:
+  mesh_shape = dict(mesh_items)
   names = list(mesh_shape)
   sizes = [int(mesh_shape[n]) for n in names]
   n_dev = math.prod(sizes)
   ids = np.arange(n_dev) if device_ids is None else np.asarray(device_ids)
   if ids.size != n_dev:
-    raise LayoutError(f"{path}: mesh {dict(mesh_shape)} needs {n_dev} devices,"
+    raise LayoutError(f"mesh {dict(mesh_shape)} needs {n_dev} devices,"
                       f" got {ids.size}")
   grid = ids.reshape(sizes)
-  shape = tuple(int(n) for n in shape)
-  spec = tuple(spec)
   if len(spec) > len(shape):
-    raise LayoutError(f"{path}: spec {spec} has {len(spec)} entries but the"
+    raise LayoutError(f"spec {spec} has {len(spec)} entries but the"
                       f" tensor has rank {len(shape)} (shape {shape})")
   # For each tensor dim, the mesh axes it is split over (major first).
   dim_axes: list[tuple[int, ...]] = []
@@ -524,13 +541,13 @@ def named_layout(
                                      else tuple(entry))
     for a in axes:
       if a not in mesh_shape:
-        raise LayoutError(f"{path}: axis {a!r} of spec {spec} is not a mesh"
+        raise LayoutError(f"axis {a!r} of spec {spec} is not a mesh"
                           f" axis (mesh axes: {names})")
     idx = tuple(names.index(a) for a in axes)
     parts = math.prod(sizes[i] for i in idx)
     if shape[d] % parts:
       raise LayoutError(
-          f"{path}: dimension {d} of size {shape[d]} cannot be split"
+          f"dimension {d} of size {shape[d]} cannot be split"
           f" {parts} ways over mesh axes {axes} (shape {shape})")
     dim_axes.append(idx)
   # Box coordinate of every grid position, vectorised over the grid.
@@ -552,9 +569,7 @@ def named_layout(
     by_box.setdefault(box, []).append(int(dev))
   items = sorted(by_box.items())
   boxes = [b for b, _ in items]
-  placement = Placement(tuple(boxes), tuple(tuple(sorted(h)) for _, h in items))
-  name, itemsize = _dtype_info(dtype)
-  return TensorLayout(path, shape, name, itemsize, placement, None)
+  return Placement(tuple(boxes), tuple(tuple(sorted(h)) for _, h in items))
 
 
 def ptc_from_layouts(tensors: Iterable[TensorLayout],
