@@ -202,6 +202,16 @@ def _assemble_generic(pieces: list[tuple[Box, jax.Array]], box: Box):
   return build(pieces, 0)
 
 
+def _pick(move, rotation: int, have) -> int | None:
+  """The planned source of ``move``, else the next replica this process has."""
+  n = len(move.sources)
+  for k in range(n):
+    src = move.sources[(rotation + k) % n]
+    if src in have:
+      return src
+  return None
+
+
 def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
              rotation: int, src_boxes, dst_layout: TensorLayout, method: str,
              donate: bool) -> tuple[jax.Array, int]:
@@ -217,7 +227,7 @@ def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
     moves = template.moves_to(dev.id)
     whole = len(moves) == 1 and src_boxes[moves[0].src_box] == dbox
     if whole:
-      src = moves[0].source(rotation)
+      src = _pick(moves[0], rotation, shards)
       data = shards[src].data
       if src == dev.id:
         out.append(data)
@@ -228,7 +238,7 @@ def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
     if method == "cpu":
       buf = np.empty(tuple(b - a for a, b in dbox), dtype=np_dtype)
       for m in moves:
-        src = m.source(rotation)
+        src = _pick(m, rotation, shards)
         if src not in views:
           views[src] = np.asarray(shards[src].data)
         buf[_rel(m.box, dbox)] = views[src][_rel(m.box, src_boxes[m.src_box])]
@@ -237,7 +247,7 @@ def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
     else:
       pieces = []
       for m in moves:
-        src = m.source(rotation)
+        src = _pick(m, rotation, shards)
         piece = shards[src].data[_rel(m.box, src_boxes[m.src_box])]
         pieces.append((m.box, jax.device_put(piece, dev)))
       out.append(_assemble_generic(pieces, dbox))
@@ -258,8 +268,7 @@ def _check_sources(path: str, x: jax.Array, template: Template,
   have = {s.device.id for s in x.addressable_shards}
   for dev in sharding.addressable_devices:
     for m in template.moves_to(dev.id):
-      if m.source(rotation) not in have:
-        # Prefer any addressable replica before giving up.
+      if _pick(m, rotation, have) is None:
         raise ReshardError(
             f"{path}: device {dev.id} needs piece {list(m.box)} held only on"
             f" devices {list(m.sources)}, none addressable from process"
