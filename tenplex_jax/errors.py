@@ -23,3 +23,15 @@ class ReshardError(TenplexError, RuntimeError):
 
 class ReplicationWarning(UserWarning):
   """A dimension the new mesh cannot divide falls back to replication."""
+
+
+class StoreError(TenplexError, IOError):
+  """A tensor store cannot be written or read; names the host and path."""
+
+
+class ChecksumError(StoreError):
+  """A stored chunk does not match its checksum (corrupt data)."""
+
+
+class NoCopyError(StoreError):
+  """No surviving store holds some piece of the state (data lost)."""
