@@ -12,6 +12,8 @@ import sys
 
 # Modules that define ``register(subparsers)``; each adds its verbs.
 _VERBS: tuple[str, ...] = (
+    "tenplex_jax.store.cli",
+    "tenplex_jax.store.launch",
 )
 
 
