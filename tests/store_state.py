@@ -45,6 +45,6 @@ def expected_state() -> dict:
 
 def storage_view(a: np.ndarray) -> np.ndarray:
   """Raw unsigned integers of ``a`` (bitwise comparison of any dtype)."""
-  a = np.ascontiguousarray(a)
+  a = np.ascontiguousarray(a).reshape(a.shape)
   return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}")) \
       if a.dtype.itemsize in (1, 2, 4, 8) else a.view(np.uint8)

@@ -13,7 +13,8 @@ import json
 import os
 import sys
 
-cfg = json.load(open(sys.argv[1]))
+with open(sys.argv[1]) as f:
+  cfg = json.load(f)
 proc = int(sys.argv[2])
 
 import jax  # noqa: E402
@@ -91,7 +92,7 @@ else:
   try:
     tree, report = store.restore_with_report(
         cfg["locations"][proc], tgt, checkpoint=cfg.get("checkpoint"),
-        timeout=cfg.get("timeout", 10), retries=cfg.get("retries", 1))
+        timeout=cfg.get("timeout_s", 10), retries=cfg.get("retries", 1))
   except store.StoreError as e:
     result = {"ok": False, "error": str(e), "type": type(e).__name__}
   else:

@@ -15,26 +15,36 @@ from tenplex_jax.store.api import (RestoreReport, open_store, replicate, restore
                                    restore_with_report, save)
 from tenplex_jax.store.checkpoint import (latest_step, restore_checkpoint,
                                           save_checkpoint)
+from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, initialize, launch,
+                                      request_resize, resize_due, restore_or_init,
+                                      save_and_exit)
 from tenplex_jax.store.format import HostStore, TensorInfo, parse_index
 from tenplex_jax.store.server import RemoteStore, make_server, serve
 
 __all__ = [
     "ChecksumError",
+    "RESIZE_EXIT_CODE",
     "HostStore",
     "NoCopyError",
     "RemoteStore",
     "RestoreReport",
     "StoreError",
     "TensorInfo",
+    "initialize",
     "latest_step",
     "make_server",
     "open_store",
     "parse_index",
     "replicate",
+    "request_resize",
+    "resize_due",
     "restore",
     "restore_checkpoint",
     "restore_with_report",
+    "restore_or_init",
+    "launch",
     "save",
+    "save_and_exit",
     "save_checkpoint",
     "serve",
 ]

@@ -189,7 +189,7 @@ def storage_of(dtype_name: str, itemsize: int) -> tuple[str, tuple[int, ...]]:
 
 def to_storage(arr: np.ndarray, storage: str, extra: tuple[int, ...]
                ) -> np.ndarray:
-  arr = np.ascontiguousarray(arr)
+  arr = np.ascontiguousarray(arr).reshape(arr.shape)
   if arr.dtype == np.dtype(storage) and not extra:
     return arr
   if extra and arr.dtype == np.dtype(storage):  # key data already
@@ -207,7 +207,7 @@ def from_storage(arr: np.ndarray, dtype_name: str) -> np.ndarray:
   dt = jnp.dtype(dtype_name)
   if arr.dtype == dt:
     return arr
-  arr = np.ascontiguousarray(arr)
+  arr = np.ascontiguousarray(arr).reshape(arr.shape)
   if arr.dtype.itemsize != dt.itemsize:  # extra trailing dim
     out = arr.view(dt)
     return out.reshape(arr.shape[:-1])

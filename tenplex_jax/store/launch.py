@@ -42,6 +42,11 @@ RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
 
 
+def _text(path: str) -> str:
+  with open(path) as f:
+    return f.read()
+
+
 def _env(name: str, default: str | None = None) -> str | None:
   return os.environ.get(name, default)
 
@@ -86,7 +91,7 @@ def _schedule() -> list[tuple[int, int]]:
   path = _env("TENPLEX_SCHEDULE")
   out = []
   if path and os.path.exists(path):
-    for line in open(path):
+    for line in _text(path).splitlines():
       parts = line.split()
       if len(parts) == 4 and parts[0] == "step" and parts[2] == "procs":
         out.append((int(parts[1]), int(parts[3])))
@@ -126,7 +131,7 @@ def resize_due(step: int) -> int | None:
   if job:
     p = os.path.join(job, "resize_request.json")
     try:
-      req = json.load(open(p))
+      req = json.loads(_text(p))
     except (OSError, ValueError):
       req = None
     if req and req["step"] == step and step > start and req["procs"] != n:
@@ -211,7 +216,7 @@ def _start_server(d: str, log: str) -> tuple[subprocess.Popen, str]:
       proc.kill()
       raise RuntimeError(f"store server for {d} did not start; see {log}")
     time.sleep(0.05)
-  return proc, "http://" + open(ready).read().strip()
+  return proc, "http://" + _text(ready).strip()
 
 
 def _pythonpath() -> str:
@@ -280,7 +285,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         code = 0
         break
       if all(c == RESIZE_EXIT_CODE for c in codes):
-        info = json.load(open(os.path.join(job_dir, "resize_0.json")))
+        info = json.loads(_text(os.path.join(job_dir, "resize_0.json")))
         print(f"tenplex-jax launch: generation {gen}: {n} -> {info['procs']}"
               f" processes at step {info['step']}", flush=True)
         n, start_step = int(info["procs"]), int(info["step"])
@@ -333,7 +338,7 @@ def _signalled_request(job_dir: str, n: int) -> None:
   """SIGUSR1: turn ``JOB_DIR/request`` (a process count) into a request a
   few steps past the furthest process."""
   try:
-    m = int(open(os.path.join(job_dir, "request")).read().split()[0])
+    m = int(_text(os.path.join(job_dir, "request")).split()[0])
   except (OSError, ValueError, IndexError):
     print("tenplex-jax launch: SIGUSR1 without a valid JOB_DIR/request",
           file=sys.stderr)
@@ -341,7 +346,7 @@ def _signalled_request(job_dir: str, n: int) -> None:
   steps = []
   for i in range(n):
     try:
-      steps.append(int(open(os.path.join(job_dir, f"progress_{i}")).read()))
+      steps.append(int(_text(os.path.join(job_dir, f"progress_{i}"))))
     except (OSError, ValueError):
       steps.append(0)
   p = os.path.join(job_dir, "resize_request.json")
