@@ -515,7 +515,7 @@ class HostStore:
           return arr[idx].read().result()
         except Exception as e:
           msg = str(e)
-          if "crc32c" in msg.lower() or "checksum" in msg.lower():
+          if any(w in msg.lower() for w in ("crc32c", "checksum", "digest")):
             raise ChecksumError(
                 f"store {self.root}: {path} box {list(held)} (process {proc},"
                 f" {b['dir']}): chunk checksum mismatch: {msg}") from e
