@@ -200,23 +200,25 @@ def test_redeploy_disjoint_processes_reads_only_over_http(tmp):
   assert served == sum(r["report"]["network_bytes"] for r in results)
 
 
-def test_peer_killed_falls_back_to_replica_or_names_host(tmp):
-  # data=2 x model=2 on 2 processes of 2 devices: the model axis is inside
-  # a process, so each process holds a full replica.
-  stores = save_job(tmp, 2, [2, 2])
+@pytest.mark.parametrize("replicas", [0, 1])
+def test_peer_killed(tmp, replicas):
+  # data=2 x model=2 on 2 processes: data-sharded tensors live only on
+  # their own host unless the store is replicated to the next host.
+  stores = save_job(tmp, 2, [2, 2], replicas=replicas)
   with servers(stores) as (urls, procs):
     procs[1].send_signal(signal.SIGKILL)
     procs[1].wait(10)
-    # Disjoint new process reads over HTTP: host 1 is gone, host 0 has a
-    # data-parallel replica of everything except the data-sharded tensors.
-    results, _ = run_job(tmp, "restore", procs=1, devices=2, mesh=[1, 2],
-                         action="restore", locations=[urls], timeout=60,
-                         retries=0, timeout_s=2)
+    results, out = run_job(tmp, "restore", procs=1, devices=2, mesh=[1, 2],
+                           action="restore", locations=[urls], timeout=60,
+                           retries=0, timeout_s=2)
   r = results[0]
-  assert not r["ok"]
-  assert r["type"] == "NoCopyError"
-  assert "process" in r["error"] and "[1]" in r["error"]
-  # With host 1's store copied to host 0 (replicas=1), the restore succeeds.
+  if replicas:
+    check_results(results)
+    check_values(out, 1)
+    assert any(urls[1] in f for f in r["report"]["fallbacks"])
+  else:
+    assert not r["ok"] and r["type"] == "NoCopyError", r
+    assert "processes [1]" in r["error"] and urls[1] in r["error"], r
 
 
 def test_lost_process_with_store_replica(tmp):

@@ -336,6 +336,10 @@ def _gather(locations: Sequence[str], timeout: float, retries: int):
     old = by_id.get(sid)
     if old is None or (local and not old.local):
       by_id[sid] = src
+      if old is not None:
+        _close([old])
+    else:
+      _close([src])
   return list(by_id.values()), unreachable
 
 
@@ -350,6 +354,15 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
     locations = [locations]
   me = jax.process_index()
   sources, unreachable = _gather(locations, timeout, retries)
+  try:
+    return _restore(sources, unreachable, locations, target, step, checkpoint,
+                    workers, t0, me)
+  finally:
+    _close(sources)
+
+
+def _restore(sources, unreachable, locations, target, step, checkpoint,
+             workers, t0, me):
   fallbacks = list(unreachable)
   # Which snapshots exist, per old process, at which step.
   steps = {m["step"] for s in sources for m in s.manifests.values()}
@@ -400,6 +413,8 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
     why = (f"processes {list(lost)} of the saved job have no surviving"
            f" copy in any store ({len(missing)} boxes lost, e.g."
            f" {missing[0]})")
+    if unreachable:
+      why += "; unreachable: " + "; ".join(unreachable)
     return _from_checkpoint(checkpoint, target, step, fallbacks, t0, why,
                             locations, lost)
   src2 = PTC(tuple(tensors), tuple(sorted(src_host.items())))
@@ -541,6 +556,13 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
       seconds={"manifest": t1 - t0, "plan": t2 - t1, "read": t4 - t3,
                "build": t5 - t4, "total": t5 - t0})
   return tree, report
+
+
+def _close(sources) -> None:
+  for s in sources:
+    close = getattr(s.handle, "close", None)
+    if close:
+      close()
 
 
 def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:

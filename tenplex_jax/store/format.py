@@ -340,6 +340,12 @@ class SnapshotWriter:
     return final
 
   def abort(self) -> None:
+    for f in self._futures:  # let in-flight writes land before deleting
+      try:
+        f.result()
+      except Exception:
+        pass
+    self._futures = []
     shutil.rmtree(self.staging, ignore_errors=True)
 
 

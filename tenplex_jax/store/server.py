@@ -221,6 +221,20 @@ class RemoteStore:
     self.bytes_received = 0
     self.requests = 0
     self._manifest: dict | None = None
+    self._conns: list[http.client.HTTPConnection] = []
+
+  def close(self) -> None:
+    """Closes every connection this client opened (from any thread)."""
+    with self._lock:
+      conns, self._conns = self._conns, []
+    for c in conns:
+      c.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
 
   def _conn(self) -> http.client.HTTPConnection:
     c = getattr(self._local, "conn", None)
@@ -228,6 +242,8 @@ class RemoteStore:
       c = http.client.HTTPConnection(self.host, self.port,
                                      timeout=self.timeout)
       self._local.conn = c
+      with self._lock:
+        self._conns.append(c)
     return c
 
   def _drop(self):
