@@ -266,3 +266,26 @@ def test_corrupt_chunk_read_from_replica(tmp):
   check_values(out, 1)
   fb = results[0]["report"]["fallbacks"]
   assert any("checksum" in f and "params/dense/kernel" in f for f in fb), fb
+
+
+def test_launch_resizes_by_schedule(tmp):
+  sched = os.path.join(tmp, "schedule.txt")
+  with open(sched, "w") as f:
+    f.write("step 3 procs 2\nstep 6 procs 3\n")
+  job = os.path.join(tmp, "job")
+  r = subprocess.run(
+      [sys.executable, "-m", "tenplex_jax", "launch", "--procs", "1",
+       "--devices-per-proc", "2", "--schedule", sched, "--job-dir", job,
+       "--timeout", "150", "--", sys.executable,
+       os.path.join(HERE, "launch_train.py"), "8"],
+      env=ENV, capture_output=True, text=True, timeout=170)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  final = json.loads(_text(os.path.join(job, "final.json")))
+  assert (final["procs"], final["step"], final["generation"]) == (3, 8, 2)
+  assert final["devices"] == 6
+  # Every element was incremented once per step across the two restarts.
+  got = sorted(v for vals in final["shards"].values() for v in vals)
+  assert got == [float(i + 8) for i in range(4)]  # devices 0, 1 of 6
+  rep = json.loads(_text(os.path.join(job, "restore_0_2.json")))
+  assert rep["step"] == 6 and rep["network_bytes"] == \
+      rep["host_lower_bound_bytes"]
