@@ -82,7 +82,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         q = urllib.parse.parse_qs(url.query, keep_blank_values=True)
         box = parse_box(q.get("box", [""])[0])
         data = store.read_storage(path, box, proc=proc)
-        body = np.ascontiguousarray(data).tobytes()
+        body = memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")
         with self.server.lock:
           self.server.stats["bytes_sent"] += len(body)
           self.server.stats["requests"] += 1
