@@ -6,9 +6,9 @@ movement between two layouts, and execute it in one process, across a
 restart through per-host tensor stores, or on a Flax train state.
 """
 
-from tenplex_jax import data, search
+from tenplex_jax import data, search, store
 from tenplex_jax.errors import (DataError, LayoutError, PlanError, ReplicationWarning,
-                                ReshardError, SearchError, TenplexError)
+                                ReshardError, SearchError, StoreError, TenplexError)
 from tenplex_jax.layout import PTC, Placement, TensorLayout, key_path_name, named_layout
 from tenplex_jax.planner import Plan, Transfer, plan
 from tenplex_jax.remesh import RemeshReport, remesh
@@ -28,12 +28,14 @@ __all__ = [
     "ReshardError",
     "ReshardReport",
     "SearchError",
+    "StoreError",
     "TensorLayout",
     "TenplexError",
     "Transfer",
     "__version__",
     "data",
     "search",
+    "store",
     "key_path_name",
     "named_layout",
     "plan",

@@ -15,6 +15,8 @@ _VERBS: tuple[str, ...] = (
     "tenplex_jax._cli_core",
     "tenplex_jax.data.cli",
     "tenplex_jax.search.cli",
+    "tenplex_jax.store.cli",
+    "tenplex_jax.store.launch",
 )
 
 

@@ -30,3 +30,15 @@ class DataError(TenplexError, ValueError):
 class SearchError(TenplexError, ValueError):
   """A configuration search got inputs it cannot search (unknown preset,
   impossible topology, no feasible layout)."""
+
+
+class StoreError(TenplexError, IOError):
+  """A tensor store cannot be written or read; names the host and path."""
+
+
+class ChecksumError(StoreError):
+  """A stored chunk does not match its checksum (corrupt data)."""
+
+
+class NoCopyError(StoreError):
+  """No surviving store holds some piece of the state (data lost)."""

@@ -1,0 +1,621 @@
+"""``save`` and ``restore``: moving a job's state through the host stores.
+
+``save(tree, location)`` runs in every process of the old job: each writes
+one copy of each box its devices hold, plus the job's full layout, to its
+own host's store. ``restore(locations, target)`` runs in every process of
+the new job: it plans the change from the saved layout to the target layout
+with :func:`tenplex_jax.plan`, reads each piece its devices need exactly once
+per process (host-level deduplication: a piece several local devices need is
+fetched once and fanned out), from its own host's store when that holds a
+copy, else from the store the plan chose, else from any other copy (a data
+parallel replica, a store replica), and builds the new ``jax.Array``s.
+
+A *host* is a store location: local directories given to ``restore`` are
+this process's host; URLs are peers. Two handles to the same store (its
+directory and its server's URL) are recognised by the store's id.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import concurrent.futures as cf
+import dataclasses
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tenplex_jax.errors import NoCopyError, StoreError
+from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, _slices_to_box,
+                                box_volume, intersect, key_path_name)
+from tenplex_jax.planner import plan
+from tenplex_jax.reshard import _key_data_sharding
+from tenplex_jax.store.format import (HostStore, SnapshotWriter, ensure_store_id,
+                                      from_storage, storage_of)
+from tenplex_jax.store.server import RemoteStore
+
+__all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
+           "save"]
+
+_OFFSET = 1 << 30  # old device ids are shifted so none looks "kept"
+
+
+def open_store(location: str, *, timeout: float = 30.0, retries: int = 2):
+  """A store handle: :class:`HostStore` for a directory, :class:`RemoteStore`
+  for an ``http://HOST:PORT`` URL."""
+  if location.startswith("http://") or location.startswith("https://"):
+    return RemoteStore(location, timeout=timeout, retries=retries)
+  return HostStore(location)
+
+
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _encode_extra(x):
+  if isinstance(x, (bool, int, float, str)) or x is None:
+    return x
+  if isinstance(x, np.generic):
+    return x.item()
+  if isinstance(x, np.ndarray):
+    return {"__ndarray__": base64.b64encode(np.ascontiguousarray(x).tobytes())
+            .decode(), "dtype": x.dtype.name, "shape": list(x.shape)}
+  return None
+
+
+def _decode_extra(v, like):
+  if isinstance(v, dict) and "__ndarray__" in v:
+    import jax.numpy as jnp
+    return np.frombuffer(base64.b64decode(v["__ndarray__"]),
+                         dtype=jnp.dtype(v["dtype"])).reshape(v["shape"]).copy()
+  if isinstance(like, (bool, int, float)) and not isinstance(v, dict) \
+      and v is not None:
+    return type(like)(v)
+  return v
+
+
+def _snapshot_items(tree):
+  """(ptc, extras, [(path, layout info, [(box, host array)])])."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  sds = {}
+  extras = {}
+  arrays = []
+  for kp, leaf in flat:
+    name = key_path_name(kp)
+    if isinstance(leaf, jax.Array):
+      sds[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                       sharding=leaf.sharding)
+      impl = None
+      data = leaf
+      if _is_key(leaf):
+        impl = str(jax.random.key_impl(leaf))
+        data = jax.random.key_data(leaf)
+      seen = set()
+      boxes = []
+      for shard in data.addressable_shards:
+        box = _slices_to_box(shard.index, leaf.shape)
+        if box in seen:
+          continue
+        seen.add(box)
+        boxes.append((box, shard.data))
+      arrays.append((name, leaf, impl, boxes))
+    else:
+      enc = _encode_extra(leaf)
+      if enc is not None or leaf is None:
+        extras[name] = enc
+  ptc = PTC.from_tree({k: v for k, v in sds.items()}) if sds else PTC((), ())
+  # PTC.from_tree names leaves of this flat dict by its keys already.
+  return ptc, extras, arrays
+
+
+def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
+         central: str | None = None, replicas: int = 0,
+         peers: Sequence[str] | None = None, keep: int = 1) -> str:
+  """Writes this process's shards and the job's layout to its host store.
+
+  Call it in every process of the job (no collectives are used). Each
+  process writes one copy of each distinct box its devices hold.
+
+  Args:
+    tree: the state: a pytree of ``jax.Array``s (PRNG keys included) and
+      plain leaves (ints, floats, strings, numpy arrays), which are stored
+      in the manifest.
+    location: this host's store directory (e.g. under ``/dev/shm``).
+    step: the training step, recorded in the manifest.
+    mode: ``"local"`` (each process writes to its own host's store) or
+      ``"central"`` (every process sends its shards to the one store
+      ``central``, a directory or a store server URL: Tenplex-Central).
+    central: the central store, for ``mode="central"``.
+    replicas: also copy this process's snapshot to the stores of the next
+      ``replicas`` processes (round robin over ``peers``).
+    peers: every process's store location, in process order (needed for
+      ``replicas``).
+    keep: snapshots kept per process (older ones are deleted after the new
+      one is committed).
+
+  Returns:
+    The committed snapshot's directory (or the central server's answer).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> snap = save({"w": jnp.ones((2, 2)), "step": 7}, d, step=7)
+    >>> HostStore(d).manifest()["extras"]
+    {'step': 7}
+  """
+  proc = jax.process_index()
+  nproc = jax.process_count()
+  ptc, extras, arrays = _snapshot_items(tree)
+  if mode not in ("local", "central"):
+    raise StoreError(f"mode must be 'local' or 'central', not {mode!r}")
+  if mode == "central":
+    if not central:
+      raise StoreError("mode='central' needs central=<dir or URL>")
+    target = central
+  else:
+    target = location
+  if target.startswith("http://"):
+    return _upload(RemoteStore(target), proc, nproc, step, ptc, extras,
+                   arrays, mode)
+  w = SnapshotWriter(target, proc, step=step)
+  try:
+    for name, leaf, impl, boxes in arrays:
+      t = ptc[name]
+      w.declare(name, dtype=t.dtype, itemsize=t.itemsize, shape=t.shape,
+                key_impl=impl)
+      for box, data in boxes:
+        w.add(name, box, np.asarray(data))
+    snap = w.commit(ptc_json=ptc.to_json(), extras=extras,
+                    num_processes=nproc, mode=mode, keep=keep)
+  except BaseException:
+    w.abort()
+    raise
+  if replicas:
+    if not peers or len(peers) < 2:
+      raise StoreError(f"replicas={replicas} needs peers=[every process's"
+                       " store location]")
+    for k in range(1, min(replicas, len(peers) - 1) + 1):
+      replicate(snap, proc, peers[(proc + k) % len(peers)])
+  return snap
+
+
+def _upload(remote: RemoteStore, proc, nproc, step, ptc, extras, arrays,
+            mode):
+  tensors = {}
+  boxes = []
+  chunks = []
+  nbytes = 0
+  for name, leaf, impl, bxs in arrays:
+    t = ptc[name]
+    storage, extra = storage_of(t.dtype, t.itemsize)
+    tensors[name] = {"dtype": t.dtype, "itemsize": t.itemsize,
+                     "shape": list(t.shape), "key_impl": impl}
+    for box, data in bxs:
+      a = np.asarray(data)
+      a = np.ascontiguousarray(a).view(storage)
+      shape = [b - a_ for a_, b in box] + list(extra)
+      boxes.append((name, [list(r) for r in box], a.nbytes, storage, shape))
+      chunks.append(a)
+      nbytes += a.nbytes
+  header = {"step": step, "job": ptc.to_json(), "extras": extras,
+            "num_processes": nproc, "mode": mode, "tensors": tensors,
+            "boxes": boxes}
+  return remote.upload(proc, header, iter(chunks), nbytes)["snapshot"]
+
+
+def replicate(snapshot: str, proc: int, dest: str) -> None:
+  """Copies a committed snapshot of process ``proc`` to store ``dest`` (a
+  directory, or a store server URL), atomically."""
+  if dest.startswith("http://"):
+    src = HostStore(os.path.dirname(os.path.dirname(os.path.dirname(
+        snapshot))))
+    m = src.manifest(proc)
+    tensors = {p: {k: t[k] for k in ("dtype", "itemsize", "shape",
+                                     "key_impl")}
+               for p, t in m["tensors"].items()}
+    boxes, chunks, nbytes = [], [], 0
+    for p, t in m["tensors"].items():
+      for b in t["boxes"]:
+        box = tuple(tuple(r) for r in b["box"])
+        a = src.read_storage(p, box, proc=proc)
+        boxes.append((p, b["box"], a.nbytes, a.dtype.name, list(a.shape)))
+        chunks.append(a)
+        nbytes += a.nbytes
+    header = {"step": m["step"], "job": m["job"], "extras": m["extras"],
+              "num_processes": m["num_processes"], "mode": "replica",
+              "tensors": tensors, "boxes": boxes}
+    RemoteStore(dest).upload(proc, header, iter(chunks), nbytes)
+    return
+  pdir = os.path.join(dest, "procs", str(proc))
+  os.makedirs(pdir, exist_ok=True)
+  ensure_store_id(dest)
+  name = os.path.basename(snapshot)
+  staging = os.path.join(pdir, f".staging-{name}-{uuid.uuid4().hex[:6]}")
+  shutil.copytree(snapshot, staging)
+  final = os.path.join(pdir, name)
+  if os.path.exists(final):
+    shutil.rmtree(staging)
+  else:
+    os.rename(staging, final)
+  tmp = os.path.join(pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
+  with open(tmp, "w") as f:
+    f.write(name)
+  os.replace(tmp, os.path.join(pdir, "CURRENT"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreReport:
+  """What one process's restore read, from where, and how long it took.
+
+  Attributes:
+    process_index: this process (of the new job).
+    step: the restored step.
+    n_tensors: arrays restored.
+    state_bytes: bytes of one copy of the state.
+    local_bytes: bytes read from this host's store(s).
+    network_bytes: payload bytes read from peer store servers.
+    planned_network_bytes: bytes of the distinct pieces this process's
+      devices need whose planned source is on another host.
+    host_lower_bound_bytes: bytes this host's devices need that no copy on
+      this host held (what must cross the network at least).
+    device_piece_bytes: bytes of all pieces of this process's devices, with
+      duplicates across devices (what device-level reads would fetch).
+    per_source_bytes: bytes read per store (directory or URL).
+    fallbacks: reads that failed and were served by another copy.
+    lost_processes: old processes no reachable store holds.
+    from_checkpoint: the state came from the Orbax checkpoint.
+    steps_lost: training steps lost by falling back to the checkpoint.
+    seconds: per phase (``manifest``, ``plan``, ``read``, ``build``,
+      ``total``).
+  """
+
+  process_index: int
+  step: int
+  n_tensors: int
+  state_bytes: int
+  local_bytes: int
+  network_bytes: int
+  planned_network_bytes: int
+  host_lower_bound_bytes: int
+  device_piece_bytes: int
+  per_source_bytes: Mapping[str, int]
+  fallbacks: tuple[str, ...]
+  lost_processes: tuple[int, ...]
+  from_checkpoint: bool
+  steps_lost: int
+  seconds: Mapping[str, float]
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["per_source_bytes"] = dict(self.per_source_bytes)
+    d["seconds"] = dict(self.seconds)
+    d["fallbacks"] = list(self.fallbacks)
+    d["lost_processes"] = list(self.lost_processes)
+    return d
+
+  def __str__(self) -> str:
+    mib = 1 << 20
+    return (f"process {self.process_index} restored step {self.step}:"
+            f" {self.n_tensors} arrays, {self.local_bytes / mib:.1f} MiB"
+            f" local, {self.network_bytes / mib:.1f} MiB over the network"
+            f" (host lower bound {self.host_lower_bound_bytes / mib:.1f}"
+            f" MiB), {len(self.fallbacks)} fallbacks, in"
+            f" {self.seconds.get('total', 0):.2f} s")
+
+
+class _Source:
+  """One reachable store: its handles and the snapshots it holds."""
+
+  def __init__(self, name: str, handle, manifests: dict[int, dict],
+               local: bool):
+    self.name = name
+    self.handle = handle
+    self.manifests = manifests
+    self.local = local
+
+
+def _gather(locations: Sequence[str], timeout: float, retries: int):
+  by_id: dict[str, _Source] = {}
+  unreachable = []
+  for loc in locations:
+    try:
+      h = open_store(loc, timeout=timeout, retries=retries)
+      ms = h.manifests()
+      sid = h.store_id
+    except StoreError as e:
+      unreachable.append(str(e))
+      continue
+    local = isinstance(h, HostStore)
+    src = _Source(loc, h, ms, local)
+    old = by_id.get(sid)
+    if old is None or (local and not old.local):
+      by_id[sid] = src
+      if old is not None:
+        _close([old])
+    else:
+      _close([src])
+  return list(by_id.values()), unreachable
+
+
+def restore_with_report(locations: Sequence[str] | str, target: Any, *,
+                        step: int | None = None,
+                        checkpoint: str | None = None,
+                        timeout: float = 30.0, retries: int = 2,
+                        workers: int = 8) -> tuple[Any, RestoreReport]:
+  """Like :func:`restore`, and also returns a :class:`RestoreReport`."""
+  t0 = time.perf_counter()
+  if isinstance(locations, str):
+    locations = [locations]
+  me = jax.process_index()
+  sources, unreachable = _gather(locations, timeout, retries)
+  try:
+    return _restore(sources, unreachable, locations, target, step, checkpoint,
+                    workers, t0, me)
+  finally:
+    _close(sources)
+
+
+def _restore(sources, unreachable, locations, target, step, checkpoint,
+             workers, t0, me):
+  fallbacks = list(unreachable)
+  # Which snapshots exist, per old process, at which step.
+  steps = {m["step"] for s in sources for m in s.manifests.values()}
+  if step is None:
+    if not steps:
+      return _from_checkpoint(checkpoint, target, None, fallbacks, t0,
+                              "no store holds a snapshot", locations)
+    step = max(steps)
+  holding: dict[int, list[_Source]] = collections.defaultdict(list)
+  job = None
+  for s in sorted(sources, key=lambda s: not s.local):
+    for k, m in s.manifests.items():
+      if m["step"] == step:
+        holding[k].append(s)
+        job = job or m
+  if job is None:
+    return _from_checkpoint(checkpoint, target, step, fallbacks, t0,
+                            f"no store holds step {step}", locations)
+  src_ptc = PTC.from_json(job["job"])
+  tinfo = {}
+  for k, srcs in holding.items():
+    for p, t in srcs[0].manifests[k]["tensors"].items():
+      tinfo.setdefault(p, t)
+  extras = job["extras"]
+  lost = tuple(sorted({p for _, p in src_ptc.processes} - set(holding)))
+  host_ids = {id(s): i for i, s in enumerate(sources)}
+  my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
+  # Old layout: only devices whose process still has a copy; ids shifted.
+  old_proc = src_ptc.process_of
+  src_host = {}
+  for d, k in src_ptc.processes:
+    if k in holding:
+      src_host[d + _OFFSET] = host_ids[id(holding[k][0])]
+  tensors = []
+  missing = []
+  for t in src_ptc:
+    holders = []
+    for box, hs in zip(t.placement.boxes, t.placement.holders):
+      alive = tuple(h + _OFFSET for h in hs if old_proc[h] in holding)
+      if not alive:
+        missing.append(f"{t.path} box {list(box)} (held by devices"
+                       f" {list(hs)} of processes"
+                       f" {sorted({old_proc[h] for h in hs})})")
+      holders.append(alive or (hs[0] + _OFFSET,))
+    tensors.append(dataclasses.replace(
+        t, placement=Placement(t.placement.boxes, tuple(holders))))
+  if missing:
+    why = (f"processes {list(lost)} of the saved job have no surviving"
+           f" copy in any store ({len(missing)} boxes lost, e.g."
+           f" {missing[0]})")
+    if unreachable:
+      why += "; unreachable: " + "; ".join(unreachable)
+    return _from_checkpoint(checkpoint, target, step, fallbacks, t0, why,
+                            locations, lost)
+  src2 = PTC(tuple(tensors), tuple(sorted(src_host.items())))
+  # New layout (physical: what each device must hold).
+  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+  dst_sds = {}
+  for kp, leaf in flat:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+      dst_sds[key_path_name(kp)] = leaf
+  dst_ptc = PTC.from_tree(dst_sds)
+  dst2 = PTC(dst_ptc.tensors, tuple(
+      (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
+  t1 = time.perf_counter()
+  the_plan = plan(src2, dst2)
+  t2 = time.perf_counter()
+  # Distinct pieces of this process's devices, with candidate sources.
+  mine = {d.id for d in jax.local_devices()}
+  tasks: dict[tuple[str, Box], list[tuple[_Source, int]]] = {}
+  planned_net = host_lb = dev_piece = 0
+  for t in dst_ptc:
+    if t.path not in tinfo:
+      raise StoreError(f"{t.path}: the saved state (step {step}) has no such"
+                       f" tensor; it has {list(tinfo)[:8]}")
+    tpl, rot = the_plan.template(t.path)
+    s_t = src2[t.path]
+    local_boxes = [i for i, hs in enumerate(s_t.placement.holders)
+                   if any(src_host[h] == my_host for h in hs)]
+    seen_dst = set()
+    for d in sorted(mine & set(t.placement.devices)):
+      dbox = t.shard_box(d)
+      first = dbox not in seen_dst
+      seen_dst.add(dbox)
+      if first:  # host lower bound: this box minus what this host held
+        kept = 0
+        for i in local_boxes:
+          c = intersect(dbox, s_t.placement.boxes[i])
+          kept += 0 if c is None else box_volume(c)
+        host_lb += (box_volume(dbox) - kept) * t.itemsize
+      for m in tpl.moves_to(d):
+        nb = box_volume(m.box) * t.itemsize
+        dev_piece += nb
+        key = (t.path, m.box)
+        if key in tasks:
+          continue
+        L = len(m.sources)
+        order = [m.sources[(rot + j) % L] for j in range(L)]
+        cands = []
+        for dev in order:  # the plan's choice first, then other replicas
+          for s in holding[old_proc[dev - _OFFSET]]:
+            c = (s, old_proc[dev - _OFFSET])
+            if c not in cands:
+              cands.append(c)
+        cands.sort(key=lambda c: not c[0].local)  # own host first (stable)
+        if not cands[0][0].local:
+          planned_net += nb
+        tasks[key] = cands
+  t3 = time.perf_counter()
+  got: dict[tuple[str, Box], np.ndarray] = {}
+  per_source = collections.Counter()
+  local_bytes = net_bytes = 0
+
+  def fetch(key):
+    path, box = key
+    errs = []
+    for s, k in tasks[key]:
+      try:
+        if box_volume(box) == 0:
+          t = tinfo[path]
+          return key, np.empty(tuple(b - a for a, b in box) + tuple(
+              t["extra"]), np.dtype(t["storage"])), None, errs
+        return key, s.handle.read_storage(path, box, proc=k), s, errs
+      except StoreError as e:
+        errs.append(str(e))
+    raise StoreError(f"{path} box {list(box)}: every copy failed:\n  "
+                     + "\n  ".join(errs))
+
+  with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+    for key, arr, s, errs in pool.map(fetch, list(tasks)):
+      got[key] = arr
+      fallbacks.extend(errs)
+      if s is not None:
+        per_source[s.name] += arr.nbytes
+        if s.local:
+          local_bytes += arr.nbytes
+        else:
+          net_bytes += arr.nbytes
+  t4 = time.perf_counter()
+  # Assemble each distinct new box once, then place it on its devices.
+  out_leaves = []
+  by_dev = {d.id: d for d in jax.local_devices()}
+  for kp, leaf in flat:
+    name = key_path_name(kp)
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+      out_leaves.append(_decode_extra(extras[name], leaf)
+                        if name in extras else leaf)
+      continue
+    t = dst_ptc[name]
+    info = tinfo[name]
+    tpl, _ = the_plan.template(name)
+    extra = tuple(info["extra"])
+    storage = np.dtype(info["storage"])
+    key_impl = info.get("key_impl")
+    sharding = leaf.sharding
+    if key_impl:
+      sharding = _key_data_sharding(sharding, len(t.shape), len(extra))
+    built: dict[Box, np.ndarray] = {}
+    arrays = []
+    for dev in sorted(sharding.addressable_devices, key=lambda d: d.id):
+      dbox = t.shard_box(dev.id)
+      host = built.get(dbox)
+      if host is None:
+        j = t.placement.boxes.index(dbox)
+        pieces = tpl.merges[j]
+        if len(pieces) == 1 and pieces[0][0] == dbox:
+          host = got[(name, dbox)]
+        else:
+          host = np.empty(tuple(b - a for a, b in dbox) + extra, storage)
+          for piece, _ in pieces:
+            rel = tuple(slice(p0 - d0, p1 - d0)
+                        for (p0, p1), (d0, _) in zip(piece, dbox))
+            host[rel] = got[(name, piece)]
+        host = from_storage(host, info["dtype"])
+        built[dbox] = host
+      arrays.append(jax.device_put(host, by_dev[dev.id]))
+    arr = jax.make_array_from_single_device_arrays(
+        tuple(t.shape) + extra, sharding, arrays)
+    if key_impl:
+      arr = jax.random.wrap_key_data(arr, impl=key_impl)
+    out_leaves.append(arr)
+  tree = jax.tree_util.tree_unflatten(treedef, out_leaves)
+  t5 = time.perf_counter()
+  report = RestoreReport(
+      process_index=me, step=step, n_tensors=len(dst_ptc),
+      state_bytes=dst_ptc.nbytes, local_bytes=local_bytes,
+      network_bytes=net_bytes, planned_network_bytes=planned_net,
+      host_lower_bound_bytes=host_lb, device_piece_bytes=dev_piece,
+      per_source_bytes=dict(per_source), fallbacks=tuple(fallbacks),
+      lost_processes=lost, from_checkpoint=False, steps_lost=0,
+      seconds={"manifest": t1 - t0, "plan": t2 - t1, "read": t4 - t3,
+               "build": t5 - t4, "total": t5 - t0})
+  return tree, report
+
+
+def _close(sources) -> None:
+  for s in sources:
+    close = getattr(s.handle, "close", None)
+    if close:
+      close()
+
+
+def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
+  """Restores a saved state onto the target layout; call in every process.
+
+  Args:
+    locations: store directories (this host's) and/or store server URLs
+      (``http://127.0.0.1:PORT``, peers).
+    target: a pytree of ``jax.ShapeDtypeStruct``s with shardings on the new
+      mesh; other leaves take the saved value of the same path if there is
+      one, else pass through.
+    **kwargs: ``step`` (default: the newest), ``checkpoint`` (an Orbax
+      checkpoint directory to fall back to when no copy survives),
+      ``timeout``, ``retries``, ``workers``.
+
+  Returns:
+    The state on the target layout, bitwise equal to what was saved.
+
+  Raises:
+    NoCopyError: some piece has no surviving copy and no checkpoint is given.
+    StoreError: every copy of a needed piece failed (names hosts and paths).
+
+  Example:
+    >>> import tempfile, jax, jax.numpy as jnp
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save({"w": jnp.arange(4.0), "step": 3}, d, step=3)
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    >>> out = restore([d], {"w": jax.ShapeDtypeStruct((4,), jnp.float32,
+    ...                                               sharding=s), "step": 0})
+    >>> out["w"].tolist(), out["step"], out["w"].sharding == s
+    ([0.0, 1.0, 2.0, 3.0], 3, True)
+  """
+  return restore_with_report(locations, target, **kwargs)[0]
+
+
+def _from_checkpoint(checkpoint, target, step, fallbacks, t0, why,
+                     locations, lost=()):
+  if not checkpoint:
+    raise NoCopyError(f"cannot restore from stores {list(locations)}: {why};"
+                      " no checkpoint= to fall back to")
+  from tenplex_jax.store import checkpoint as ckpt
+  tree, ck_step = ckpt.restore_checkpoint(checkpoint, target)
+  lost_steps = 0 if step is None else max(0, step - ck_step)
+  t1 = time.perf_counter()
+  dst = PTC.from_tree({key_path_name(kp): leaf for kp, leaf in
+                       jax.tree_util.tree_flatten_with_path(target)[0]
+                       if isinstance(leaf, jax.ShapeDtypeStruct)})
+  report = RestoreReport(
+      process_index=jax.process_index(), step=ck_step, n_tensors=len(dst),
+      state_bytes=dst.nbytes, local_bytes=0, network_bytes=0,
+      planned_network_bytes=0, host_lower_bound_bytes=0,
+      device_piece_bytes=0, per_source_bytes={},
+      fallbacks=tuple(fallbacks) + (why,), lost_processes=tuple(lost),
+      from_checkpoint=True, steps_lost=lost_steps,
+      seconds={"total": t1 - t0})
+  return tree, report

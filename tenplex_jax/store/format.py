@@ -1,0 +1,582 @@
+"""The on-disk tensor store of one host: snapshots of sub-tensors on tensorstore.
+
+A store is a directory (e.g. under ``/dev/shm``) that holds, per process of a
+job whose data it keeps, atomic *snapshots*::
+
+  DIR/STORE_ID                     a random id naming this store (the "host")
+  DIR/procs/<k>/CURRENT            name of process k's current snapshot
+  DIR/procs/<k>/<snapshot>/manifest.json
+  DIR/procs/<k>/<snapshot>/data/params/Dense_0/kernel/b<i>/   zarr3 array
+
+Each snapshot holds one copy of every box (distinct shard) that process ``k``
+held, as a zarr3 array written with tensorstore, plus a JSON manifest: the
+job's full layout (``PTC.to_json()``), the boxes held, the step, and the
+non-array leaves. Every chunk carries a crc32c checksum (zarr3 ``crc32c``
+codec) that tensorstore verifies on every read; the manifest also records a
+crc32 of each box's bytes, which :meth:`HostStore.verify` checks.
+
+Arrays are stored as unsigned integers of the same itemsize (bfloat16 as
+uint16, float8 and int4 as uint8, bool as uint8, PRNG keys as their uint32
+key data), so every dtype round-trips bitwise.
+
+Snapshots are written into a staging directory and renamed into place; the
+``CURRENT`` pointer is replaced atomically last, so a half-written snapshot
+never replaces a good one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.parse
+import uuid
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+
+from tenplex_jax.errors import ChecksumError, StoreError
+from tenplex_jax.layout import PTC, Box
+
+__all__ = ["HostStore", "SnapshotWriter", "parse_index", "format_box",
+           "parse_box"]
+
+FORMAT = "tenplex_jax.store"
+_CHUNK_BYTES = 16 << 20  # chunks at most this big (split along dim 0)
+
+
+def _context() -> ts.Context:
+  return ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                     "data_copy_concurrency": {"limit": 4},
+                     "file_io_concurrency": {"limit": 8}})
+
+
+_CTX = None
+_CTX_LOCK = threading.Lock()
+
+
+def ts_context() -> ts.Context:
+  global _CTX
+  with _CTX_LOCK:
+    if _CTX is None:
+      _CTX = _context()
+    return _CTX
+
+
+# ---------------------------------------------------------------- indices
+
+
+def parse_index(index: Any, shape: Sequence[int]) -> Box:
+  """Turns a numpy-style index or the paper's string form into a box.
+
+  Accepts a string like ``"[:, 2:4]"``, a tuple of slices and ints, a single
+  slice, or a box (``((start, stop), ...)``). Ints select one element of a
+  dimension (kept as a length-1 range). Steps other than 1 are refused.
+
+  Example:
+    >>> parse_index("[:, 2:4]", (3, 8))
+    ((0, 3), (2, 4))
+    >>> parse_index((slice(1, None), 5), (3, 8))
+    ((1, 3), (5, 6))
+
+  Raises:
+    StoreError: the index is malformed or out of range for ``shape``.
+  """
+  shape = tuple(int(n) for n in shape)
+  if isinstance(index, str):
+    text = index.strip()
+    if text.startswith("[") and text.endswith("]"):
+      text = text[1:-1]
+    parts = [p.strip() for p in text.split(",")] if text.strip() else []
+    items = []
+    for p in parts:
+      if p in ("", ":", "..."):
+        if p == "...":
+          items.append(Ellipsis)
+        else:
+          items.append(slice(None))
+        continue
+      if ":" in p:
+        bits = p.split(":")
+        if len(bits) > 3 or (len(bits) == 3 and bits[2].strip() not in
+                             ("", "1")):
+          raise StoreError(f"index {index!r}: only unit-step ranges are"
+                           f" supported, got {p!r}")
+        try:
+          lo = int(bits[0]) if bits[0].strip() else None
+          hi = int(bits[1]) if bits[1].strip() else None
+        except ValueError:
+          raise StoreError(f"index {index!r}: {p!r} is not a range") from None
+        items.append(slice(lo, hi))
+      else:
+        try:
+          items.append(int(p))
+        except ValueError:
+          raise StoreError(f"index {index!r}: {p!r} is not an int or a"
+                           " range") from None
+    index = tuple(items)
+  if isinstance(index, (slice, int, np.integer)) or index is Ellipsis:
+    index = (index,)
+  index = tuple(index)
+  if index and all(isinstance(r, (tuple, list)) and len(r) == 2
+                   for r in index):
+    index = tuple(slice(int(a), int(b)) for a, b in index)
+  if Ellipsis in index:
+    k = index.index(Ellipsis)
+    fill = len(shape) - (len(index) - 1)
+    index = index[:k] + (slice(None),) * fill + index[k + 1:]
+  if len(index) > len(shape):
+    raise StoreError(f"index {index} has {len(index)} entries but the tensor"
+                     f" has rank {len(shape)} (shape {shape})")
+  box = []
+  for d, n in enumerate(shape):
+    s = index[d] if d < len(index) else slice(None)
+    if isinstance(s, (int, np.integer)):
+      i = int(s) + (n if s < 0 else 0)
+      if not 0 <= i < n:
+        raise StoreError(f"index {int(s)} is out of range for dimension {d}"
+                         f" of size {n} (shape {shape})")
+      box.append((i, i + 1))
+      continue
+    if not isinstance(s, slice):
+      raise StoreError(f"unsupported index entry {s!r} for dimension {d}")
+    if s.step not in (None, 1):
+      raise StoreError(f"dimension {d}: only unit-step slices are supported,"
+                       f" got step {s.step}")
+    lo, hi, _ = s.indices(n)
+    box.append((lo, max(lo, hi)))
+  return tuple(box)
+
+
+def format_box(box: Box) -> str:
+  """The URL form of a box: ``0:4,2:4`` (empty for a 0-d tensor)."""
+  return ",".join(f"{a}:{b}" for a, b in box)
+
+
+def parse_box(text: str) -> Box:
+  if not text:
+    return ()
+  out = []
+  for part in text.split(","):
+    a, b = part.split(":")
+    out.append((int(a), int(b)))
+  return tuple(out)
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+def storage_of(dtype_name: str, itemsize: int) -> tuple[str, tuple[int, ...]]:
+  """The unsigned storage dtype and extra trailing dims of a logical dtype."""
+  if dtype_name.startswith("key<"):
+    return "uint32", (itemsize // 4,)
+  if itemsize in (1, 2, 4, 8):
+    return f"uint{8 * itemsize}", ()
+  if itemsize % 8 == 0:
+    return "uint64", (itemsize // 8,)
+  raise StoreError(f"dtype {dtype_name} with itemsize {itemsize} has no"
+                   " storage type")
+
+
+def to_storage(arr: np.ndarray, storage: str, extra: tuple[int, ...]
+               ) -> np.ndarray:
+  arr = np.ascontiguousarray(arr).reshape(arr.shape)
+  if arr.dtype == np.dtype(storage) and not extra:
+    return arr
+  if extra and arr.dtype == np.dtype(storage):  # key data already
+    return arr
+  out = arr.view(np.dtype(storage))
+  if extra:
+    out = out.reshape(arr.shape + extra)
+  return out
+
+
+def from_storage(arr: np.ndarray, dtype_name: str) -> np.ndarray:
+  """Views storage integers as the logical dtype (keys stay key data)."""
+  if dtype_name.startswith("key<"):
+    return arr
+  dt = jnp.dtype(dtype_name)
+  if arr.dtype == dt:
+    return arr
+  arr = np.ascontiguousarray(arr).reshape(arr.shape)
+  if arr.dtype.itemsize != dt.itemsize:  # extra trailing dim
+    out = arr.view(dt)
+    return out.reshape(arr.shape[:-1])
+  return arr.view(dt)
+
+
+def _quote(path: str) -> str:
+  return "/".join(urllib.parse.quote(p, safe="") or "%00"
+                  for p in path.split("/"))
+
+
+def _chunk_shape(shape: tuple[int, ...], itemsize: int) -> list[int]:
+  if not shape:
+    return []
+  row = max(1, math.prod(shape[1:]) * itemsize)
+  rows = max(1, min(shape[0], _CHUNK_BYTES // row)) if shape[0] else 1
+  return [rows] + [max(1, n) for n in shape[1:]]
+
+
+def _zarr_spec(path: str, shape: tuple[int, ...], storage: str,
+               itemsize: int) -> dict:
+  return {
+      "driver": "zarr3",
+      "kvstore": {"driver": "file", "path": path},
+      "metadata": {
+          "shape": list(shape),
+          "chunk_grid": {"name": "regular", "configuration": {
+              "chunk_shape": _chunk_shape(shape, itemsize)}},
+          "data_type": storage,
+          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                     {"name": "crc32c"}],
+      },
+  }
+
+
+# ---------------------------------------------------------------- writing
+
+
+class SnapshotWriter:
+  """Writes one process's snapshot into a store directory, atomically.
+
+  ``add`` writes boxes (asynchronously, through tensorstore); ``commit``
+  waits for them, writes the manifest, renames the staging directory into
+  place and swaps the ``CURRENT`` pointer. ``abort`` removes the staging
+  directory. Used by :func:`tenplex_jax.store.save` and by the store server
+  for uploads (central mode, store replicas).
+  """
+
+  def __init__(self, root: str, proc: int, *, step: int):
+    self.root = os.path.abspath(root)
+    self.proc = int(proc)
+    self.step = int(step)
+    self.pdir = os.path.join(self.root, "procs", str(self.proc))
+    os.makedirs(self.pdir, exist_ok=True)
+    ensure_store_id(self.root)
+    self.name = f"snap-{self.step:010d}-{uuid.uuid4().hex[:8]}"
+    self.staging = os.path.join(self.pdir, f".staging-{self.name}")
+    os.makedirs(self.staging)
+    self.tensors: dict[str, dict] = {}
+    self._futures: list = []
+    self._lock = threading.Lock()
+    self.nbytes = 0
+
+  def declare(self, path: str, *, dtype: str, itemsize: int,
+              shape: Sequence[int], key_impl: str | None = None) -> None:
+    storage, extra = storage_of(dtype, itemsize)
+    with self._lock:
+      self.tensors.setdefault(path, {
+          "dtype": dtype, "itemsize": int(itemsize),
+          "shape": [int(n) for n in shape], "storage": storage,
+          "extra": list(extra), "key_impl": key_impl, "boxes": []})
+
+  def add(self, path: str, box: Box, data: np.ndarray) -> None:
+    """Writes ``data`` (logical dtype or storage dtype) as box ``box``."""
+    t = self.tensors[path]
+    extra = tuple(t["extra"])
+    data = to_storage(np.asarray(data), t["storage"], extra)
+    want = tuple(b - a for a, b in box) + extra
+    if data.shape != want:
+      raise StoreError(f"{path}: box {box} needs shape {want}, got"
+                       f" {data.shape}")
+    with self._lock:
+      i = len(t["boxes"])
+      rel = f"data/{_quote(path)}/b{i}"
+      entry = {"box": [list(r) for r in box], "dir": rel,
+               "nbytes": int(data.nbytes),
+               "crc32": zlib.crc32(memoryview(data).cast("B"))
+               if data.size else 0}
+      t["boxes"].append(entry)
+      self.nbytes += data.nbytes
+    if data.size == 0:
+      return
+    shape = data.shape
+    spec = _zarr_spec(os.path.join(self.staging, rel), shape, t["storage"],
+                      np.dtype(t["storage"]).itemsize * math.prod(extra or (1,)))
+    spec["create"] = True
+    arr = ts.open(spec, context=ts_context()).result()
+    self._futures.append(arr.write(data))
+
+  def commit(self, *, ptc_json: str, extras: Mapping[str, Any] | None = None,
+             num_processes: int = 1, mode: str = "local",
+             keep: int = 1) -> str:
+    """Finishes the snapshot; returns its directory."""
+    try:
+      for f in self._futures:
+        f.result()
+    except Exception as e:
+      self.abort()
+      raise StoreError(f"writing snapshot {self.staging} failed: {e}") from e
+    manifest = {
+        "format": FORMAT, "version": 1, "step": self.step,
+        "process_index": self.proc, "num_processes": int(num_processes),
+        "mode": mode, "created": time.time(), "nbytes": self.nbytes,
+        "job": json.loads(ptc_json) if isinstance(ptc_json, str) else ptc_json,
+        "tensors": self.tensors, "extras": dict(extras or {}),
+    }
+    with open(os.path.join(self.staging, "manifest.json"), "w") as f:
+      json.dump(manifest, f)
+    final = os.path.join(self.pdir, self.name)
+    os.rename(self.staging, final)
+    tmp = os.path.join(self.pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+      f.write(self.name)
+    os.replace(tmp, os.path.join(self.pdir, "CURRENT"))
+    # Keep the newest ``keep`` snapshots.
+    snaps = sorted(n for n in os.listdir(self.pdir) if n.startswith("snap-"))
+    for old in snaps[:-keep] if keep else []:
+      if old != self.name:
+        shutil.rmtree(os.path.join(self.pdir, old), ignore_errors=True)
+    return final
+
+  def abort(self) -> None:
+    for f in self._futures:  # let in-flight writes land before deleting
+      try:
+        f.result()
+      except Exception:
+        pass
+    self._futures = []
+    shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def ensure_store_id(root: str) -> str:
+  path = os.path.join(root, "STORE_ID")
+  try:
+    with open(path) as f:
+      return f.read().strip()
+  except FileNotFoundError:
+    pass
+  os.makedirs(root, exist_ok=True)
+  sid = uuid.uuid4().hex
+  tmp = f"{path}.{sid[:8]}"
+  with open(tmp, "w") as f:
+    f.write(sid)
+  try:
+    os.link(tmp, path)  # atomic create-if-absent
+  except FileExistsError:
+    pass
+  os.unlink(tmp)
+  with open(path) as f:
+    return f.read().strip()
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """What a store holds of one tensor (see :meth:`HostStore.describe`)."""
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  boxes: tuple[Box, ...]
+  nbytes: int
+  proc: int
+  step: int
+
+
+class HostStore:
+  """Reads the snapshots of a store directory.
+
+  Example:
+    >>> import tempfile, numpy as np, jax
+    >>> from tenplex_jax.store import save, HostStore
+    >>> d = tempfile.mkdtemp()
+    >>> save({"w": jax.numpy.arange(8.0).reshape(2, 4)}, d)
+    >>> store = HostStore(d)
+    >>> store.list()
+    ['w']
+    >>> store.read("w", "[:, 2:4]").tolist()
+    [[2.0, 3.0], [6.0, 7.0]]
+  """
+
+  def __init__(self, root: str):
+    self.root = os.path.abspath(root)
+    if not os.path.isdir(self.root):
+      raise StoreError(f"store directory {self.root} does not exist")
+    self._manifests: dict[int, tuple[str, dict]] = {}
+    self._arrays: dict[str, Any] = {}
+    self._lock = threading.Lock()
+
+  @property
+  def store_id(self) -> str:
+    return ensure_store_id(self.root)
+
+  def procs(self) -> list[int]:
+    """Processes (of the saving job) with a committed snapshot here."""
+    d = os.path.join(self.root, "procs")
+    if not os.path.isdir(d):
+      return []
+    return sorted(int(n) for n in os.listdir(d)
+                  if n.isdigit() and
+                  os.path.exists(os.path.join(d, n, "CURRENT")))
+
+  def snapshot_dir(self, proc: int) -> str:
+    pdir = os.path.join(self.root, "procs", str(proc))
+    try:
+      with open(os.path.join(pdir, "CURRENT")) as f:
+        return os.path.join(pdir, f.read().strip())
+    except FileNotFoundError:
+      raise StoreError(f"store {self.root} holds no snapshot of process"
+                       f" {proc} (it holds {self.procs()})") from None
+
+  def manifest(self, proc: int | None = None) -> dict:
+    """The manifest of process ``proc``'s current snapshot (default: the
+    only or the lowest process held)."""
+    if proc is None:
+      procs = self.procs()
+      if not procs:
+        raise StoreError(f"store {self.root} is empty")
+      proc = procs[0]
+    snap = self.snapshot_dir(proc)
+    with self._lock:
+      cached = self._manifests.get(proc)
+      if cached and cached[0] == snap:
+        return cached[1]
+    try:
+      with open(os.path.join(snap, "manifest.json")) as f:
+        m = json.load(f)
+    except (OSError, ValueError) as e:
+      raise StoreError(f"store {self.root}: manifest of process {proc}"
+                       f" ({snap}) is unreadable: {e}") from e
+    with self._lock:
+      self._manifests[proc] = (snap, m)
+    return m
+
+  def manifests(self) -> dict[int, dict]:
+    return {p: self.manifest(p) for p in self.procs()}
+
+  def list(self, proc: int | None = None) -> list[str]:
+    """Tensor paths held (of one process's snapshot)."""
+    return list(self.manifest(proc)["tensors"])
+
+  def describe(self, proc: int | None = None) -> list[TensorInfo]:
+    """Per tensor: shape, dtype, the boxes held and their bytes."""
+    m = self.manifest(proc)
+    return [TensorInfo(p, tuple(t["shape"]), t["dtype"],
+                       tuple(tuple(tuple(r) for r in b["box"])
+                             for b in t["boxes"]),
+                       sum(b["nbytes"] for b in t["boxes"]),
+                       m["process_index"], m["step"])
+            for p, t in m["tensors"].items()]
+
+  def ptc(self, proc: int | None = None) -> PTC:
+    """The saving job's full layout."""
+    return PTC.from_json(self.manifest(proc)["job"])
+
+  def _array(self, snap: str, rel: str):
+    key = os.path.join(snap, rel)
+    with self._lock:
+      arr = self._arrays.get(key)
+    if arr is None:
+      spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": key},
+              "open": True}
+      try:
+        arr = ts.open(spec, context=ts_context(), read=True).result()
+      except Exception as e:
+        raise StoreError(f"store {self.root}: cannot open {key}: {e}") from e
+      with self._lock:
+        self._arrays[key] = arr
+    return arr
+
+  def read_storage(self, path: str, box: Box, *, proc: int | None = None
+                   ) -> np.ndarray:
+    """Reads sub-box ``box`` of tensor ``path`` in its storage dtype.
+
+    Raises:
+      ChecksumError: a chunk fails its checksum.
+      StoreError: the tensor or box is not held here.
+    """
+    if proc is None:
+      proc = self._proc_holding(path, box)
+    m = self.manifest(proc)
+    snap = self.snapshot_dir(proc)
+    t = m["tensors"].get(path)
+    if t is None:
+      raise StoreError(f"store {self.root} (process {proc}) holds no tensor"
+                       f" {path!r}")
+    extra = tuple(t["extra"])
+    for b in t["boxes"]:
+      held = tuple(tuple(r) for r in b["box"])
+      if all(h0 <= lo and hi <= h1 for (lo, hi), (h0, h1) in zip(box, held)) \
+          and len(box) == len(held):
+        shape = tuple(hi - lo for lo, hi in box) + extra
+        if math.prod(shape) == 0:
+          return np.empty(shape, np.dtype(t["storage"]))
+        arr = self._array(snap, b["dir"])
+        idx = tuple(slice(lo - h0, hi - h0)
+                    for (lo, hi), (h0, _) in zip(box, held))
+        try:
+          return arr[idx].read().result()
+        except Exception as e:
+          msg = str(e)
+          if any(w in msg.lower() for w in ("crc32c", "checksum", "digest")):
+            raise ChecksumError(
+                f"store {self.root}: {path} box {list(held)} (process {proc},"
+                f" {b['dir']}): chunk checksum mismatch: {msg}") from e
+          raise StoreError(f"store {self.root}: reading {path} box {box}"
+                           f" failed: {msg}") from e
+    raise StoreError(f"store {self.root} (process {proc}) holds no box of"
+                     f" {path!r} containing {list(box)}")
+
+  def _proc_holding(self, path: str, box: Box) -> int:
+    for p in self.procs():
+      t = self.manifest(p)["tensors"].get(path)
+      if t is None:
+        continue
+      for b in t["boxes"]:
+        held = b["box"]
+        if len(held) == len(box) and all(
+            h0 <= lo and hi <= h1 for (lo, hi), (h0, h1) in zip(box, held)):
+          return p
+    raise StoreError(f"store {self.root} holds no box of {path!r} containing"
+                     f" {list(box)}")
+
+  def read(self, path: str, index: Any = None, *, proc: int | None = None
+           ) -> np.ndarray:
+    """Reads a sub-tensor by numpy-style index or string form ``"[:, 2:4]"``.
+
+    The sub-tensor must lie inside one box held here. PRNG keys come back
+    as their key data.
+    """
+    t = None
+    for p in ([proc] if proc is not None else self.procs()):
+      t = self.manifest(p)["tensors"].get(path)
+      if t is not None:
+        break
+    if t is None:
+      raise StoreError(f"store {self.root} holds no tensor {path!r}")
+    box = parse_index(slice(None) if index is None else index, t["shape"]) \
+        if t["shape"] else ()
+    return from_storage(self.read_storage(path, box, proc=proc), t["dtype"])
+
+  def verify(self) -> list[str]:
+    """Checks every box against its manifest crc32; returns the problems."""
+    problems = []
+    for p in self.procs():
+      m = self.manifest(p)
+      for path, t in m["tensors"].items():
+        for b in t["boxes"]:
+          box = tuple(tuple(r) for r in b["box"])
+          try:
+            data = self.read_storage(path, box, proc=p)
+          except StoreError as e:
+            problems.append(str(e))
+            continue
+          if data.size and zlib.crc32(
+              memoryview(np.ascontiguousarray(data)).cast("B")) != b["crc32"]:
+            problems.append(f"{self.root}: {path} box {list(box)} (process"
+                            f" {p}) does not match its manifest crc32")
+    return problems
+

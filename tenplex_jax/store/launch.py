@@ -1,0 +1,380 @@
+"""The restart flow: ``tenplex-jax launch`` and the calls a training script makes.
+
+The launcher runs a script as N local processes (one ``jax.distributed`` job
+on 127.0.0.1 with gloo CPU collectives, D devices each), starts one store
+server per store directory (they outlive the training processes), and when
+the script exits for a resize it relaunches the script as M processes; the
+state travels through the stores.
+
+A training script::
+
+  from tenplex_jax import store
+  store.initialize()                      # jax.distributed from the env
+  state, step = store.restore_or_init(init_fn, target)
+  while step < total:
+    state = train_step(state); step += 1
+    if store.resize_due(step):
+      store.save_and_exit(state, step)    # exits with RESIZE_EXIT_CODE
+
+A resize is requested by a schedule file (lines ``step 20 procs 2``), by
+``request_resize(m)`` from the script, or by SIGUSR1 to the launcher with the
+new size in ``JOB_DIR/request`` (the launcher turns it into a request a few
+steps ahead of the slowest process, so all processes resize at one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["RESIZE_EXIT_CODE", "initialize", "launch", "register",
+           "request_resize", "resize_due", "restore_or_init", "save_and_exit"]
+
+RESIZE_EXIT_CODE = 75
+_MARGIN = 3  # steps ahead of the slowest process for signalled requests
+
+
+def _text(path: str) -> str:
+  with open(path) as f:
+    return f.read()
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+  return os.environ.get(name, default)
+
+
+def initialize() -> dict:
+  """Configures gloo CPU collectives and ``jax.distributed`` from the
+  launcher's environment; returns the job description.
+
+  Without a launcher (no ``TENPLEX_NUM_PROCS``) it is a single process job.
+
+  Example:
+    >>> info = initialize()  # doctest: +SKIP
+    >>> info["num_processes"], info["process_id"]  # doctest: +SKIP
+    (2, 0)
+  """
+  import jax
+  n = int(_env("TENPLEX_NUM_PROCS", "1"))
+  i = int(_env("TENPLEX_PROC_ID", "0"))
+  devices = _env("TENPLEX_DEVICES")
+  if devices:
+    jax.config.update("jax_num_cpu_devices", int(devices))
+  if n > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=_env("TENPLEX_COORDINATOR"),
+                               num_processes=n, process_id=i,
+                               initialization_timeout=120)
+  return {"num_processes": n, "process_id": i,
+          "store": _env("TENPLEX_STORE"), "job_dir": _env("TENPLEX_JOB_DIR"),
+          "generation": int(_env("TENPLEX_GENERATION", "0"))}
+
+
+def _progress(step: int) -> None:
+  job = _env("TENPLEX_JOB_DIR")
+  if job:
+    p = os.path.join(job, f"progress_{_env('TENPLEX_PROC_ID', '0')}")
+    with open(p + ".tmp", "w") as f:
+      f.write(str(step))
+    os.replace(p + ".tmp", p)
+
+
+def _schedule() -> list[tuple[int, int]]:
+  path = _env("TENPLEX_SCHEDULE")
+  out = []
+  if path and os.path.exists(path):
+    for line in _text(path).splitlines():
+      parts = line.split()
+      if len(parts) == 4 and parts[0] == "step" and parts[2] == "procs":
+        out.append((int(parts[1]), int(parts[3])))
+  return sorted(out)
+
+
+def request_resize(procs: int, *, at_step: int) -> None:
+  """Asks for a resize to ``procs`` processes at step ``at_step``.
+
+  Call it in every process with the same arguments (e.g. from a decision all
+  processes compute alike); :func:`resize_due` then fires at that step.
+  """
+  job = _env("TENPLEX_JOB_DIR")
+  if not job:
+    raise RuntimeError("request_resize needs tenplex-jax launch"
+                       " (TENPLEX_JOB_DIR is not set)")
+  p = os.path.join(job, "resize_request.json")
+  tmp = f"{p}.{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump({"procs": int(procs), "step": int(at_step)}, f)
+  os.replace(tmp, p)
+
+
+def resize_due(step: int) -> int | None:
+  """The new process count if a resize is due at ``step``, else ``None``.
+
+  Sources: the schedule file (a ``step S procs M`` line with S == step,
+  after this generation's start step) and resize requests.
+  """
+  _progress(step)
+  start = int(_env("TENPLEX_START_STEP", "0"))
+  n = int(_env("TENPLEX_NUM_PROCS", "1"))
+  for s, m in _schedule():
+    if s == step and s > start and m != n:
+      return m
+  job = _env("TENPLEX_JOB_DIR")
+  if job:
+    p = os.path.join(job, "resize_request.json")
+    try:
+      req = json.loads(_text(p))
+    except (OSError, ValueError):
+      req = None
+    if req and req["step"] == step and step > start and req["procs"] != n:
+      return int(req["procs"])
+  return None
+
+
+def save_and_exit(state: Any, step: int, *, procs: int | None = None,
+                  replicas: int = 0) -> None:
+  """Saves this process's shards to its host store and exits for a resize.
+
+  Every process calls it at the same step. The launcher relaunches the
+  script with the new process count, whose :func:`restore_or_init` restores
+  the state.
+  """
+  import jax
+  from tenplex_jax.store.api import save
+  procs = procs or resize_due(step) or int(_env("TENPLEX_NUM_PROCS", "1"))
+  peers = json.loads(_env("TENPLEX_STORES", "[]"))
+  save(state, _env("TENPLEX_STORE"), step=step, replicas=replicas,
+       peers=peers or None)
+  job = _env("TENPLEX_JOB_DIR")
+  if job:
+    with open(os.path.join(job, f"resize_{jax.process_index()}.json"),
+              "w") as f:
+      json.dump({"procs": procs, "step": step}, f)
+  if jax.process_count() > 1:
+    jax.distributed.shutdown()
+  sys.stdout.flush()
+  os._exit(RESIZE_EXIT_CODE)
+
+
+def restore_or_init(init_fn: Callable[[], Any], target: Any = None
+                    ) -> tuple[Any, int]:
+  """Restores the state saved by the previous generation, or initialises.
+
+  Args:
+    init_fn: builds the initial state on this job's mesh (first start).
+    target: the state's ``ShapeDtypeStruct``s with shardings on this job's
+      mesh (default: ``jax.eval_shape(init_fn)``, whose leaves must carry
+      shardings).
+
+  Returns:
+    ``(state, step)``; ``step`` is 0 on a first start.
+  """
+  import jax
+  from tenplex_jax.store.api import restore_with_report
+  stores = json.loads(_env("TENPLEX_PEERS", "[]"))
+  start = int(_env("TENPLEX_START_STEP", "0"))
+  if not stores or start == 0:
+    return init_fn(), 0
+  if target is None:
+    target = jax.eval_shape(init_fn)
+  own = _env("TENPLEX_STORE")
+  locations = ([own] if own and os.path.isdir(own) else []) + stores
+  state, report = restore_with_report(locations, target)
+  job = _env("TENPLEX_JOB_DIR")
+  if job:
+    with open(os.path.join(job, f"restore_{jax.process_index()}_"
+                           f"{_env('TENPLEX_GENERATION', '0')}.json"),
+              "w") as f:
+      json.dump(report.to_dict(), f)
+  return state, report.step
+
+
+# ------------------------------------------------------------ the launcher
+
+
+def _start_server(d: str, log: str) -> tuple[subprocess.Popen, str]:
+  ready = os.path.join(d, ".server-ready")
+  if os.path.exists(ready):
+    os.unlink(ready)
+  os.makedirs(d, exist_ok=True)
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "tenplex_jax", "store", "serve", "--dir", d,
+       "--port", "0", "--ready-file", ready],
+      stdout=open(log, "a"), stderr=subprocess.STDOUT,
+      env={**os.environ, "PYTHONPATH": _pythonpath()})
+  t0 = time.time()
+  while not os.path.exists(ready):
+    if proc.poll() is not None or time.time() - t0 > 60:
+      proc.kill()
+      raise RuntimeError(f"store server for {d} did not start; see {log}")
+    time.sleep(0.05)
+  return proc, "http://" + _text(ready).strip()
+
+
+def _pythonpath() -> str:
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  return os.pathsep.join([root] + [p for p in os.environ.get(
+      "PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
+           schedule: str | None = None, job_dir: str | None = None,
+           max_generations: int = 16, timeout: float | None = None) -> int:
+  """Runs ``cmd`` as ``procs`` processes and relaunches it on resizes.
+
+  Returns the script's exit code (0 when the last generation finished).
+
+  Example:
+    >>> launch(["python", "train.py"], procs=2, devices_per_proc=2,
+    ...        schedule="sched.txt")  # doctest: +SKIP
+    0
+  """
+  from tenplex_jax.store.server import free_port
+  job_dir = os.path.abspath(job_dir or tempfile.mkdtemp(
+      prefix="tenplex-job-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+      else None))
+  os.makedirs(job_dir, exist_ok=True)
+  servers: dict[int, tuple[subprocess.Popen, str]] = {}
+  pending = {"request": None}
+
+  def on_usr1(*_):
+    pending["request"] = True
+
+  old_handler = signal.signal(signal.SIGUSR1, on_usr1)
+  n = procs
+  start_step = 0
+  code = 1
+  t_end = None if timeout is None else time.time() + timeout
+  try:
+    for gen in range(max_generations):
+      for i in range(n):
+        if i not in servers:
+          servers[i] = _start_server(os.path.join(job_dir, "store", str(i)),
+                                     os.path.join(job_dir, f"server_{i}.log"))
+      # Every store that may hold data: those of all slots started so far.
+      urls = [servers[i][1] for i in sorted(servers)]
+      port = free_port()
+      children = []
+      for i in range(n):
+        env = {**os.environ,
+               "PYTHONPATH": _pythonpath(),
+               "TENPLEX_COORDINATOR": f"127.0.0.1:{port}",
+               "TENPLEX_NUM_PROCS": str(n), "TENPLEX_PROC_ID": str(i),
+               "TENPLEX_DEVICES": str(devices_per_proc),
+               "TENPLEX_STORE": os.path.join(job_dir, "store", str(i)),
+               "TENPLEX_STORES": json.dumps(
+                   [os.path.join(job_dir, "store", str(j)) for j in range(n)]),
+               "TENPLEX_PEERS": json.dumps(urls),
+               "TENPLEX_JOB_DIR": job_dir,
+               "TENPLEX_GENERATION": str(gen),
+               "TENPLEX_START_STEP": str(start_step)}
+        if schedule:
+          env["TENPLEX_SCHEDULE"] = os.path.abspath(schedule)
+        children.append(subprocess.Popen(list(cmd), env=env))
+      codes = _wait(children, job_dir, pending, t_end)
+      if all(c == 0 for c in codes):
+        code = 0
+        break
+      if all(c == RESIZE_EXIT_CODE for c in codes):
+        info = json.loads(_text(os.path.join(job_dir, "resize_0.json")))
+        print(f"tenplex-jax launch: generation {gen}: {n} -> {info['procs']}"
+              f" processes at step {info['step']}", flush=True)
+        n, start_step = int(info["procs"]), int(info["step"])
+        continue
+      code = next(c for c in codes if c not in (0, RESIZE_EXIT_CODE)) \
+          if any(c not in (0, RESIZE_EXIT_CODE) for c in codes) else 1
+      print(f"tenplex-jax launch: generation {gen} failed, exit codes"
+            f" {codes}", file=sys.stderr, flush=True)
+      break
+  finally:
+    signal.signal(signal.SIGUSR1, old_handler)
+    for p, _ in servers.values():
+      p.terminate()
+    for p, _ in servers.values():
+      try:
+        p.wait(10)
+      except subprocess.TimeoutExpired:
+        p.kill()
+  return code
+
+
+def _wait(children, job_dir, pending, t_end) -> list[int]:
+  try:
+    while True:
+      codes = [c.poll() for c in children]
+      if all(c is not None for c in codes):
+        return codes
+      if any(c not in (None, 0, RESIZE_EXIT_CODE) for c in codes):
+        time.sleep(2)  # let the others notice, then stop them
+        for c in children:
+          if c.poll() is None:
+            c.kill()
+        return [c.wait() for c in children]
+      if pending["request"]:
+        pending["request"] = None
+        _signalled_request(job_dir, len(children))
+      if t_end is not None and time.time() > t_end:
+        raise TimeoutError("tenplex-jax launch: timed out")
+      time.sleep(0.05)
+  except BaseException:
+    for c in children:
+      if c.poll() is None:
+        c.kill()
+    for c in children:
+      c.wait()
+    raise
+
+
+def _signalled_request(job_dir: str, n: int) -> None:
+  """SIGUSR1: turn ``JOB_DIR/request`` (a process count) into a request a
+  few steps past the furthest process."""
+  try:
+    m = int(_text(os.path.join(job_dir, "request")).split()[0])
+  except (OSError, ValueError, IndexError):
+    print("tenplex-jax launch: SIGUSR1 without a valid JOB_DIR/request",
+          file=sys.stderr)
+    return
+  steps = []
+  for i in range(n):
+    try:
+      steps.append(int(_text(os.path.join(job_dir, f"progress_{i}"))))
+    except (OSError, ValueError):
+      steps.append(0)
+  p = os.path.join(job_dir, "resize_request.json")
+  with open(p + ".tmp", "w") as f:
+    json.dump({"procs": m, "step": max(steps) + _MARGIN}, f)
+  os.replace(p + ".tmp", p)
+
+
+def _launch_cmd(args) -> int:
+  cmd = list(args.cmd)
+  if cmd and cmd[0] == "--":
+    cmd = cmd[1:]
+  if not cmd:
+    print("tenplex-jax launch: give the command after --", file=sys.stderr)
+    return 2
+  return launch(cmd, procs=args.procs, devices_per_proc=args.devices_per_proc,
+                schedule=args.schedule, job_dir=args.job_dir,
+                timeout=args.timeout)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+  p = sub.add_parser("launch", help="run a training script as N processes,"
+                     " relaunching it on resizes")
+  p.add_argument("--procs", type=int, required=True)
+  p.add_argument("--devices-per-proc", type=int, default=1)
+  p.add_argument("--schedule", default=None,
+                 help="file with lines 'step S procs M'")
+  p.add_argument("--job-dir", default=None)
+  p.add_argument("--timeout", type=float, default=None)
+  p.add_argument("cmd", nargs=argparse.REMAINDER)
+  p.set_defaults(func=_launch_cmd)

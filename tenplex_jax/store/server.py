@@ -1,0 +1,349 @@
+"""Serving a host's store to other hosts: a small HTTP server and its client.
+
+Endpoints (all under ``http://HOST:PORT``):
+
+* ``GET /manifest``: ``{"store_id": ..., "procs": {k: manifest}}``.
+* ``GET /tensor/<proc>/<path>?box=0:4,2:4``: the raw little-endian bytes of
+  exactly that sub-box (C order, storage dtype), so a reader fetches only
+  the bytes the plan needs. Chunk checksums are verified by the server on
+  read; a corrupt chunk answers ``409`` with the reason.
+* ``GET /stats``: bytes and requests served.
+* ``POST /upload/<proc>``: a whole snapshot in one streamed body (central
+  mode and store replicas): an 8-byte header length, a JSON header, then the
+  boxes' bytes in header order. Committed atomically like a local save.
+
+The server is a ``ThreadingHTTPServer`` (one thread per connection, HTTP/1.1
+keep-alive) and runs as its own process (``tenplex-jax store serve``), so it
+outlives the training process that wrote the store.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from tenplex_jax.errors import ChecksumError, StoreError
+from tenplex_jax.layout import Box
+from tenplex_jax.store.format import (HostStore, SnapshotWriter, format_box,
+                                      parse_box)
+
+__all__ = ["RemoteStore", "make_server", "serve"]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+  protocol_version = "HTTP/1.1"
+  server: "_StoreServer"
+
+  def log_message(self, fmt, *args):  # quiet
+    pass
+
+  def _send(self, code: int, body: bytes, ctype: str = "application/json",
+            headers: Mapping[str, str] | None = None):
+    self.send_response(code)
+    self.send_header("Content-Type", ctype)
+    self.send_header("Content-Length", str(len(body)))
+    for k, v in (headers or {}).items():
+      self.send_header(k, v)
+    self.end_headers()
+    self.wfile.write(body)
+
+  def _error(self, code: int, msg: str):
+    self._send(code, json.dumps({"error": msg}).encode())
+
+  def do_GET(self):
+    url = urllib.parse.urlsplit(self.path)
+    parts = url.path.strip("/").split("/", 2)
+    store: HostStore = self.server.store
+    try:
+      if parts[0] == "manifest":
+        body = json.dumps({"store_id": store.store_id,
+                           "procs": {str(k): v for k, v in
+                                     store.manifests().items()}}).encode()
+        self._send(200, body)
+      elif parts[0] == "stats":
+        with self.server.lock:
+          body = json.dumps(self.server.stats).encode()
+        self._send(200, body)
+      elif parts[0] == "tensor" and len(parts) == 3:
+        proc = int(parts[1])
+        path = urllib.parse.unquote(parts[2])
+        q = urllib.parse.parse_qs(url.query, keep_blank_values=True)
+        box = parse_box(q.get("box", [""])[0])
+        data = store.read_storage(path, box, proc=proc)
+        body = memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")
+        with self.server.lock:
+          self.server.stats["bytes_sent"] += len(body)
+          self.server.stats["requests"] += 1
+        self._send(200, body, "application/octet-stream",
+                   {"X-Storage-Dtype": data.dtype.name,
+                    "X-Shape": ",".join(map(str, data.shape))})
+      else:
+        self._error(404, f"no endpoint {url.path}")
+    except ChecksumError as e:
+      self._error(409, str(e))
+    except StoreError as e:
+      self._error(404, str(e))
+    except (BrokenPipeError, ConnectionResetError):
+      pass
+    except Exception as e:  # pragma: no cover - report, keep serving
+      self._error(500, f"{type(e).__name__}: {e}")
+
+  def do_POST(self):
+    url = urllib.parse.urlsplit(self.path)
+    parts = url.path.strip("/").split("/")
+    if len(parts) != 2 or parts[0] != "upload":
+      self._error(404, f"no endpoint {url.path}")
+      return
+    try:
+      proc = int(parts[1])
+      (hlen,) = struct.unpack("<Q", self.rfile.read(8))
+      header = json.loads(self.rfile.read(hlen))
+      w = SnapshotWriter(self.server.store.root, proc, step=header["step"])
+      try:
+        for path, t in header["tensors"].items():
+          w.declare(path, dtype=t["dtype"], itemsize=t["itemsize"],
+                    shape=t["shape"], key_impl=t.get("key_impl"))
+        for path, box, nbytes, storage, shape in header["boxes"]:
+          raw = _read_exact(self.rfile, nbytes)
+          arr = np.frombuffer(raw, dtype=storage).reshape(shape)
+          w.add(path, tuple(tuple(r) for r in box), arr)
+          with self.server.lock:
+            self.server.stats["bytes_received"] += nbytes
+        final = w.commit(ptc_json=header["job"], extras=header["extras"],
+                         num_processes=header["num_processes"],
+                         mode=header.get("mode", "local"))
+      except BaseException:
+        w.abort()
+        raise
+      self._send(200, json.dumps({"snapshot": final}).encode())
+    except Exception as e:
+      self._error(500, f"upload for process {parts[1]} failed:"
+                  f" {type(e).__name__}: {e}")
+
+
+def _read_exact(f, n: int) -> bytes:
+  buf = bytearray(n)
+  view = memoryview(buf)
+  got = 0
+  while got < n:
+    k = f.readinto(view[got:])
+    if not k:
+      raise StoreError(f"upload ended after {got} of {n} bytes")
+    got += k
+  return bytes(buf)
+
+
+class _StoreServer(http.server.ThreadingHTTPServer):
+  daemon_threads = True
+  allow_reuse_address = True
+
+  def __init__(self, addr, store: HostStore):
+    super().__init__(addr, _Handler)
+    self.store = store
+    self.lock = threading.Lock()
+    self.stats = {"bytes_sent": 0, "requests": 0, "bytes_received": 0}
+
+
+def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1"
+                ) -> _StoreServer:
+  """A store server for directory ``root`` (not yet serving).
+
+  Example:
+    >>> import tempfile, threading
+    >>> srv = make_server(tempfile.mkdtemp(), 0)
+    >>> t = threading.Thread(target=srv.serve_forever, daemon=True); t.start()
+    >>> RemoteStore(f"http://127.0.0.1:{srv.server_address[1]}").manifests()
+    {}
+    >>> srv.shutdown(); srv.server_close()
+  """
+  os.makedirs(root, exist_ok=True)
+  return _StoreServer((host, int(port)), HostStore(root))
+
+
+def serve(root: str, port: int, *, host: str = "127.0.0.1",
+          ready_file: str | None = None) -> None:
+  """Serves ``root`` until SIGTERM/SIGINT (``tenplex-jax store serve``).
+
+  Writes ``host:port`` to ``ready_file`` once listening (port 0 picks a
+  free port).
+  """
+  srv = make_server(root, port, host=host)
+
+  def stop(*_):
+    threading.Thread(target=srv.shutdown, daemon=True).start()
+
+  signal.signal(signal.SIGTERM, stop)
+  signal.signal(signal.SIGINT, stop)
+  if ready_file:
+    tmp = ready_file + ".tmp"
+    with open(tmp, "w") as f:
+      f.write(f"{srv.server_address[0]}:{srv.server_address[1]}")
+    os.replace(tmp, ready_file)
+  print(f"tenplex-jax store: serving {os.path.abspath(root)} on"
+        f" http://{srv.server_address[0]}:{srv.server_address[1]}", flush=True)
+  try:
+    srv.serve_forever(poll_interval=0.2)
+  finally:
+    srv.server_close()
+
+
+class RemoteStore:
+  """Client of a store server: manifests and sub-box reads over HTTP.
+
+  Keeps one keep-alive connection per thread; retries connection errors
+  ``retries`` times with backoff, each attempt bounded by ``timeout``
+  seconds, then raises :class:`StoreError` naming the URL and the tensor.
+  ``bytes_received`` counts the payload bytes read.
+  """
+
+  def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2):
+    u = urllib.parse.urlsplit(url)
+    if u.scheme != "http" or not u.hostname:
+      raise StoreError(f"store URL {url!r} is not http://HOST:PORT")
+    self.url = url.rstrip("/")
+    self.host, self.port = u.hostname, u.port or 80
+    self.timeout = timeout
+    self.retries = retries
+    self._local = threading.local()
+    self._lock = threading.Lock()
+    self.bytes_received = 0
+    self.requests = 0
+    self._manifest: dict | None = None
+    self._conns: list[http.client.HTTPConnection] = []
+
+  def close(self) -> None:
+    """Closes every connection this client opened (from any thread)."""
+    with self._lock:
+      conns, self._conns = self._conns, []
+    for c in conns:
+      c.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def _conn(self) -> http.client.HTTPConnection:
+    c = getattr(self._local, "conn", None)
+    if c is None:
+      c = http.client.HTTPConnection(self.host, self.port,
+                                     timeout=self.timeout)
+      self._local.conn = c
+      with self._lock:
+        self._conns.append(c)
+    return c
+
+  def _drop(self):
+    c = getattr(self._local, "conn", None)
+    if c is not None:
+      c.close()
+    self._local.conn = None
+
+  def _get(self, target: str, what: str) -> tuple[int, dict, bytes]:
+    last = None
+    for attempt in range(self.retries + 1):
+      try:
+        c = self._conn()
+        c.request("GET", target)
+        r = c.getresponse()
+        body = r.read()
+        return r.status, dict(r.getheaders()), body
+      except (OSError, http.client.HTTPException) as e:
+        last = e
+        self._drop()
+        if attempt < self.retries:
+          time.sleep(0.05 * 2 ** attempt)
+    raise StoreError(f"store server {self.url} is unreachable while reading"
+                     f" {what} ({self.retries + 1} attempts, timeout"
+                     f" {self.timeout}s): {type(last).__name__}: {last}")
+
+  @property
+  def store_id(self) -> str:
+    return self.fetch_manifest()["store_id"]
+
+  def fetch_manifest(self, refresh: bool = False) -> dict:
+    if self._manifest is None or refresh:
+      code, _, body = self._get("/manifest", "/manifest")
+      if code != 200:
+        raise StoreError(f"store server {self.url}: /manifest answered"
+                         f" {code}: {body[:300]!r}")
+      self._manifest = json.loads(body)
+    return self._manifest
+
+  def manifests(self) -> dict[int, dict]:
+    return {int(k): v for k, v in self.fetch_manifest()["procs"].items()}
+
+  def stats(self) -> dict:
+    code, _, body = self._get("/stats", "/stats")
+    return json.loads(body)
+
+  def read_storage(self, path: str, box: Box, *, proc: int) -> np.ndarray:
+    target = (f"/tensor/{proc}/{urllib.parse.quote(path, safe='')}"
+              f"?box={format_box(box)}")
+    what = f"{path} box {list(box)} of process {proc}"
+    code, headers, body = self._get(target, what)
+    if code == 409:
+      raise ChecksumError(f"store server {self.url}: {what}:"
+                          f" {_msg(body)}")
+    if code != 200:
+      raise StoreError(f"store server {self.url}: {what}: HTTP {code}:"
+                       f" {_msg(body)}")
+    shape = tuple(int(n) for n in headers["X-Shape"].split(",") if n)
+    arr = np.frombuffer(body, dtype=headers["X-Storage-Dtype"])
+    with self._lock:
+      self.bytes_received += len(body)
+      self.requests += 1
+    return arr.reshape(shape)
+
+  def upload(self, proc: int, header: dict, chunks: Iterator[np.ndarray],
+             nbytes: int) -> dict:
+    """Streams a snapshot (see the module docstring) to the server."""
+    head = json.dumps(header).encode()
+    total = 8 + len(head) + nbytes
+
+    def body():
+      yield struct.pack("<Q", len(head)) + head
+      for c in chunks:
+        yield memoryview(np.ascontiguousarray(c)).cast("B")
+
+    try:
+      c = http.client.HTTPConnection(self.host, self.port,
+                                     timeout=max(self.timeout, 300))
+      c.request("POST", f"/upload/{proc}", body=body(),
+                headers={"Content-Length": str(total)})
+      r = c.getresponse()
+      out = r.read()
+      c.close()
+    except (OSError, http.client.HTTPException) as e:
+      raise StoreError(f"store server {self.url}: uploading the snapshot of"
+                       f" process {proc} failed: {e}") from e
+    if r.status != 200:
+      raise StoreError(f"store server {self.url}: upload of process {proc}"
+                       f" answered {r.status}: {_msg(out)}")
+    return json.loads(out)
+
+
+def _msg(body: bytes) -> str:
+  try:
+    return json.loads(body)["error"]
+  except Exception:
+    return body[:300].decode("utf-8", "replace")
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]

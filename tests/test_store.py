@@ -1,0 +1,222 @@
+"""Single-process tests of the tensor store: dtypes, sub-tensor reads,
+checksums, atomic snapshots, the store server and its errors."""
+
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tenplex_jax import store
+from tenplex_jax.store import (ChecksumError, HostStore, RemoteStore, StoreError,
+                               make_server, parse_index)
+
+DTYPES = ["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
+          "int4", "uint4", "int8", "uint16", "int32", "bool", "complex64"]
+
+
+def _mesh(n, shape, names=("d", "t"), start=0):
+  return Mesh(np.array(jax.devices()[start:start + n]).reshape(shape), names)
+
+
+def _value(dtype, shape, seed=0):
+  rng = np.random.default_rng(seed)
+  if dtype == "bool":
+    return rng.integers(0, 2, shape).astype(bool)
+  if dtype in ("int4", "uint4"):
+    lo = -8 if dtype == "int4" else 0
+    return rng.integers(lo, lo + 16, shape).astype(getattr(ml_dtypes, dtype))
+  dt = jnp.dtype(dtype)
+  if jnp.issubdtype(dt, jnp.integer):
+    return rng.integers(0, 100, shape).astype(dt)
+  if jnp.issubdtype(dt, jnp.complexfloating):
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
+            ).astype(dt)
+  return rng.standard_normal(shape).astype(dt)
+
+
+def _bits(a):
+  a = np.asarray(a).reshape(-1)
+  return a.view(np.uint8)
+
+
+@pytest.fixture
+def sdir(tmp_path):
+  return str(tmp_path / "store")
+
+
+def test_every_dtype_round_trips_bitwise_onto_a_new_layout(sdir):
+  src, dst = _mesh(4, (2, 2)), _mesh(4, (1, 4), start=4)
+  tree, target = {}, {}
+  for i, dt in enumerate(DTYPES):
+    x = _value(dt, (8, 4), i)
+    tree[dt] = jax.device_put(x, NamedSharding(src, P("t", "d")))
+    target[dt] = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                      sharding=NamedSharding(dst, P(None, "t")))
+  tree["scalar"] = jax.device_put(np.float32(3.5), NamedSharding(src, P()))
+  target["scalar"] = jax.ShapeDtypeStruct((), jnp.float32,
+                                          sharding=NamedSharding(dst, P()))
+  tree["empty"] = jax.device_put(np.zeros((0, 4), np.int32),
+                                 NamedSharding(src, P(None, "d")))
+  target["empty"] = jax.ShapeDtypeStruct((0, 4), jnp.int32,
+                                         sharding=NamedSharding(dst, P()))
+  keys = jax.random.split(jax.random.key(3), 4)
+  tree["key"] = jax.device_put(keys, NamedSharding(src, P("t")))
+  target["key"] = jax.ShapeDtypeStruct(keys.shape, keys.dtype,
+                                       sharding=NamedSharding(dst, P("t")))
+  tree.update(step=12, name="run", lr=0.5, table=np.arange(3))
+  target.update(step=0, name="", lr=0.0, table=np.zeros(3, np.int64))
+  store.save(tree, sdir, step=12)
+  out, rep = store.restore_with_report([sdir], target)
+  for k, t in target.items():
+    if isinstance(t, jax.ShapeDtypeStruct):
+      assert out[k].sharding == t.sharding, k
+      assert out[k].dtype == t.dtype and out[k].shape == t.shape, k
+      a, b = (jax.random.key_data(out[k]), jax.random.key_data(tree[k])) \
+          if k == "key" else (out[k], tree[k])
+      np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=k)
+  assert (out["step"], out["name"], out["lr"]) == (12, "run", 0.5)
+  np.testing.assert_array_equal(out["table"], np.arange(3))
+  assert rep.network_bytes == 0 and rep.local_bytes > 0
+
+
+def test_sub_tensor_reads_by_slice_and_string_form(sdir):
+  x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+  a = jax.device_put(x, NamedSharding(_mesh(2, (1, 2)), P(None, "t")))
+  store.save({"params": {"w": a}}, sdir)
+  st = HostStore(sdir)
+  assert st.list() == ["params/w"]
+  (info,) = st.describe()
+  assert info.boxes == (((0, 6), (0, 4)), ((0, 6), (4, 8)))
+  assert info.nbytes == x.nbytes and info.dtype == "float32"
+  np.testing.assert_array_equal(st.read("params/w", "[:, 2:4]"), x[:, 2:4])
+  np.testing.assert_array_equal(st.read("params/w", (slice(1, 3), 5)),
+                                x[1:3, 5:6])
+  np.testing.assert_array_equal(st.read("params/w", "[4:, 4:8]"), x[4:, 4:])
+  with pytest.raises(StoreError, match="no box of 'params/w' containing"):
+    st.read("params/w", "[:, 2:6]")  # spans two boxes
+  with pytest.raises(StoreError, match="no tensor 'nope'"):
+    st.read("nope")
+  assert parse_index("[:, 2:4]", (6, 8)) == ((0, 6), (2, 4))
+  assert parse_index("[..., -1]", (6, 8)) == ((0, 6), (7, 8))
+  with pytest.raises(StoreError, match="unit-step"):
+    parse_index("[::2]", (6,))
+  with pytest.raises(StoreError, match="rank 2"):
+    parse_index("[1, 2, 3]", (6, 8))
+
+
+def test_corrupt_chunk_is_detected_by_checksum(sdir):
+  x = np.arange(64, dtype=np.int32)
+  store.save({"v": jax.device_put(x, jax.devices()[0])}, sdir)
+  st = HostStore(sdir)
+  snap = st.snapshot_dir(0)
+  chunk = os.path.join(snap, "data", "v", "b0", "c", "0")
+  with open(chunk, "r+b") as f:
+    f.seek(17)
+    b = f.read(1)
+    f.seek(17)
+    f.write(bytes([b[0] ^ 1]))
+  with pytest.raises(ChecksumError, match="v box"):
+    HostStore(sdir).read("v")
+  assert HostStore(sdir).verify()  # reports the problem
+  tgt = {"v": jax.ShapeDtypeStruct((64,), jnp.int32,
+                                   sharding=NamedSharding(_mesh(1, (1, 1)), P()))}
+  with pytest.raises(StoreError, match="every copy failed"):
+    store.restore([sdir], tgt)
+
+
+def test_failed_save_never_replaces_a_good_snapshot(sdir):
+  good = jax.device_put(np.ones(4, np.float32), jax.devices()[0])
+  store.save({"w": good}, sdir, step=1)
+
+  bad = {"w": good, "z": jax.device_put(np.ones(4), jax.devices()[0])}
+  orig = store.format.SnapshotWriter.add
+
+  def failing(self, path, box, data):
+    if path == "z":
+      raise OSError("disk full")
+    return orig(self, path, box, data)
+
+  store.format.SnapshotWriter.add = failing
+  try:
+    with pytest.raises(OSError, match="disk full"):
+      store.save(bad, sdir, step=2)
+  finally:
+    store.format.SnapshotWriter.add = orig
+  st = HostStore(sdir)
+  assert st.manifest()["step"] == 1 and st.list() == ["w"]
+  pdir = os.path.join(sdir, "procs", "0")
+  assert not [n for n in os.listdir(pdir) if n.startswith(".staging")]
+
+
+def test_server_sub_box_reads_and_errors(sdir):
+  x = np.arange(12 * 6, dtype=np.float32).reshape(12, 6)
+  store.save({"w": jax.device_put(x, NamedSharding(_mesh(2, (2, 1)),
+                                                   P("d")))}, sdir, step=3)
+  srv = make_server(sdir, 0)
+  th = threading.Thread(target=srv.serve_forever, daemon=True)
+  th.start()
+  url = f"http://127.0.0.1:{srv.server_address[1]}"
+  try:
+    rs = RemoteStore(url, timeout=2, retries=1)
+    assert rs.store_id == HostStore(sdir).store_id
+    assert rs.manifests()[0]["step"] == 3
+    got = rs.read_storage("w", ((7, 9), (2, 5)), proc=0).view(np.float32)
+    np.testing.assert_array_equal(got, x[7:9, 2:5])
+    assert rs.bytes_received == got.nbytes  # exactly the sub-box
+    with pytest.raises(StoreError, match="HTTP 404.*no tensor 'q'"):
+      rs.read_storage("q", ((0, 1),), proc=0)
+    # Concurrent reads share the server.
+    outs = [None] * 8
+
+    def rd(i):
+      outs[i] = rs.read_storage("w", ((i, i + 1), (0, 6)), proc=0)
+
+    ts = [threading.Thread(target=rd, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    for i, o in enumerate(outs):
+      np.testing.assert_array_equal(o.view(np.float32), x[i:i + 1])
+  finally:
+    srv.shutdown()
+    srv.server_close()
+    rs.close()
+  # The peer is gone mid-recovery: a clear error naming the URL and tensor.
+  with pytest.raises(StoreError, match=f"{url} is unreachable.*w box"):
+    rs.read_storage("w", ((0, 1), (0, 6)), proc=0)
+  rs.close()
+
+
+def test_central_mode_uploads_to_one_store(tmp_path):
+  central = str(tmp_path / "central")
+  srv = make_server(central, 0)
+  th = threading.Thread(target=srv.serve_forever, daemon=True)
+  th.start()
+  url = f"http://127.0.0.1:{srv.server_address[1]}"
+  try:
+    x = _value("bfloat16", (8, 8))
+    a = jax.device_put(x, NamedSharding(_mesh(4, (2, 2)), P("d", "t")))
+    store.save({"w": a, "step": 5}, str(tmp_path / "unused"), step=5,
+               mode="central", central=url)
+    assert srv.stats["bytes_received"] == x.nbytes
+    assert not os.path.exists(tmp_path / "unused")
+    tgt = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+        _mesh(2, (1, 2), start=6), P(None, "t"))), "step": 0}
+    out, rep = store.restore_with_report([url], tgt)
+    np.testing.assert_array_equal(_bits(out["w"]), _bits(x))
+    assert out["step"] == 5 and rep.network_bytes == x.nbytes
+  finally:
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_restore_without_any_copy_raises_no_copy_error(tmp_path):
+  tgt = {"w": jax.ShapeDtypeStruct((2,), jnp.float32,
+                                   sharding=NamedSharding(_mesh(1, (1, 1)), P()))}
+  os.makedirs(tmp_path / "empty")
+  with pytest.raises(store.NoCopyError, match="no store holds a snapshot"):
+    store.restore([str(tmp_path / "empty")], tgt)
