@@ -393,7 +393,7 @@ class HostStore:
     >>> import tempfile, numpy as np, jax
     >>> from tenplex_jax.store import save, HostStore
     >>> d = tempfile.mkdtemp()
-    >>> save({"w": jax.numpy.arange(8.0).reshape(2, 4)}, d)
+    >>> _ = save({"w": jax.numpy.arange(8.0).reshape(2, 4)}, d)
     >>> store = HostStore(d)
     >>> store.list()
     ['w']

@@ -164,9 +164,10 @@ def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1"
     >>> import tempfile, threading
     >>> srv = make_server(tempfile.mkdtemp(), 0)
     >>> t = threading.Thread(target=srv.serve_forever, daemon=True); t.start()
-    >>> RemoteStore(f"http://127.0.0.1:{srv.server_address[1]}").manifests()
+    >>> client = RemoteStore(f"http://127.0.0.1:{srv.server_address[1]}")
+    >>> client.manifests()
     {}
-    >>> srv.shutdown(); srv.server_close()
+    >>> client.close(); srv.shutdown(); srv.server_close()
   """
   os.makedirs(root, exist_ok=True)
   return _StoreServer((host, int(port)), HostStore(root))
