@@ -204,6 +204,21 @@ def _assemble_generic(pieces: list[tuple[Box, jax.Array]], box: Box):
   return build(pieces, 0)
 
 
+# XLA's CPU client aliases a host buffer (``device_put(..., may_alias=True)``)
+# only if it is aligned to 64 bytes; otherwise it copies it again. Large numpy
+# allocations come from glibc's mmap path and are 16-byte aligned.
+_ALIGN = 64
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data is 64-byte aligned."""
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+  off = (-raw.ctypes.data) % _ALIGN
+  return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
 def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
              rotation: int, src_boxes, dst_layout: TensorLayout, method: str,
              donate: bool) -> tuple[jax.Array, int]:
@@ -228,7 +243,7 @@ def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
         out.append(jax.device_put(data, dev))
       continue
     if method == "cpu":
-      buf = np.empty(tuple(b - a for a, b in dbox), dtype=np_dtype)
+      buf = _aligned_empty(tuple(b - a for a, b in dbox), np_dtype)
       for m in moves:
         src = m.source(rotation)
         if src not in views:
