@@ -173,6 +173,16 @@ def host_values(path_index: int, shape: tuple, dtype: str) -> np.ndarray:
   raise ValueError(dtype)
 
 
+def _aligned_copy(x: np.ndarray) -> np.ndarray:
+  """A C-contiguous copy of ``x`` whose data is 64-byte aligned (so that
+  ``device_put(..., may_alias=True)`` on CPU adopts it without copying)."""
+  raw = np.empty(x.nbytes + 64, np.uint8)
+  off = (-raw.ctypes.data) % 64
+  out = raw[off:off + x.nbytes].view(x.dtype).reshape(x.shape)
+  np.copyto(out, x)
+  return out
+
+
 def build_state(dims: Dims, layout: Layout) -> dict:
   """The state on ``layout``: every shard its own device buffer."""
   import jax
@@ -180,10 +190,12 @@ def build_state(dims: Dims, layout: Layout) -> dict:
   state: dict = {}
   for i, (path, shape, dt, _, _) in enumerate(tensor_specs(dims)):
     host = host_values(i, shape, dt)
-    arr = jax.make_array_from_callback(
-        shape, _get(shs, path), lambda idx: np.array(host[idx], copy=True))
+    sh = _get(shs, path)
+    shards = [jax.device_put(_aligned_copy(host[idx]), dev, may_alias=True)
+              for dev, idx in sh.addressable_devices_indices_map(shape).items()]
+    arr = jax.make_array_from_single_device_arrays(shape, sh, shards)
     arr.block_until_ready()
-    del host
+    del host, shards
     _set(state, path, arr)
   return state
 
