@@ -18,6 +18,7 @@ can stall on simulated CPU devices with many arrays in flight).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -212,6 +213,21 @@ def _pick(move, rotation: int, have) -> int | None:
   return None
 
 
+# XLA's CPU client aliases a host buffer (``device_put(..., may_alias=True)``)
+# only if it is aligned to 64 bytes; otherwise it copies it again. Large numpy
+# allocations come from glibc's mmap path and are 16-byte aligned.
+_ALIGN = 64
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data is 64-byte aligned."""
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+  off = (-raw.ctypes.data) % _ALIGN
+  return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
 def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
              rotation: int, src_boxes, dst_layout: TensorLayout, method: str,
              donate: bool) -> tuple[jax.Array, int]:
@@ -236,7 +252,7 @@ def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
         out.append(jax.device_put(data, dev))
       continue
     if method == "cpu":
-      buf = np.empty(tuple(b - a for a, b in dbox), dtype=np_dtype)
+      buf = _aligned_empty(tuple(b - a for a, b in dbox), np_dtype)
       for m in moves:
         src = _pick(m, rotation, shards)
         if src not in views:

@@ -1,0 +1,40 @@
+"""Smoke test of benchmarks/bench_reshard.py: quick mode, one transition.
+
+No timing assertions: it checks that the benchmark runs end to end, that the
+resharded values and shardings are checked, and that the JSON has its fields.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_reshard_quick(tmp_path):
+  out = tmp_path / "bench.json"
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_reshard.py"),
+       "--quick", "--transitions", "tensor2to4", "--methods", "reshard,memcpy",
+       "--out", str(out), "--timeout", "120"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  doc = json.loads(out.read_text())
+  assert doc["state_bytes"] > 0 and doc["size_gib"] > 0
+  assert set(doc["transitions"]) == {"tensor2to4"}
+  by = {r["method"]: r for r in doc["results"]}
+  assert set(by) == {"reshard", "memcpy"}
+  for r in by.values():
+    assert r["ok"], r
+    assert r["transition"] == "tensor2to4"
+    for k in ("cold_seconds", "warm_seconds", "moved_bytes"):
+      assert r[k] > 0, (r["method"], k, r[k])
+    assert r["peak_bytes"] >= 0
+  rs = by["reshard"]
+  assert rs["check"] == "ok" and rs["check_warm"] == "ok"
+  assert rs["moved_bytes"] == by["memcpy"]["moved_bytes"]
+  assert rs["cold_extra"]["lower_bound_bytes"] == rs["moved_bytes"]
+  s = doc["summary"]["tensor2to4"]
+  assert s["warm_reshard_over_memcpy"] > 0
