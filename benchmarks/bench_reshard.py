@@ -207,7 +207,7 @@ def _method_fn(method: str, dims, src_layout, dst_layout, targets, workdir):
 
 
 def worker(method: str, transition: str, size_gib: float, result_path: str,
-           check: bool) -> None:
+           check: bool, prefault_gib: float = 0.0) -> None:
   jax = _configure_jax()
   import gc
   tr = workload.TRANSITIONS[transition]
@@ -230,6 +230,8 @@ def worker(method: str, transition: str, size_gib: float, result_path: str,
     state = workload.build_state(dims, tr.src)
     result["build_seconds"] = time.perf_counter() - t0
     result["state_bytes"] = workload.state_bytes(dims)
+    if prefault_gib > 0:
+      result["prefault_seconds"] = prefault(prefault_gib)
     gc.collect()
     mem.reset()
     result["stage"] = "cold"
@@ -276,7 +278,7 @@ def worker(method: str, transition: str, size_gib: float, result_path: str,
 
 
 def run_one(method: str, transition: str, size_gib: float, check: bool,
-            timeout: float) -> dict:
+            timeout: float, prefault_gib: float = 0.0) -> dict:
   fd, rpath = tempfile.mkstemp(prefix="bench_result_", suffix=".json")
   os.close(fd)
   env = dict(os.environ)
@@ -286,6 +288,7 @@ def run_one(method: str, transition: str, size_gib: float, check: bool,
          transition, "--size-gib", str(size_gib), "--result", rpath]
   if not check:
     cmd.append("--no-check")
+  cmd += ["--prefault-gib", str(prefault_gib)]
   t0 = time.perf_counter()
   err = ""
   try:
@@ -341,11 +344,12 @@ def _at_most(v, x):
 def prefault(gib: float) -> float:
   """Touches ``gib`` GiB of fresh memory once, then frees it.
 
-  On a VM whose guest memory is backed lazily by the host (as on the
-  machine these figures come from), the first touch of a guest page since
-  boot costs several times a normal page fault; whichever method first
-  touches that memory would pay for it. Touching it once up front makes every
-  method's cold figure measure its own work. Returns the seconds it took.
+  Runs in each worker after the source state is built and before the timed
+  call. On the VM these figures come from, memory a process touches for the
+  first time costs 1 to 2.5 s/GiB (the host backs guest pages lazily and
+  takes freed ones back), 5 to 10x a page fault on bare metal; whichever
+  method touched the most new memory would pay it. After this, the timed
+  call's page faults are ordinary ones. Returns the seconds it took.
   """
   import numpy as np
   t0 = time.perf_counter()
@@ -464,8 +468,9 @@ def main(argv=None) -> int:
   ap.add_argument("--timeout", type=float, default=180.0,
                   help="seconds before a worker process is killed")
   ap.add_argument("--prefault-gib", type=float, default=None,
-                  help="touch this much memory once before the run (default:"
-                  " half the available memory, at most 12 GiB; 0 in --quick)")
+                  help="each worker touches and frees this much memory before"
+                  " its timed call (default: 4x the state, at most 30%% of"
+                  " the available memory; 0 in --quick)")
   ap.add_argument("--no-check", action="store_true",
                   help="skip the value and sharding checks")
   ap.add_argument("--worker", nargs=2, metavar=("METHOD", "TRANSITION"))
@@ -475,7 +480,7 @@ def main(argv=None) -> int:
 
   if args.worker:
     worker(args.worker[0], args.worker[1], size, args.result,
-           check=not args.no_check)
+           check=not args.no_check, prefault_gib=args.prefault_gib or 0.0)
     return 0
 
   transitions = [t for t in args.transitions.split(",") if t]
@@ -494,10 +499,9 @@ def main(argv=None) -> int:
       avail = psutil.virtual_memory().available / (1 << 30)
     except ImportError:
       avail = 0.0
-    pf_gib = 0.0 if args.quick else max(0.0, min(12.0, 0.5 * avail))
-  if pf_gib > 0:
-    print(f"prefaulting {pf_gib:.1f} GiB:"
-          f" {prefault(pf_gib):.1f} s", flush=True)
+    # Enough for the largest new state here (fsdp_to_data: 4 copies).
+    want = 4.0 * workload.state_bytes(dims) / (1 << 30)
+    pf_gib = 0.0 if args.quick else max(0.0, min(want, 0.3 * avail))
   print(f"state: {workload.state_bytes(dims) / MIB:.0f} MiB, d_model"
         f" {dims.d_model}, vocab {dims.vocab}, {dims.layers} layers,"
         f" {len(workload.tensor_specs(dims))} arrays", flush=True)
@@ -507,7 +511,7 @@ def main(argv=None) -> int:
     tr = workload.TRANSITIONS[t]
     print(f"{t}: {tr.src.describe()} -> {tr.dst.describe()}", flush=True)
     for m in methods:
-      r = run_one(m, t, size, not args.no_check, args.timeout)
+      r = run_one(m, t, size, not args.no_check, args.timeout, pf_gib)
       r["what"] = tr.what
       results.append(r)
       print(f"  {m:<10} cold {_fmt_s(r.get('cold_seconds'))} s, warm"
