@@ -314,18 +314,18 @@ class Plan:
     proc = {**self.src.process_of, **self.dst.process_of}
     for d in sorted(set(self.src.devices) | set(self.dst.devices)):
       lines.append(f"{d:>8} {proc.get(d, '-'):>8} "
-                   f"{_fmt(tr['received'].get(d, 0)):>14} "
-                   f"{_fmt(tr['sent'].get(d, 0)):>14}")
+                   f"{fmt_bytes(tr['received'].get(d, 0)):>14} "
+                   f"{fmt_bytes(tr['sent'].get(d, 0)):>14}")
     lines += ["", f"{'from process':>12} {'to process':>10} {'bytes':>14}"]
     for (a, b), nb in sorted(tr["process_pairs"].items()):
-      lines.append(f"{a:>12} {b:>10} {_fmt(nb):>14}")
+      lines.append(f"{a:>12} {b:>10} {fmt_bytes(nb):>14}")
     lines += [
         "",
-        f"state size (one copy)   {_fmt(self.src.nbytes):>14}",
-        f"moved between devices   {_fmt(self.moved_bytes):>14}",
-        f"lower bound             {_fmt(self.lower_bound_bytes):>14}",
-        f"kept in place           {_fmt(self.local_bytes):>14}",
-        f"naive (ship every shard){_fmt(self.naive_bytes):>14}",
+        f"state size (one copy)   {fmt_bytes(self.src.nbytes):>14}",
+        f"moved between devices   {fmt_bytes(self.moved_bytes):>14}",
+        f"lower bound             {fmt_bytes(self.lower_bound_bytes):>14}",
+        f"kept in place           {fmt_bytes(self.local_bytes):>14}",
+        f"naive (ship every shard){fmt_bytes(self.naive_bytes):>14}",
     ]
     if self.naive_bytes:
       lines.append(f"moved / naive           "
@@ -367,7 +367,6 @@ def fmt_bytes(n: float) -> str:
   return str(n)
 
 
-_fmt = fmt_bytes
 
 
 def check_compatible(src: PTC, dst: PTC) -> None:
