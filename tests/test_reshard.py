@@ -182,6 +182,45 @@ def test_unchanged_shards_are_reused_without_copy():
     assert s.data.unsafe_buffer_pointer() == ptr[s.device.id]
 
 
+def test_shrink_onto_held_boxes_takes_the_kept_path():
+  # data 4 -> 2 over devices 0..3: every new device already holds its box.
+  m8 = Mesh(np.array(DEVS).reshape(4, 2), ("data", "tensor"))
+  m4 = Mesh(np.array(DEVS[:4]).reshape(2, 2), ("data", "tensor"))
+  x = make((8, 6), jnp.bfloat16, NamedSharding(m8, P(None, "tensor")))
+  k = jax.device_put(jax.random.split(jax.random.key(3), 8),
+                     NamedSharding(m8, P(None)))
+  tree = {"x": x, "k": k, "step": 7}
+  ref = {"x": bits(x), "k": bits(k)}
+  ptr = {s.device.id: s.data.unsafe_buffer_pointer() for s in
+         x.addressable_shards}
+  target = {"x": NamedSharding(m4, P(None, "tensor")),
+            "k": NamedSharding(m4, P(None)), "step": None}
+  out, rep = reshard_with_report(tree, target, donate=True)
+  assert rep.method == "kept" and rep.plan is None
+  assert rep.moved_bytes == rep.lower_bound_bytes == 0
+  assert rep.reused_shards == 8 and rep.n_tensors == 2
+  # kept = bytes of the new shards: x on 4 devices (half each), 4 key copies.
+  assert rep.local_bytes == 4 * (8 * 3 * 2) + 4 * (8 * 2 * 4)
+  assert out["step"] == 7
+  for name in ("x", "k"):
+    assert out[name].sharding.is_equivalent_to(target[name], out[name].ndim)
+    assert bits(out[name]) == ref[name]
+  for s in out["x"].addressable_shards:
+    assert s.data.unsafe_buffer_pointer() == ptr[s.device.id]
+  # Shards on the devices that left were freed (donate), the kept ones live.
+  gone = [s.data for s in x.addressable_shards if s.device.id >= 4]
+  assert all(d.is_deleted() for d in gone)
+
+
+def test_kept_path_is_not_taken_when_a_box_moves():
+  m = mesh24()
+  x = make((8, 8), jnp.float32, NamedSharding(m, P("data", "tensor")))
+  y, rep = reshard_with_report(x, NamedSharding(m, P("tensor", "data")))
+  assert rep.method in ("cpu", "generic") and rep.plan is not None
+  assert rep.moved_bytes == rep.lower_bound_bytes > 0
+  assert bits(y) == bits(x)
+
+
 def test_donate_frees_source_and_keeps_values():
   m = mesh24()
   x = make((16, 8), jnp.float32, NamedSharding(m, P("data", "tensor")))
