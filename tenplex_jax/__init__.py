@@ -7,6 +7,7 @@ restart through per-host tensor stores, or on a Flax train state.
 """
 
 from tenplex_jax import data, search, store
+from tenplex_jax._hostmem import host_pool_stats, release_host_pool
 from tenplex_jax.errors import (DataError, LayoutError, PlanError, ReplicationWarning,
                                 ReshardError, SearchError, StoreError, TenplexError)
 from tenplex_jax.layout import PTC, Placement, TensorLayout, key_path_name, named_layout
@@ -36,9 +37,11 @@ __all__ = [
     "data",
     "search",
     "store",
+    "host_pool_stats",
     "key_path_name",
     "named_layout",
     "plan",
+    "release_host_pool",
     "remesh",
     "reshard",
     "reshard_with_report",
