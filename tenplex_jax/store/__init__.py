@@ -10,7 +10,8 @@
   script makes under ``tenplex-jax launch``.
 """
 
-from tenplex_jax.errors import ChecksumError, NoCopyError, StoreError
+from tenplex_jax.errors import (ChecksumError, NoCopyError, StoreError,
+                                 TreeError, UnreachableError)
 from tenplex_jax.store.api import (RestoreReport, open_store, replicate, restore,
                                    restore_with_report, save)
 from tenplex_jax.store.checkpoint import (latest_step, restore_checkpoint,
@@ -30,6 +31,8 @@ __all__ = [
     "RestoreReport",
     "StoreError",
     "TensorInfo",
+    "TreeError",
+    "UnreachableError",
     "initialize",
     "latest_step",
     "make_server",
