@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -266,6 +267,74 @@ def test_corrupt_chunk_read_from_replica(tmp):
   check_values(out, 1)
   fb = results[0]["report"]["fallbacks"]
   assert any("checksum" in f and "params/dense/kernel" in f for f in fb), fb
+
+
+@contextlib.contextmanager
+def stalling_server(d, serve_first):
+  """A store server (tests/stalling_store_server.py) that answers
+  ``serve_first`` tensor reads, then holds the next; a watcher thread
+  SIGKILLs it as soon as it holds one, i.e. while a restore is reading."""
+  ready, stalled = os.path.join(d, ".ready"), os.path.join(d, ".stalled")
+  p = subprocess.Popen([sys.executable,
+                        os.path.join(HERE, "stalling_store_server.py"), d,
+                        ready, stalled, str(serve_first)], env=ENV,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  done = threading.Event()
+
+  def killer():
+    while not done.is_set():
+      if os.path.exists(stalled):
+        p.send_signal(signal.SIGKILL)
+        return
+      time.sleep(0.01)
+
+  watcher = threading.Thread(target=killer, daemon=True)
+  try:
+    t0 = time.time()
+    while not os.path.exists(ready):
+      assert p.poll() is None and time.time() - t0 < 30, \
+          f"stalling server for {d} did not start"
+      time.sleep(0.05)
+    watcher.start()
+    yield "http://" + _text(ready), p, stalled
+  finally:
+    done.set()
+    if p.poll() is None:
+      p.kill()
+    p.wait(10)
+
+
+@pytest.mark.parametrize("replicas", [1, 0], ids=["replica", "checkpoint"])
+def test_peer_killed_during_multiprocess_restore(tmp, replicas):
+  # The old job: 2 processes (data=2 x model=2), store i on host i; with
+  # replicas=1 each store also holds the other process's snapshot. Host 1's
+  # server answers one read, then stalls and is SIGKILLed while the two new
+  # processes (1 x 4, disjoint from the old ones) are reading from it: both
+  # list it first, so both have reads in flight against it.
+  ck = os.path.join(tmp, "ckpt")
+  stores = save_job(tmp, 2, [2, 2], replicas=replicas, checkpoint=ck,
+                    checkpoint_step=4)
+  with servers(stores[:1]) as (urls, _), \
+      stalling_server(stores[1], serve_first=1) as (dying, proc, stalled):
+    results, out = run_job(tmp, "restore", procs=2, devices=2, mesh=[1, 4],
+                           action="restore", locations=[[dying, urls[0]]] * 2,
+                           checkpoint=ck, timeout_s=5, retries=1)
+    assert os.path.exists(stalled) and proc.wait(10) == -signal.SIGKILL
+  check_values(out, 2)  # bitwise, from the surviving copy or the checkpoint
+  for r in results:
+    assert r["ok"], r
+    rep = r["report"]
+    assert rep["dead_sources"] == [dying], rep  # the report names it
+    if replicas:
+      check_results([r])
+      assert not rep["from_checkpoint"] and rep["steps_lost"] == 0
+      assert rep["per_source_bytes"][urls[0]] > 0
+      assert any(dying in f and "unreachable" in f
+                 for f in rep["fallbacks"]), rep["fallbacks"]
+    else:  # process 1's boxes had no other copy: every process falls back
+      assert rep["from_checkpoint"] and rep["step"] == 4, rep
+      assert rep["steps_lost"] == 3 and rep["lost_processes"] == [1], rep
+      assert any("every copy failed" in f for f in rep["fallbacks"]), rep
 
 
 def test_launch_resizes_by_schedule(tmp):
