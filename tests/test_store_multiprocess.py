@@ -358,3 +358,146 @@ def test_launch_resizes_by_schedule(tmp):
   rep = json.loads(_text(os.path.join(job, "restore_0_2.json")))
   assert rep["step"] == 6 and rep["network_bytes"] == \
       rep["host_lower_bound_bytes"]
+
+
+@contextlib.contextmanager
+def launcher(tmp, total, *opts, procs=1, **env):
+  """``tenplex-jax launch`` of tests/launch_train.py in its own process
+  group, which is killed on the way out whatever happened."""
+  job = os.path.join(tmp, "job")
+  cmd = [sys.executable, "-m", "tenplex_jax", "launch", "--procs",
+         str(procs), "--devices-per-proc", "2", "--job-dir", job,
+         "--timeout", "150", *opts, "--", sys.executable,
+         os.path.join(HERE, "launch_train.py"), str(total)]
+  log = open(os.path.join(tmp, "launch.log"), "w+")
+  p = subprocess.Popen(cmd, env={**ENV, **{k: str(v) for k, v in env.items()}},
+                       stdout=log, stderr=subprocess.STDOUT,
+                       start_new_session=True)
+  try:
+    yield p, job, log
+  finally:
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGKILL)
+    p.wait(10)
+    try:  # children the launcher did not get to stop
+      os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    log.close()
+
+
+def finish(p, log, timeout=170):
+  rc = p.wait(timeout)
+  log.seek(0)
+  return rc, log.read()
+
+
+def check_final(job, *, procs, step, generation):
+  final = json.loads(_text(os.path.join(job, "final.json")))
+  assert (final["procs"], final["step"], final["generation"]) == \
+      (procs, step, generation), final
+  # Every element was incremented once per step, across the restarts.
+  for start, stop, vals in final["boxes"]:
+    assert vals == [float(i + step) for i in range(start, stop)], final
+  return final
+
+
+def test_launch_resizes_on_sigusr1(tmp):
+  with launcher(tmp, 12, TRAIN_SLEEP=0.4) as (p, job, log):
+    t0 = time.time()
+    while not os.path.exists(os.path.join(job, "progress_0")):
+      assert p.poll() is None and time.time() - t0 < 60, "no progress"
+      time.sleep(0.05)
+    at_signal = int(_text(os.path.join(job, "progress_0")) or 0)
+    with open(os.path.join(job, "request"), "w") as f:
+      f.write("2\n")
+    p.send_signal(signal.SIGUSR1)
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  req = json.loads(_text(os.path.join(job, "resize_request.json")))
+  assert req["procs"] == 2 and at_signal < req["step"] < 12, (req, at_signal)
+  assert f"1 -> 2 processes at step {req['step']}" in out, out[-2000:]
+  rep = json.loads(_text(os.path.join(job, "restore_0_1.json")))
+  assert rep["step"] == req["step"] and not rep["from_checkpoint"]
+  check_final(job, procs=2, step=12, generation=1)
+
+
+def test_launch_resizes_on_request_resize_from_the_script(tmp):
+  with launcher(tmp, 6, TRAIN_REQUEST="2:2:4") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  assert "1 -> 2 processes at step 4" in out, out[-2000:]
+  for i in range(2):  # both new processes restored the state of step 4
+    rep = json.loads(_text(os.path.join(job, f"restore_{i}_1.json")))
+    assert rep["step"] == 4 and rep["lost_processes"] == []
+  check_final(job, procs=2, step=6, generation=1)
+
+
+def _recovery(job, gen=1):
+  return json.loads(_text(os.path.join(job, f"recovery_{gen}.json")))
+
+
+def test_launch_restarts_after_a_process_crash(tmp):
+  # Process 1 of 2 dies after step 5; its store (a separate server) lives.
+  with launcher(tmp, 8, procs=2, TRAIN_SNAPSHOT_EVERY=2,
+                TRAIN_CRASH="5:1:exit") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  assert "process 1 failed (exit code 3) at step 5; restart 1 of 3 on 2" \
+      " processes" in out, out[-3000:]
+  rec = _recovery(job)
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["source"]) == (5, 4, 1, "stores"), rec
+  assert "recovered step 4 from stores (failed at step 5, 1 steps lost)" \
+      in out
+  check_final(job, procs=2, step=8, generation=1)
+
+
+def test_launch_lost_host_restores_from_store_replica_and_shrinks(tmp):
+  # Process 1's host is lost (store deleted); its snapshot has a replica
+  # in store 0. The job goes on with one process.
+  with launcher(tmp, 8, "--replicas", "1", "--on-failure", "shrink",
+                procs=2, TRAIN_SNAPSHOT_EVERY=2,
+                TRAIN_CRASH="5:1:host") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  assert "restart 1 of 3 on 1 processes" in out, out[-3000:]
+  rec = _recovery(job)
+  assert (rec["restored_step"], rec["steps_lost"], rec["source"]) == \
+      (4, 1, "stores"), rec
+  rep = json.loads(_text(os.path.join(job, "restore_0_1.json")))
+  assert rep["lost_processes"] == [] and not rep["from_checkpoint"]
+  store0 = os.path.join(job, "store", "0")
+  assert set(rep["per_source_bytes"]) == {store0}, rep  # the replica
+  check_final(job, procs=1, step=8, generation=1)
+
+
+def test_launch_lost_host_without_replica_uses_checkpoint(tmp):
+  ck = os.path.join(tmp, "ckpt")
+  with launcher(tmp, 8, "--checkpoint", ck, procs=2, TRAIN_SNAPSHOT_EVERY=2,
+                TRAIN_CKPT_EVERY=3, TRAIN_CRASH="5:1:host") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  rec = _recovery(job)
+  # Stores hold step 4 of process 0 only; the checkpoint has step 3.
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["source"], rec["lost_processes"]) == \
+      (5, 3, 2, "checkpoint", [1]), rec
+  for i in range(2):
+    rep = json.loads(_text(os.path.join(job, f"restore_{i}_1.json")))
+    assert rep["from_checkpoint"] and rep["steps_lost"] == 1, rep  # 4 - 3
+  check_final(job, procs=2, step=8, generation=1)
+
+
+def test_launch_gives_up_after_max_restarts(tmp):
+  with launcher(tmp, 4, "--max-restarts", "1", TRAIN_CRASH="2:0:exit",
+                TRAIN_CRASH_ALWAYS=1) as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 3, out[-3000:]
+  assert "restart 1 of 1 on 1 processes" in out
+  assert "no restarts left (1 used), giving up" in out, out[-3000:]
+  fails = [json.loads(x) for x in
+           _text(os.path.join(job, "failures.jsonl")).splitlines()]
+  assert [(f["generation"], f["process"], f["exit_code"], f["step"])
+          for f in fails] == [(0, 0, 3, 2), (1, 0, 3, 2)]
+  assert not os.path.exists(os.path.join(job, "final.json"))
