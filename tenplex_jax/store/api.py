@@ -146,8 +146,9 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
 
   Args:
     tree: the state: a pytree of ``jax.Array``s (PRNG keys included) and
-      plain leaves (ints, floats, strings, numpy arrays), which are stored
-      in the manifest.
+      plain leaves (``None``, bools, ints, floats, complex numbers,
+      strings, numpy scalars and small numpy arrays), which are stored in
+      the manifest and restored as saved.
     location: this host's store directory (e.g. under ``/dev/shm``).
     step: the training step, recorded in the manifest.
     mode: ``"local"`` (each process writes to its own host's store) or
@@ -163,6 +164,9 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
 
   Returns:
     The committed snapshot's directory (or the central server's answer).
+
+  Raises:
+    TreeError: some leaf is none of the above (names every such path).
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -771,8 +775,11 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
     locations: store directories (this host's) and/or store server URLs
       (``http://127.0.0.1:PORT``, peers).
     target: a pytree of ``jax.ShapeDtypeStruct``s with shardings on the new
-      mesh; other leaves take the saved value of the same path if there is
-      one, else pass through.
+      mesh (a live ``jax.Array`` counts as its layout). Any other leaf (a
+      placeholder such as ``0`` or ``None``, or a ``ShapeDtypeStruct``
+      without a sharding, as ``jax.eval_shape`` makes of Python ints)
+      takes the saved plain value of its path, as saved; with nothing saved
+      there it passes through. Saved arrays not in the target are not read.
     **kwargs: ``step`` (default: the newest), ``checkpoint`` (an Orbax
       checkpoint directory to fall back to when no copy survives),
       ``timeout``, ``retries``, ``workers``.
@@ -783,6 +790,8 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
   Raises:
     NoCopyError: some piece has no surviving copy and no checkpoint is given.
     StoreError: every copy of a needed piece failed (names hosts and paths).
+    TreeError: the target does not match the saved state (names every
+      mismatching leaf with the saved and the target shape, dtype or type).
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp
