@@ -42,3 +42,13 @@ class ChecksumError(StoreError):
 
 class NoCopyError(StoreError):
   """No surviving store holds some piece of the state (data lost)."""
+
+
+class UnreachableError(StoreError):
+  """A store server did not answer (dead, or every attempt timed out)."""
+
+
+class TreeError(StoreError, ValueError):
+  """A tree given to ``store.save``, or a restore target, has leaves the
+  store cannot handle or that do not match the saved state; names every such
+  leaf's path with the saved and the given shape, dtype or type."""

@@ -1,9 +1,24 @@
-"""A toy training script for the launcher test: counts steps in a sharded
-array; resizes by the schedule; writes its final state for the parent."""
+"""A toy training script for the launcher tests.
+
+  python tests/launch_train.py TOTAL_STEPS
+
+Each step adds 1 to every element of a sharded array and all-reduces it (a
+collective keeps the processes in lockstep, as gradients would). Resizes
+come from the launcher (schedule, SIGUSR1) or, with ``TRAIN_REQUEST=A:M:S``,
+from ``request_resize(M, at_step=S)`` called at step A. Optional:
+``TRAIN_SNAPSHOT_EVERY=k`` (``save_snapshot``), ``TRAIN_CKPT_EVERY=k``
+(Orbax checkpoint in the launcher's ``--checkpoint``), ``TRAIN_SLEEP=s``
+per step, and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
+with code 3 after step S; KIND ``host`` first deletes its store, as if its
+host were lost; ``TRAIN_CRASH_ALWAYS=1`` crashes in every generation).
+Process 0 writes ``JOB_DIR/final.json`` at the end.
+"""
 
 import json
 import os
+import shutil
 import sys
+import time
 
 from tenplex_jax import store
 
@@ -23,14 +38,48 @@ def init():
       (n,), sh, lambda idx: np.arange(n, dtype=np.float32)[idx]), "step": 0}
 
 
+def env_int(name):
+  v = os.environ.get(name)
+  return int(v) if v else 0
+
+
 target = {"w": jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sh), "step": 0}
 state, step = store.restore_or_init(init, target)
+assert state["step"] == step, (state["step"], step)
+for s in state["w"].addressable_shards:  # what was saved at that step
+  np.testing.assert_array_equal(
+      np.asarray(s.data), np.arange(n, dtype=np.float32)[s.index] + step)
 total = int(sys.argv[1])
 add = jax.jit(lambda w: w + 1.0, out_shardings=sh)
+total_sum = jax.jit(jnp.sum)  # an all-reduce across the processes
+request = os.environ.get("TRAIN_REQUEST")
+crash = os.environ.get("TRAIN_CRASH")
+crash_now = crash and (info["generation"] == 0
+                       or os.environ.get("TRAIN_CRASH_ALWAYS"))
+snapshot_every = env_int("TRAIN_SNAPSHOT_EVERY")
+ckpt_every = env_int("TRAIN_CKPT_EVERY")
 while step < total:
-  state = {"w": add(state["w"]), "step": step + 1}
+  w = add(state["w"])
+  total_sum(w).block_until_ready()
+  state = {"w": w, "step": step + 1}
   step += 1
-  if store.resize_due(step):
+  time.sleep(float(os.environ.get("TRAIN_SLEEP", "0")))
+  if request and int(request.split(":")[0]) == step:
+    _, m, at = request.split(":")
+    store.request_resize(int(m), at_step=int(at))
+  due = store.resize_due(step)
+  if snapshot_every and step % snapshot_every == 0:
+    store.save_snapshot(state, step)
+  if ckpt_every and step % ckpt_every == 0:
+    store.save_checkpoint(info["checkpoint"], state, step)
+  if crash_now:
+    s, p, kind = crash.split(":")
+    if int(s) == step and int(p) == info["process_id"]:
+      if kind == "host":
+        shutil.rmtree(info["store"])
+      print(f"launch_train: process {p} crashes at step {step}", flush=True)
+      os._exit(3)
+  if due:
     store.save_and_exit(state, step)
 if info["process_id"] == 0:
   shard = {str(s.index): np.asarray(s.data).tolist()
@@ -38,4 +87,7 @@ if info["process_id"] == 0:
   with open(os.path.join(info["job_dir"], "final.json"), "w") as f:
     json.dump({"procs": info["num_processes"], "step": step,
                "generation": info["generation"], "shards": shard,
+               "boxes": [[s.index[0].start or 0, s.index[0].stop or n,
+                          np.asarray(s.data).tolist()]
+                         for s in state["w"].addressable_shards],
                "devices": jax.device_count()}, f)

@@ -220,3 +220,74 @@ def test_restore_without_any_copy_raises_no_copy_error(tmp_path):
   os.makedirs(tmp_path / "empty")
   with pytest.raises(store.NoCopyError, match="no store holds a snapshot"):
     store.restore([str(tmp_path / "empty")], tgt)
+
+
+def test_non_array_leaves_round_trip_as_saved(sdir):
+  sh = NamedSharding(_mesh(2, (2,), ("d",)), P("d"))
+  rep = NamedSharding(_mesh(2, (2,), ("d",), start=2), P())
+  tree = {"w": jax.device_put(np.arange(4, dtype=np.float32), sh),
+          "none": None, "step": 12, "lr": 0.25, "name": "run", "on": True,
+          "z": 1 - 2j, "nan": float("nan"), "big": 2**70,
+          "f32": np.float32(1.5), "bf16": ml_dtypes.bfloat16(2.5),
+          "table": np.arange(3, dtype=np.int16), "words": np.array(["a", "bc"]),
+          "nested": (1, None, "x")}
+  store.save(tree, sdir, step=12)
+  # Placeholders of any kind (None included) take the saved value; a path
+  # that was not saved passes through; the saved None stays None.
+  target = {k: None for k in tree}
+  target["w"] = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=rep)
+  target["nested"] = (0, 0, "")
+  target["none"] = 0
+  target["new"] = "kept"
+  out = store.restore([sdir], target)
+  assert out["w"].sharding == rep
+  np.testing.assert_array_equal(out["w"], np.arange(4, dtype=np.float32))
+  for k in ("none", "step", "lr", "name", "on", "z", "big", "nested"):
+    assert out[k] == tree[k] and type(out[k]) is type(tree[k]), k
+  assert out["new"] == "kept" and np.isnan(out["nan"])
+  for k in ("f32", "bf16", "table", "words"):
+    assert type(out[k]) is type(tree[k]) and out[k].dtype == tree[k].dtype, k
+    np.testing.assert_array_equal(out[k], tree[k])
+  # jax.eval_shape turns a Python int into a ShapeDtypeStruct without a
+  # sharding: it takes the saved value; with a sharding, the saved scalar
+  # becomes an array on it.
+  abstract = jax.eval_shape(lambda: {"step": 0, "lr": 0.0})
+  assert store.restore([sdir], abstract) == {"step": 12, "lr": 0.25}
+  got = store.restore([sdir], {"step": jax.ShapeDtypeStruct(
+      (), jnp.int32, sharding=rep)})["step"]
+  assert got.sharding == rep and got.dtype == jnp.int32 and int(got) == 12
+  # A live array as a target leaf is a layout: the saved value is restored.
+  live = jax.device_put(np.zeros(4, np.float32), rep)
+  got = store.restore([sdir], {"w": live})["w"]
+  np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
+
+
+def test_bad_trees_name_every_leaf_and_the_numbers(sdir):
+  sh = NamedSharding(_mesh(2, (2,), ("d",)), P("d"))
+  rep = NamedSharding(_mesh(1, (1,), ("d",)), P())
+  with pytest.raises(store.TreeError, match=r"2 leaves cannot be stored.*"
+                     r"b/1/c: a numpy array of Python objects; opt: a"
+                     r" builtins.object"):
+    store.save({"opt": object(), "b": [1, {"c": np.array([None])}]}, sdir)
+  store.save({"w": jax.device_put(np.arange(4, dtype=np.float32), sh),
+              "step": 7, "lr": 0.5}, sdir, step=7)
+  sds = jax.ShapeDtypeStruct
+  with pytest.raises(store.TreeError) as e:
+    store.restore([sdir], {
+        "w": sds((5,), jnp.float32, sharding=sh),
+        "step": sds((), jnp.int8, sharding=rep),  # 7 fits int8: fine
+        "lr": sds((), jnp.int32, sharding=rep),
+        "extra": sds((2,), jnp.float32, sharding=sh)})
+  msg = str(e.value)
+  assert "(3 leaves)" in msg, msg
+  assert "w: the target is float32[5], step 7 saved float32[4]" in msg
+  assert "lr: the saved value 0.5 does not fit the target dtype int32" in msg
+  assert "extra: the target is float32[2], step 7 saved nothing" in msg
+  with pytest.raises(store.TreeError, match=r"w: the target is float32\[4\]"
+                     " without a sharding, step 7 saved an array"):
+    store.restore([sdir], {"w": sds((4,), jnp.float32)})
+  with pytest.raises(store.TreeError, match="w: the target is int 0, step 7"
+                     r" saved an array float32\[4\]"):
+    store.restore([sdir], {"w": 0})
+  # Leaving a saved array out of the target skips it.
+  assert store.restore([sdir], {"step": None}) == {"step": 7}

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -268,6 +269,74 @@ def test_corrupt_chunk_read_from_replica(tmp):
   assert any("checksum" in f and "params/dense/kernel" in f for f in fb), fb
 
 
+@contextlib.contextmanager
+def stalling_server(d, serve_first):
+  """A store server (tests/stalling_store_server.py) that answers
+  ``serve_first`` tensor reads, then holds the next; a watcher thread
+  SIGKILLs it as soon as it holds one, i.e. while a restore is reading."""
+  ready, stalled = os.path.join(d, ".ready"), os.path.join(d, ".stalled")
+  p = subprocess.Popen([sys.executable,
+                        os.path.join(HERE, "stalling_store_server.py"), d,
+                        ready, stalled, str(serve_first)], env=ENV,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  done = threading.Event()
+
+  def killer():
+    while not done.is_set():
+      if os.path.exists(stalled):
+        p.send_signal(signal.SIGKILL)
+        return
+      time.sleep(0.01)
+
+  watcher = threading.Thread(target=killer, daemon=True)
+  try:
+    t0 = time.time()
+    while not os.path.exists(ready):
+      assert p.poll() is None and time.time() - t0 < 30, \
+          f"stalling server for {d} did not start"
+      time.sleep(0.05)
+    watcher.start()
+    yield "http://" + _text(ready), p, stalled
+  finally:
+    done.set()
+    if p.poll() is None:
+      p.kill()
+    p.wait(10)
+
+
+@pytest.mark.parametrize("replicas", [1, 0], ids=["replica", "checkpoint"])
+def test_peer_killed_during_multiprocess_restore(tmp, replicas):
+  # The old job: 2 processes (data=2 x model=2), store i on host i; with
+  # replicas=1 each store also holds the other process's snapshot. Host 1's
+  # server answers one read, then stalls and is SIGKILLed while the two new
+  # processes (1 x 4, disjoint from the old ones) are reading from it: both
+  # list it first, so both have reads in flight against it.
+  ck = os.path.join(tmp, "ckpt")
+  stores = save_job(tmp, 2, [2, 2], replicas=replicas, checkpoint=ck,
+                    checkpoint_step=4)
+  with servers(stores[:1]) as (urls, _), \
+      stalling_server(stores[1], serve_first=1) as (dying, proc, stalled):
+    results, out = run_job(tmp, "restore", procs=2, devices=2, mesh=[1, 4],
+                           action="restore", locations=[[dying, urls[0]]] * 2,
+                           checkpoint=ck, timeout_s=5, retries=1)
+    assert os.path.exists(stalled) and proc.wait(10) == -signal.SIGKILL
+  check_values(out, 2)  # bitwise, from the surviving copy or the checkpoint
+  for r in results:
+    assert r["ok"], r
+    rep = r["report"]
+    assert rep["dead_sources"] == [dying], rep  # the report names it
+    if replicas:
+      check_results([r])
+      assert not rep["from_checkpoint"] and rep["steps_lost"] == 0
+      assert rep["per_source_bytes"][urls[0]] > 0
+      assert any(dying in f and "unreachable" in f
+                 for f in rep["fallbacks"]), rep["fallbacks"]
+    else:  # process 1's boxes had no other copy: every process falls back
+      assert rep["from_checkpoint"] and rep["step"] == 4, rep
+      assert rep["steps_lost"] == 3 and rep["lost_processes"] == [1], rep
+      assert any("every copy failed" in f for f in rep["fallbacks"]), rep
+
+
 def test_launch_resizes_by_schedule(tmp):
   sched = os.path.join(tmp, "schedule.txt")
   with open(sched, "w") as f:
@@ -289,3 +358,146 @@ def test_launch_resizes_by_schedule(tmp):
   rep = json.loads(_text(os.path.join(job, "restore_0_2.json")))
   assert rep["step"] == 6 and rep["network_bytes"] == \
       rep["host_lower_bound_bytes"]
+
+
+@contextlib.contextmanager
+def launcher(tmp, total, *opts, procs=1, **env):
+  """``tenplex-jax launch`` of tests/launch_train.py in its own process
+  group, which is killed on the way out whatever happened."""
+  job = os.path.join(tmp, "job")
+  cmd = [sys.executable, "-m", "tenplex_jax", "launch", "--procs",
+         str(procs), "--devices-per-proc", "2", "--job-dir", job,
+         "--timeout", "150", *opts, "--", sys.executable,
+         os.path.join(HERE, "launch_train.py"), str(total)]
+  log = open(os.path.join(tmp, "launch.log"), "w+")
+  p = subprocess.Popen(cmd, env={**ENV, **{k: str(v) for k, v in env.items()}},
+                       stdout=log, stderr=subprocess.STDOUT,
+                       start_new_session=True)
+  try:
+    yield p, job, log
+  finally:
+    if p.poll() is None:
+      os.killpg(p.pid, signal.SIGKILL)
+    p.wait(10)
+    try:  # children the launcher did not get to stop
+      os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+    log.close()
+
+
+def finish(p, log, timeout=170):
+  rc = p.wait(timeout)
+  log.seek(0)
+  return rc, log.read()
+
+
+def check_final(job, *, procs, step, generation):
+  final = json.loads(_text(os.path.join(job, "final.json")))
+  assert (final["procs"], final["step"], final["generation"]) == \
+      (procs, step, generation), final
+  # Every element was incremented once per step, across the restarts.
+  for start, stop, vals in final["boxes"]:
+    assert vals == [float(i + step) for i in range(start, stop)], final
+  return final
+
+
+def test_launch_resizes_on_sigusr1(tmp):
+  with launcher(tmp, 12, TRAIN_SLEEP=0.4) as (p, job, log):
+    t0 = time.time()
+    while not os.path.exists(os.path.join(job, "progress_0")):
+      assert p.poll() is None and time.time() - t0 < 60, "no progress"
+      time.sleep(0.05)
+    at_signal = int(_text(os.path.join(job, "progress_0")) or 0)
+    with open(os.path.join(job, "request"), "w") as f:
+      f.write("2\n")
+    p.send_signal(signal.SIGUSR1)
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  req = json.loads(_text(os.path.join(job, "resize_request.json")))
+  assert req["procs"] == 2 and at_signal < req["step"] < 12, (req, at_signal)
+  assert f"1 -> 2 processes at step {req['step']}" in out, out[-2000:]
+  rep = json.loads(_text(os.path.join(job, "restore_0_1.json")))
+  assert rep["step"] == req["step"] and not rep["from_checkpoint"]
+  check_final(job, procs=2, step=12, generation=1)
+
+
+def test_launch_resizes_on_request_resize_from_the_script(tmp):
+  with launcher(tmp, 6, TRAIN_REQUEST="2:2:4") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  assert "1 -> 2 processes at step 4" in out, out[-2000:]
+  for i in range(2):  # both new processes restored the state of step 4
+    rep = json.loads(_text(os.path.join(job, f"restore_{i}_1.json")))
+    assert rep["step"] == 4 and rep["lost_processes"] == []
+  check_final(job, procs=2, step=6, generation=1)
+
+
+def _recovery(job, gen=1):
+  return json.loads(_text(os.path.join(job, f"recovery_{gen}.json")))
+
+
+def test_launch_restarts_after_a_process_crash(tmp):
+  # Process 1 of 2 dies after step 5; its store (a separate server) lives.
+  with launcher(tmp, 8, procs=2, TRAIN_SNAPSHOT_EVERY=2,
+                TRAIN_CRASH="5:1:exit") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  assert "process 1 failed (exit code 3) at step 5; restart 1 of 3 on 2" \
+      " processes" in out, out[-3000:]
+  rec = _recovery(job)
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["source"]) == (5, 4, 1, "stores"), rec
+  assert "recovered step 4 from stores (failed at step 5, 1 steps lost)" \
+      in out
+  check_final(job, procs=2, step=8, generation=1)
+
+
+def test_launch_lost_host_restores_from_store_replica_and_shrinks(tmp):
+  # Process 1's host is lost (store deleted); its snapshot has a replica
+  # in store 0. The job goes on with one process.
+  with launcher(tmp, 8, "--replicas", "1", "--on-failure", "shrink",
+                procs=2, TRAIN_SNAPSHOT_EVERY=2,
+                TRAIN_CRASH="5:1:host") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  assert "restart 1 of 3 on 1 processes" in out, out[-3000:]
+  rec = _recovery(job)
+  assert (rec["restored_step"], rec["steps_lost"], rec["source"]) == \
+      (4, 1, "stores"), rec
+  rep = json.loads(_text(os.path.join(job, "restore_0_1.json")))
+  assert rep["lost_processes"] == [] and not rep["from_checkpoint"]
+  store0 = os.path.join(job, "store", "0")
+  assert set(rep["per_source_bytes"]) == {store0}, rep  # the replica
+  check_final(job, procs=1, step=8, generation=1)
+
+
+def test_launch_lost_host_without_replica_uses_checkpoint(tmp):
+  ck = os.path.join(tmp, "ckpt")
+  with launcher(tmp, 8, "--checkpoint", ck, procs=2, TRAIN_SNAPSHOT_EVERY=2,
+                TRAIN_CKPT_EVERY=3, TRAIN_CRASH="5:1:host") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  rec = _recovery(job)
+  # Stores hold step 4 of process 0 only; the checkpoint has step 3.
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["source"], rec["lost_processes"]) == \
+      (5, 3, 2, "checkpoint", [1]), rec
+  for i in range(2):
+    rep = json.loads(_text(os.path.join(job, f"restore_{i}_1.json")))
+    assert rep["from_checkpoint"] and rep["steps_lost"] == 1, rep  # 4 - 3
+  check_final(job, procs=2, step=8, generation=1)
+
+
+def test_launch_gives_up_after_max_restarts(tmp):
+  with launcher(tmp, 4, "--max-restarts", "1", TRAIN_CRASH="2:0:exit",
+                TRAIN_CRASH_ALWAYS=1) as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 3, out[-3000:]
+  assert "restart 1 of 1 on 1 processes" in out
+  assert "no restarts left (1 used), giving up" in out, out[-3000:]
+  fails = [json.loads(x) for x in
+           _text(os.path.join(job, "failures.jsonl")).splitlines()]
+  assert [(f["generation"], f["process"], f["exit_code"], f["step"])
+          for f in fails] == [(0, 0, 3, 2), (1, 0, 3, 2)]
+  assert not os.path.exists(os.path.join(job, "final.json"))

@@ -31,7 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax.errors import NoCopyError, StoreError
+from tenplex_jax.errors import (NoCopyError, StoreError, TreeError,
+                                 UnreachableError)
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, _slices_to_box,
                                 box_volume, intersect, key_path_name)
 from tenplex_jax.planner import plan
@@ -59,33 +60,48 @@ def _is_key(x) -> bool:
 
 
 def _encode_extra(x):
-  if isinstance(x, (bool, int, float, str)) or x is None:
+  """The JSON form of a non-array leaf; ``TypeError`` if it has none."""
+  if x is None or isinstance(x, (bool, int, float, str)):
     return x
-  if isinstance(x, np.generic):
-    return x.item()
-  if isinstance(x, np.ndarray):
-    return {"__ndarray__": base64.b64encode(np.ascontiguousarray(x).tobytes())
-            .decode(), "dtype": x.dtype.name, "shape": list(x.shape)}
-  return None
+  if isinstance(x, complex):
+    return {"__complex__": [x.real, x.imag]}
+  if isinstance(x, (np.ndarray, np.generic)):
+    a = np.asarray(x)
+    if a.dtype.hasobject:
+      raise TypeError("a numpy array of Python objects")
+    # ``str`` spells numpy's own dtypes exactly ('<U3'); ml_dtypes' (bfloat16,
+    # int4) need their name.
+    dt = a.dtype.str if np.dtype(a.dtype.str) == a.dtype else a.dtype.name
+    return {"__ndarray__": base64.b64encode(a.tobytes()).decode(),
+            "dtype": dt, "shape": list(a.shape),
+            "scalar": isinstance(x, np.generic)}
+  raise TypeError(f"a {type(x).__module__}.{type(x).__qualname__}")
 
 
-def _decode_extra(v, like):
+def _decode_extra(v):
+  """The saved non-array leaf, with its saved type (numpy scalars keep their
+  dtype)."""
   if isinstance(v, dict) and "__ndarray__" in v:
     import jax.numpy as jnp
-    return np.frombuffer(base64.b64decode(v["__ndarray__"]),
-                         dtype=jnp.dtype(v["dtype"])).reshape(v["shape"]).copy()
-  if isinstance(like, (bool, int, float)) and not isinstance(v, dict) \
-      and v is not None:
-    return type(like)(v)
+    a = np.frombuffer(base64.b64decode(v["__ndarray__"]),
+                      dtype=jnp.dtype(v["dtype"])).reshape(v["shape"]).copy()
+    return a[()] if v.get("scalar") else a
+  if isinstance(v, dict) and "__complex__" in v:
+    return complex(*v["__complex__"])
   return v
+
+
+def _is_none(x) -> bool:
+  return x is None
 
 
 def _snapshot_items(tree):
   """(ptc, extras, [(path, layout info, [(box, host array)])])."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
   sds = {}
   extras = {}
   arrays = []
+  bad = []
   for kp, leaf in flat:
     name = key_path_name(kp)
     if isinstance(leaf, jax.Array):
@@ -106,9 +122,15 @@ def _snapshot_items(tree):
         boxes.append((box, shard.data))
       arrays.append((name, leaf, impl, boxes))
     else:
-      enc = _encode_extra(leaf)
-      if enc is not None or leaf is None:
-        extras[name] = enc
+      try:
+        extras[name] = _encode_extra(leaf)
+      except TypeError as e:
+        bad.append(f"{name}: {e}")
+  if bad:
+    raise TreeError(
+        f"save: {len(bad)} leaves cannot be stored (leaves must be jax"
+        " Arrays, numpy arrays or scalars, or None/bool/int/float/complex/"
+        "str): " + "; ".join(bad))
   ptc = PTC.from_tree({k: v for k, v in sds.items()}) if sds else PTC((), ())
   # PTC.from_tree names leaves of this flat dict by its keys already.
   return ptc, extras, arrays
@@ -124,8 +146,9 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
 
   Args:
     tree: the state: a pytree of ``jax.Array``s (PRNG keys included) and
-      plain leaves (ints, floats, strings, numpy arrays), which are stored
-      in the manifest.
+      plain leaves (``None``, bools, ints, floats, complex numbers,
+      strings, numpy scalars and small numpy arrays), which are stored in
+      the manifest and restored as saved.
     location: this host's store directory (e.g. under ``/dev/shm``).
     step: the training step, recorded in the manifest.
     mode: ``"local"`` (each process writes to its own host's store) or
@@ -141,6 +164,9 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
 
   Returns:
     The committed snapshot's directory (or the central server's answer).
+
+  Raises:
+    TreeError: some leaf is none of the above (names every such path).
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -270,9 +296,13 @@ class RestoreReport:
     fallbacks: reads that failed and were served by another copy.
     lost_processes: old processes no reachable store holds.
     from_checkpoint: the state came from the Orbax checkpoint.
-    steps_lost: training steps lost by falling back to the checkpoint.
+    steps_lost: training steps lost: the newest step any store holds minus
+      the restored step (an older complete snapshot, or the checkpoint).
     seconds: per phase (``manifest``, ``plan``, ``read``, ``build``,
       ``total``).
+    dead_sources: store locations that did not answer, when the restore
+      started or while it read (a killed peer); its reads moved to other
+      copies.
   """
 
   process_index: int
@@ -290,6 +320,7 @@ class RestoreReport:
   from_checkpoint: bool
   steps_lost: int
   seconds: Mapping[str, float]
+  dead_sources: tuple[str, ...] = ()
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -297,6 +328,7 @@ class RestoreReport:
     d["seconds"] = dict(self.seconds)
     d["fallbacks"] = list(self.fallbacks)
     d["lost_processes"] = list(self.lost_processes)
+    d["dead_sources"] = list(self.dead_sources)
     return d
 
   def __str__(self) -> str:
@@ -321,15 +353,16 @@ class _Source:
 
 
 def _gather(locations: Sequence[str], timeout: float, retries: int):
+  """(reachable sources, one per store id; {location: error} of the rest)."""
   by_id: dict[str, _Source] = {}
-  unreachable = []
+  unreachable = {}
   for loc in locations:
     try:
       h = open_store(loc, timeout=timeout, retries=retries)
       ms = h.manifests()
       sid = h.store_id
     except StoreError as e:
-      unreachable.append(str(e))
+      unreachable[loc] = str(e)
       continue
     local = isinstance(h, HostStore)
     src = _Source(loc, h, ms, local)
@@ -343,34 +376,11 @@ def _gather(locations: Sequence[str], timeout: float, retries: int):
   return list(by_id.values()), unreachable
 
 
-def restore_with_report(locations: Sequence[str] | str, target: Any, *,
-                        step: int | None = None,
-                        checkpoint: str | None = None,
-                        timeout: float = 30.0, retries: int = 2,
-                        workers: int = 8) -> tuple[Any, RestoreReport]:
-  """Like :func:`restore`, and also returns a :class:`RestoreReport`."""
-  t0 = time.perf_counter()
-  if isinstance(locations, str):
-    locations = [locations]
-  me = jax.process_index()
-  sources, unreachable = _gather(locations, timeout, retries)
-  try:
-    return _restore(sources, unreachable, locations, target, step, checkpoint,
-                    workers, t0, me)
-  finally:
-    _close(sources)
-
-
-def _restore(sources, unreachable, locations, target, step, checkpoint,
-             workers, t0, me):
-  fallbacks = list(unreachable)
-  # Which snapshots exist, per old process, at which step.
-  steps = {m["step"] for s in sources for m in s.manifests.values()}
-  if step is None:
-    if not steps:
-      return _from_checkpoint(checkpoint, target, None, fallbacks, t0,
-                              "no store holds a snapshot", locations)
-    step = max(steps)
+def _saved_state(sources, step, wanted):
+  """What the stores hold of ``step``: (holding: old process -> sources,
+  a manifest, the saved layout, tensor infos, lost old processes, the
+  layout of the surviving copies (of the ``wanted`` paths), old device ->
+  host, lost boxes). ``(None,)`` when no store holds the step."""
   holding: dict[int, list[_Source]] = collections.defaultdict(list)
   job = None
   for s in sorted(sources, key=lambda s: not s.local):
@@ -379,17 +389,14 @@ def _restore(sources, unreachable, locations, target, step, checkpoint,
         holding[k].append(s)
         job = job or m
   if job is None:
-    return _from_checkpoint(checkpoint, target, step, fallbacks, t0,
-                            f"no store holds step {step}", locations)
+    return (None,)
   src_ptc = PTC.from_json(job["job"])
   tinfo = {}
   for k, srcs in holding.items():
     for p, t in srcs[0].manifests[k]["tensors"].items():
       tinfo.setdefault(p, t)
-  extras = job["extras"]
   lost = tuple(sorted({p for _, p in src_ptc.processes} - set(holding)))
   host_ids = {id(s): i for i, s in enumerate(sources)}
-  my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
   # Old layout: only devices whose process still has a copy; ids shifted.
   old_proc = src_ptc.process_of
   src_host = {}
@@ -399,6 +406,8 @@ def _restore(sources, unreachable, locations, target, step, checkpoint,
   tensors = []
   missing = []
   for t in src_ptc:
+    if t.path not in wanted:  # not in the target: not read
+      continue
     holders = []
     for box, hs in zip(t.placement.boxes, t.placement.holders):
       alive = tuple(h + _OFFSET for h in hs if old_proc[h] in holding)
@@ -409,21 +418,202 @@ def _restore(sources, unreachable, locations, target, step, checkpoint,
       holders.append(alive or (hs[0] + _OFFSET,))
     tensors.append(dataclasses.replace(
         t, placement=Placement(t.placement.boxes, tuple(holders))))
-  if missing:
+  src2 = PTC(tuple(tensors), tuple(sorted(src_host.items())))
+  return holding, job, src_ptc, tinfo, lost, src2, src_host, missing
+
+
+def _kind(x) -> str:
+  if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
+    return f"{x.dtype}{list(x.shape)}"
+  if isinstance(x, np.ndarray):
+    return f"numpy {x.dtype}{list(x.shape)}"
+  return f"{type(x).__name__} {x!r}"[:80]
+
+
+def _match_target(flat, src_ptc, extras, step):
+  """Matches the target's leaves with the saved state.
+
+  Returns ``(arrays, values)``: the ``ShapeDtypeStruct`` of each array to
+  restore, by path, and the value of every other leaf, by its position in
+  ``flat``. Raises :class:`TreeError` naming every leaf that does not fit.
+  """
+  saved = {t.path: t for t in src_ptc}
+  arrays, values, bad = {}, {}, []
+  for i, (kp, leaf) in enumerate(flat):
+    name = key_path_name(kp)
+    t = saved.get(name)
+    if isinstance(leaf, jax.Array):  # a live array: its layout is the target
+      leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                  sharding=leaf.sharding)
+    is_sds = isinstance(leaf, jax.ShapeDtypeStruct)
+    if is_sds and leaf.sharding is not None:
+      if t is not None:
+        dt = str(leaf.dtype) if _is_key(leaf) else np.dtype(leaf.dtype).name
+        if (dt, tuple(leaf.shape)) != (t.dtype, t.shape):
+          bad.append(f"{name}: the target is {dt}{list(leaf.shape)}, step"
+                     f" {step} saved {t.dtype}{list(t.shape)}")
+        else:
+          arrays[name] = leaf
+      elif name in extras and extras[name] is not None:
+        try:
+          values[i] = _plain_to_array(_decode_extra(extras[name]), leaf)
+        except ValueError as e:
+          bad.append(f"{name}: {e}")
+      else:
+        what = ("None" if name in extras else "nothing")
+        bad.append(f"{name}: the target is {_kind(leaf)}, step {step} saved"
+                   f" {what} at this path (saved arrays:"
+                   f" {[u.path for u in src_ptc][:6]})")
+    elif name in extras:  # a plain leaf (or a placeholder): the saved value
+      values[i] = _decode_extra(extras[name])
+    elif t is not None:
+      bad.append(f"{name}: the target is {_kind(leaf)}"
+                 f"{' without a sharding' if is_sds else ''}, step {step}"
+                 f" saved an array {t.dtype}{list(t.shape)}; give a"
+                 " jax.ShapeDtypeStruct with a sharding on the new mesh, or"
+                 " leave the path out of the target to skip it")
+    elif is_sds:
+      bad.append(f"{name}: the target is {_kind(leaf)} without a sharding"
+                 f" and step {step} saved nothing at this path")
+    else:  # nothing saved here: the target's value passes through
+      values[i] = leaf
+  if bad:
+    raise TreeError(f"the restore target does not match the saved state"
+                    f" ({len(bad)} leaves): " + "; ".join(bad))
+  return arrays, values
+
+
+def _plain_to_array(v, sds):
+  """A saved plain value (e.g. ``step``) as an array on ``sds``'s sharding."""
+  a = np.asarray(v)
+  dt = np.dtype(sds.dtype)
+  if a.dtype.hasobject or _is_key(sds) or a.shape != tuple(sds.shape):
+    raise ValueError(f"the target is {_kind(sds)}, the saved value is"
+                     f" {_kind(v)}")
+  b = a.astype(dt)
+  if not np.array_equal(b.astype(a.dtype), a, equal_nan=a.dtype.kind in "fc"):
+    raise ValueError(f"the saved value {v!r} does not fit the target"
+                     f" dtype {dt.name}")
+  return jax.make_array_from_callback(b.shape, sds.sharding,
+                                      lambda idx: b[idx])
+
+
+class _Fallback(Exception):
+  """The stores hold no complete copy: restore from the checkpoint."""
+
+  def __init__(self, why: str, step: int | None, lost=(), fallbacks=(),
+               dead=(), cause: BaseException | None = None):
+    super().__init__(why)
+    self.why, self.step, self.lost = why, step, tuple(lost)
+    self.fallbacks, self.dead, self.cause = (tuple(fallbacks), tuple(dead),
+                                             cause)
+
+
+def _vote(mine: int) -> int:
+  """The largest of every process's ``mine`` (0 ok, 1 checkpoint, 2 error),
+  so that all processes take the same path (Orbax restores collectively)."""
+  from jax.experimental import multihost_utils
+  votes = multihost_utils.process_allgather(np.array([mine], np.int32))
+  return int(np.max(votes))
+
+
+def restore_with_report(locations: Sequence[str] | str, target: Any, *,
+                        step: int | None = None,
+                        checkpoint: str | None = None,
+                        timeout: float = 30.0, retries: int = 2,
+                        workers: int = 8) -> tuple[Any, RestoreReport]:
+  """Like :func:`restore`, and also returns a :class:`RestoreReport`.
+
+  With ``checkpoint`` in a multi-process job, the processes agree (one
+  small collective) on whether every one of them could restore from the
+  stores; if any could not, all restore from the checkpoint.
+  """
+  t0 = time.perf_counter()
+  if isinstance(locations, str):
+    locations = [locations]
+  me = jax.process_index()
+  agree = bool(checkpoint) and jax.process_count() > 1
+  sources, unreachable = _gather(locations, timeout, retries)
+  try:
+    try:
+      out, vote = _restore(sources, unreachable, target, step, checkpoint,
+                           workers, t0, me), 0
+    except _Fallback as e:
+      out, vote = e, 1
+    except BaseException:
+      if agree:
+        _vote(2)
+      raise
+  finally:
+    _close(sources)
+  if agree:
+    worst = _vote(vote)
+    if worst == 2:
+      raise StoreError("another process of the job failed to restore (see"
+                       " its error); this process stops too")
+    if worst == 1 and vote == 0:
+      _, rep = out
+      out = _Fallback("another process of the job found no complete copy"
+                      " in the stores, so every process restores from the"
+                      " checkpoint", rep.step + rep.steps_lost,
+                      rep.lost_processes, rep.fallbacks, rep.dead_sources)
+  if isinstance(out, _Fallback):
+    if out.cause is not None and not checkpoint:
+      raise out.cause
+    return _from_checkpoint(checkpoint, target, out, t0, locations)
+  return out
+
+
+def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
+             me):
+  fallbacks = list(unreachable.values())
+  dead = set(unreachable)
+  # Which snapshots exist, per old process, at which step. Without a step,
+  # the newest step of which every box has a copy (an incomplete newer one
+  # is reported as steps lost).
+  steps = sorted({m["step"] for s in sources for m in s.manifests.values()},
+                 reverse=True)
+  if step is None and not steps:
+    raise _Fallback("no store holds a snapshot", None, (), fallbacks, dead)
+  newest = steps[0] if step is None else step
+  flat, treedef = jax.tree_util.tree_flatten_with_path(target,
+                                                       is_leaf=_is_none)
+  wanted = {key_path_name(kp) for kp, x in flat
+            if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))}
+  reason = None
+  for st in (steps if step is None else [step]):
+    saved = _saved_state(sources, st, wanted)
+    if saved[0] is None:
+      reason = reason or (f"no store holds step {st}", st, ())
+      continue
+    if not saved[-1]:
+      break
+    holding, job, src_ptc, tinfo, lost, src2, src_host, missing = saved
     why = (f"processes {list(lost)} of the saved job have no surviving"
            f" copy in any store ({len(missing)} boxes lost, e.g."
            f" {missing[0]})")
     if unreachable:
-      why += "; unreachable: " + "; ".join(unreachable)
-    return _from_checkpoint(checkpoint, target, step, fallbacks, t0, why,
-                            locations, lost)
-  src2 = PTC(tuple(tensors), tuple(sorted(src_host.items())))
+      why += "; unreachable: " + "; ".join(unreachable.values())
+    reason = reason or (why, st, lost)
+  else:
+    raise _Fallback(reason[0], reason[1], reason[2], fallbacks, dead)
+  step = st
+  if step < newest:
+    from tenplex_jax.store import checkpoint as ckpt
+    ck = ckpt.latest_step(checkpoint) if checkpoint else None
+    if ck is not None and ck > step:  # the checkpoint is newer: use it
+      raise _Fallback(reason[0] + f"; checkpoint step {ck} is newer than"
+                      f" the newest complete snapshot (step {step})",
+                      newest, reason[2], fallbacks, dead)
+    fallbacks.append(reason[0] + f"; restored the newest complete snapshot,"
+                     f" step {step}")
+  holding, job, src_ptc, tinfo, lost, src2, src_host, missing = saved
+  extras = job["extras"]
+  host_ids = {id(s): i for i, s in enumerate(sources)}
+  my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
+  old_proc = src_ptc.process_of
   # New layout (physical: what each device must hold).
-  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-  dst_sds = {}
-  for kp, leaf in flat:
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-      dst_sds[key_path_name(kp)] = leaf
+  dst_sds, values = _match_target(flat, src_ptc, extras, step)
   dst_ptc = PTC.from_tree(dst_sds)
   dst2 = PTC(dst_ptc.tensors, tuple(
       (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
@@ -435,9 +625,6 @@ def _restore(sources, unreachable, locations, target, step, checkpoint,
   tasks: dict[tuple[str, Box], list[tuple[_Source, int]]] = {}
   planned_net = host_lb = dev_piece = 0
   for t in dst_ptc:
-    if t.path not in tinfo:
-      raise StoreError(f"{t.path}: the saved state (step {step}) has no such"
-                       f" tensor; it has {list(tinfo)[:8]}")
     tpl, rot = the_plan.template(t.path)
     s_t = src2[t.path]
     local_boxes = [i for i, hs in enumerate(s_t.placement.holders)
@@ -480,37 +667,52 @@ def _restore(sources, unreachable, locations, target, step, checkpoint,
     path, box = key
     errs = []
     for s, k in tasks[key]:
+      if s.name in dead:  # a peer that died earlier in this restore
+        errs.append(f"{path} box {list(box)}: skipped {s.name} (dead)")
+        continue
       try:
         if box_volume(box) == 0:
           t = tinfo[path]
           return key, np.empty(tuple(b - a for a, b in box) + tuple(
               t["extra"]), np.dtype(t["storage"])), None, errs
         return key, s.handle.read_storage(path, box, proc=k), s, errs
+      except UnreachableError as e:
+        dead.add(s.name)
+        errs.append(str(e))
       except StoreError as e:
         errs.append(str(e))
     raise StoreError(f"{path} box {list(box)}: every copy failed:\n  "
                      + "\n  ".join(errs))
 
-  with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+  pool = cf.ThreadPoolExecutor(max_workers=workers)
+  try:
     for key, arr, s, errs in pool.map(fetch, list(tasks)):
       got[key] = arr
-      fallbacks.extend(errs)
+      fallbacks.extend(e for e in errs if "(dead)" not in e)
       if s is not None:
         per_source[s.name] += arr.nbytes
         if s.local:
           local_bytes += arr.nbytes
         else:
           net_bytes += arr.nbytes
+  except StoreError as e:
+    pool.shutdown(wait=True, cancel_futures=True)
+    gone = {k for k, srcs in holding.items()
+            if all(s.name in dead for s in srcs)}
+    raise _Fallback(str(e), step, sorted(set(lost) | gone), fallbacks,
+                    sorted(dead), cause=e) from e
+  finally:
+    pool.shutdown(wait=True)
   t4 = time.perf_counter()
   # Assemble each distinct new box once, then place it on its devices.
   out_leaves = []
   by_dev = {d.id: d for d in jax.local_devices()}
-  for kp, leaf in flat:
-    name = key_path_name(kp)
-    if not isinstance(leaf, jax.ShapeDtypeStruct):
-      out_leaves.append(_decode_extra(extras[name], leaf)
-                        if name in extras else leaf)
+  for i, (kp, leaf) in enumerate(flat):
+    if i in values:
+      out_leaves.append(values[i])
       continue
+    name = key_path_name(kp)
+    leaf = dst_sds[name]
     t = dst_ptc[name]
     info = tinfo[name]
     tpl, _ = the_plan.template(name)
@@ -552,9 +754,10 @@ def _restore(sources, unreachable, locations, target, step, checkpoint,
       network_bytes=net_bytes, planned_network_bytes=planned_net,
       host_lower_bound_bytes=host_lb, device_piece_bytes=dev_piece,
       per_source_bytes=dict(per_source), fallbacks=tuple(fallbacks),
-      lost_processes=lost, from_checkpoint=False, steps_lost=0,
+      lost_processes=lost, from_checkpoint=False, steps_lost=newest - step,
       seconds={"manifest": t1 - t0, "plan": t2 - t1, "read": t4 - t3,
-               "build": t5 - t4, "total": t5 - t0})
+               "build": t5 - t4, "total": t5 - t0},
+      dead_sources=tuple(sorted(dead)))
   return tree, report
 
 
@@ -572,8 +775,11 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
     locations: store directories (this host's) and/or store server URLs
       (``http://127.0.0.1:PORT``, peers).
     target: a pytree of ``jax.ShapeDtypeStruct``s with shardings on the new
-      mesh; other leaves take the saved value of the same path if there is
-      one, else pass through.
+      mesh (a live ``jax.Array`` counts as its layout). Any other leaf (a
+      placeholder such as ``0`` or ``None``, or a ``ShapeDtypeStruct``
+      without a sharding, as ``jax.eval_shape`` makes of Python ints)
+      takes the saved plain value of its path, as saved; with nothing saved
+      there it passes through. Saved arrays not in the target are not read.
     **kwargs: ``step`` (default: the newest), ``checkpoint`` (an Orbax
       checkpoint directory to fall back to when no copy survives),
       ``timeout``, ``retries``, ``workers``.
@@ -584,6 +790,8 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
   Raises:
     NoCopyError: some piece has no surviving copy and no checkpoint is given.
     StoreError: every copy of a needed piece failed (names hosts and paths).
+    TreeError: the target does not match the saved state (names every
+      mismatching leaf with the saved and the target shape, dtype or type).
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp
@@ -598,24 +806,29 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
   return restore_with_report(locations, target, **kwargs)[0]
 
 
-def _from_checkpoint(checkpoint, target, step, fallbacks, t0, why,
-                     locations, lost=()):
+def _from_checkpoint(checkpoint, target, fb: _Fallback, t0, locations):
+  dead = f" (dead: {list(fb.dead)})" if fb.dead else ""
   if not checkpoint:
-    raise NoCopyError(f"cannot restore from stores {list(locations)}: {why};"
-                      " no checkpoint= to fall back to")
+    raise NoCopyError(f"cannot restore from stores {list(locations)}{dead}:"
+                      f" {fb.why}; no checkpoint= to fall back to")
   from tenplex_jax.store import checkpoint as ckpt
-  tree, ck_step = ckpt.restore_checkpoint(checkpoint, target)
-  lost_steps = 0 if step is None else max(0, step - ck_step)
+  try:
+    tree, ck_step = ckpt.restore_checkpoint(checkpoint, target)
+  except NoCopyError as e:
+    raise NoCopyError(f"cannot restore from stores {list(locations)}{dead}:"
+                      f" {fb.why}; and {e}") from e
+  lost_steps = 0 if fb.step is None else max(0, fb.step - ck_step)
   t1 = time.perf_counter()
   dst = PTC.from_tree({key_path_name(kp): leaf for kp, leaf in
                        jax.tree_util.tree_flatten_with_path(target)[0]
-                       if isinstance(leaf, jax.ShapeDtypeStruct)})
+                       if isinstance(leaf, jax.ShapeDtypeStruct)
+                       and leaf.sharding is not None})
   report = RestoreReport(
       process_index=jax.process_index(), step=ck_step, n_tensors=len(dst),
       state_bytes=dst.nbytes, local_bytes=0, network_bytes=0,
       planned_network_bytes=0, host_lower_bound_bytes=0,
       device_piece_bytes=0, per_source_bytes={},
-      fallbacks=tuple(fallbacks) + (why,), lost_processes=tuple(lost),
+      fallbacks=tuple(fb.fallbacks) + (fb.why,), lost_processes=fb.lost,
       from_checkpoint=True, steps_lost=lost_steps,
-      seconds={"total": t1 - t0})
+      seconds={"total": t1 - t0}, dead_sources=fb.dead)
   return tree, report

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from tenplex_jax.errors import ChecksumError, StoreError
+from tenplex_jax.errors import ChecksumError, StoreError, UnreachableError
 from tenplex_jax.layout import Box
 from tenplex_jax.store.format import (HostStore, SnapshotWriter, format_box,
                                       parse_box)
@@ -267,9 +267,10 @@ class RemoteStore:
         self._drop()
         if attempt < self.retries:
           time.sleep(0.05 * 2 ** attempt)
-    raise StoreError(f"store server {self.url} is unreachable while reading"
-                     f" {what} ({self.retries + 1} attempts, timeout"
-                     f" {self.timeout}s): {type(last).__name__}: {last}")
+    raise UnreachableError(
+        f"store server {self.url} is unreachable while reading {what}"
+        f" ({self.retries + 1} attempts, timeout {self.timeout}s):"
+        f" {type(last).__name__}: {last}")
 
   @property
   def store_id(self) -> str:
