@@ -308,14 +308,15 @@ def stalling_server(d, serve_first):
 def test_peer_killed_during_multiprocess_restore(tmp, replicas):
   # The old job: 2 processes (data=2 x model=2), store i on host i; with
   # replicas=1 each store also holds the other process's snapshot. Host 1's
-  # server answers one read, then stalls and is SIGKILLed while the two new
-  # processes (1 x 4, disjoint from the old ones) are reading from it: both
-  # list it first, so both have reads in flight against it.
+  # server holds the first read it gets (a batched POST /read carries up to
+  # 16 MiB of pieces) and is SIGKILLed while it is in flight; the two new
+  # processes (1 x 4, disjoint from the old ones) both list it first, so
+  # both find it dead (mid-request or refused).
   ck = os.path.join(tmp, "ckpt")
   stores = save_job(tmp, 2, [2, 2], replicas=replicas, checkpoint=ck,
                     checkpoint_step=4)
   with servers(stores[:1]) as (urls, _), \
-      stalling_server(stores[1], serve_first=1) as (dying, proc, stalled):
+      stalling_server(stores[1], serve_first=0) as (dying, proc, stalled):
     results, out = run_job(tmp, "restore", procs=2, devices=2, mesh=[1, 4],
                            action="restore", locations=[[dying, urls[0]]] * 2,
                            checkpoint=ck, timeout_s=5, retries=1)

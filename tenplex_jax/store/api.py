@@ -37,14 +37,90 @@ from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, _slices_to_bo
                                 box_volume, intersect, key_path_name)
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import _key_data_sharding
-from tenplex_jax.store.format import (HostStore, SnapshotWriter, ensure_store_id,
-                                      from_storage, storage_of)
+from tenplex_jax.store.format import (HostStore, SnapshotWriter, _chunk_shape,
+                                      ensure_store_id, from_storage,
+                                      storage_of)
 from tenplex_jax.store.server import RemoteStore
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
            "save"]
 
 _OFFSET = 1 << 30  # old device ids are shifted so none looks "kept"
+
+
+class _Single(Exception):
+  """Internal: read a batch piece by piece."""
+
+
+_BATCH_BYTES = 16 << 20  # pieces per request up to this many bytes
+_BATCH_PIECES = 256
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype,
+                   align: int = 64) -> np.ndarray:
+  """An uninitialised C-contiguous array whose data is ``align``-aligned."""
+  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(n + align, np.uint8)
+  off = (-raw.ctypes.data) % align
+  return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def _rel(box: Box, within: Box) -> tuple:
+  """The index of ``box`` inside an array holding ``within`` (a view, also
+  for 0-d arrays)."""
+  return tuple(slice(p0 - d0, p1 - d0)
+               for (p0, p1), (d0, _) in zip(box, within)) + (Ellipsis,)
+
+
+def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
+                rows: int | None):
+  """Splits a large piece along dim 0 into parts of about ``_BATCH_BYTES``,
+  at the chunk boundaries of the stored box ``held`` (``rows`` rows per
+  chunk) where known, so requests and server buffers stay bounded, big
+  pieces are read in parallel, and no chunk is read twice."""
+  if not box or dest.nbytes <= _BATCH_BYTES or box[0][1] - box[0][0] < 2:
+    return [(box, dest)]
+  lo, hi = box[0]
+  row = dest.nbytes // (hi - lo)
+  step = max(1, _BATCH_BYTES // max(1, row))
+  base = lo
+  if held is not None and rows:
+    step = rows * max(1, step // rows)
+    base = held[0][0]
+  out = []
+  a = lo
+  while a < hi:
+    z = min(hi, base + (a - base) // step * step + step)
+    out.append((((a, z),) + tuple(box[1:]), dest[a - lo:z - lo]))
+    a = z
+  return out
+
+
+def _batches(jobs):
+  """Groups jobs by their first copy into requests of bounded size."""
+  groups: dict[tuple[int, int], list] = {}
+  for job in jobs:
+    s, k = job[3][0]
+    groups.setdefault((id(s), k), []).append(job)
+  per_group = []
+  for group in groups.values():
+    out = []
+    per_group.append(out)
+    cur, nb = [], 0
+    for job in group:
+      if cur and (nb + job[2].nbytes > _BATCH_BYTES
+                  or len(cur) >= _BATCH_PIECES or job[3][0][0].local):
+        out.append(cur)
+        cur, nb = [], 0
+      cur.append(job)
+      nb += job[2].nbytes
+    if cur:
+      out.append(cur)
+  # Round robin over the copies, so that every peer is read from at once.
+  out = []
+  for i in range(max((len(g) for g in per_group), default=0)):
+    out.extend(g[i] for g in per_group if i < len(g))
+  return out
 
 
 def open_store(location: str, *, timeout: float = 30.0, retries: int = 2):
@@ -623,6 +699,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   # Distinct pieces of this process's devices, with candidate sources.
   mine = {d.id for d in jax.local_devices()}
   tasks: dict[tuple[str, Box], list[tuple[_Source, int]]] = {}
+  dests: dict[tuple[str, Box], list[Box]] = {}  # piece -> new boxes
   planned_net = host_lb = dev_piece = 0
   for t in dst_ptc:
     tpl, rot = the_plan.template(t.path)
@@ -644,6 +721,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
         nb = box_volume(m.box) * t.itemsize
         dev_piece += nb
         key = (t.path, m.box)
+        if dbox not in dests.setdefault(key, []):
+          dests[key].append(dbox)
         if key in tasks:
           continue
         L = len(m.sources)
@@ -659,42 +738,88 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
           planned_net += nb
         tasks[key] = cands
   t3 = time.perf_counter()
-  got: dict[tuple[str, Box], np.ndarray] = {}
-  per_source = collections.Counter()
-  local_bytes = net_bytes = 0
-
-  def fetch(key):
+  # One aligned host buffer per distinct new box (storage dtype): pieces
+  # are read straight into their place in it, and it becomes the device
+  # buffer without another copy (CPU devices alias aligned host memory).
+  bufs: dict[tuple[str, Box], np.ndarray] = {}
+  for key, dboxes in dests.items():
+    info = tinfo[key[0]]
+    for dbox in dboxes:
+      if (key[0], dbox) not in bufs:
+        bufs[(key[0], dbox)] = _aligned_empty(
+            tuple(b - a for a, b in dbox) + tuple(info["extra"]),
+            np.dtype(info["storage"]))
+  jobs = []  # (path, box, destination view, candidates, piece key)
+  for key, cands in tasks.items():
     path, box = key
-    errs = []
-    for s, k in tasks[key]:
+    dbox = dests[key][0]
+    dest = bufs[(path, dbox)][_rel(box, dbox)]
+    if dest.size == 0:
+      continue
+    held = next((b for b in src2[path].placement.boxes
+                 if all(h0 <= p0 and p1 <= h1
+                        for (p0, p1), (h0, h1) in zip(box, b))), None)
+    rows = None
+    if held is not None and held:
+      info = tinfo[path]
+      rows = _chunk_shape(tuple(b - a for a, b in held)
+                          + tuple(info["extra"]),
+                          np.dtype(info["storage"]).itemsize)[0]
+    for sub, view in _split_rows(box, dest, held, rows):
+      jobs.append((path, sub, view, cands, key))
+  per_source = collections.Counter()
+  counts = {"local": 0, "net": 0}
+
+  def fetch_one(job, errs):
+    path, box, dest, cands, _ = job
+    skipped = []
+    for s, k in cands:
       if s.name in dead:  # a peer that died earlier in this restore
-        errs.append(f"{path} box {list(box)}: skipped {s.name} (dead)")
+        skipped.append(f"{s.name} (dead earlier in this restore)")
         continue
       try:
-        if box_volume(box) == 0:
-          t = tinfo[path]
-          return key, np.empty(tuple(b - a for a, b in box) + tuple(
-              t["extra"]), np.dtype(t["storage"])), None, errs
-        return key, s.handle.read_storage(path, box, proc=k), s, errs
+        if s.local:
+          s.handle.read_into(path, box, dest, proc=k)
+        else:
+          s.handle.read_into([(k, path, box, dest)])
+        return s
       except UnreachableError as e:
         dead.add(s.name)
         errs.append(str(e))
       except StoreError as e:
         errs.append(str(e))
     raise StoreError(f"{path} box {list(box)}: every copy failed:\n  "
-                     + "\n  ".join(errs))
+                     + "\n  ".join(errs + skipped))
 
+  def fetch(batch):
+    """Reads a batch of pieces with the same first copy; on failure, each
+    piece falls back through its copies in turn."""
+    errs = []
+    s, k = batch[0][3][0]
+    served = []
+    try:
+      if s.local or len(batch) == 1 or s.name in dead:
+        raise _Single()
+      s.handle.read_into([(k, path, box, dest)
+                          for path, box, dest, _, _ in batch])
+      served = [(s, job) for job in batch]
+    except (StoreError, _Single) as e:
+      if isinstance(e, UnreachableError):
+        dead.add(s.name)
+      if isinstance(e, StoreError):
+        errs.append(str(e))
+      served = [(fetch_one(job, errs), job) for job in batch]
+    return served, errs
+
+  batches = _batches(jobs)
   pool = cf.ThreadPoolExecutor(max_workers=workers)
   try:
-    for key, arr, s, errs in pool.map(fetch, list(tasks)):
-      got[key] = arr
-      fallbacks.extend(e for e in errs if "(dead)" not in e)
-      if s is not None:
-        per_source[s.name] += arr.nbytes
-        if s.local:
-          local_bytes += arr.nbytes
-        else:
-          net_bytes += arr.nbytes
+    for served, errs in pool.map(fetch, batches):
+      fallbacks.extend(errs)
+      for s, job in served:
+        nb = job[2].nbytes
+        per_source[s.name] += nb
+        counts["local" if s.local else "net"] += nb
   except StoreError as e:
     pool.shutdown(wait=True, cancel_futures=True)
     gone = {k for k, srcs in holding.items()
@@ -703,8 +828,14 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
                     sorted(dead), cause=e) from e
   finally:
     pool.shutdown(wait=True)
+  for key, dboxes in dests.items():  # a piece several new boxes share
+    path, box = key
+    src = bufs[(path, dboxes[0])][_rel(box, dboxes[0])]
+    for dbox in dboxes[1:]:
+      bufs[(path, dbox)][_rel(box, dbox)] = src
+  local_bytes, net_bytes = counts["local"], counts["net"]
   t4 = time.perf_counter()
-  # Assemble each distinct new box once, then place it on its devices.
+  # Place each distinct new box on its devices.
   out_leaves = []
   by_dev = {d.id: d for d in jax.local_devices()}
   for i, (kp, leaf) in enumerate(flat):
@@ -715,32 +846,20 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     leaf = dst_sds[name]
     t = dst_ptc[name]
     info = tinfo[name]
-    tpl, _ = the_plan.template(name)
     extra = tuple(info["extra"])
-    storage = np.dtype(info["storage"])
     key_impl = info.get("key_impl")
     sharding = leaf.sharding
     if key_impl:
       sharding = _key_data_sharding(sharding, len(t.shape), len(extra))
-    built: dict[Box, np.ndarray] = {}
     arrays = []
     for dev in sorted(sharding.addressable_devices, key=lambda d: d.id):
       dbox = t.shard_box(dev.id)
-      host = built.get(dbox)
-      if host is None:
-        j = t.placement.boxes.index(dbox)
-        pieces = tpl.merges[j]
-        if len(pieces) == 1 and pieces[0][0] == dbox:
-          host = got[(name, dbox)]
-        else:
-          host = np.empty(tuple(b - a for a, b in dbox) + extra, storage)
-          for piece, _ in pieces:
-            rel = tuple(slice(p0 - d0, p1 - d0)
-                        for (p0, p1), (d0, _) in zip(piece, dbox))
-            host[rel] = got[(name, piece)]
-        host = from_storage(host, info["dtype"])
-        built[dbox] = host
-      arrays.append(jax.device_put(host, by_dev[dev.id]))
+      host = bufs.get((name, dbox))
+      if host is None:  # an empty box: no pieces
+        host = np.empty(tuple(b - a for a, b in dbox) + extra,
+                        np.dtype(info["storage"]))
+      arrays.append(jax.device_put(from_storage(host, info["dtype"]),
+                                   by_dev[dev.id]))
     arr = jax.make_array_from_single_device_arrays(
         tuple(t.shape) + extra, sharding, arrays)
     if key_impl:

@@ -7,7 +7,14 @@ Endpoints (all under ``http://HOST:PORT``):
   exactly that sub-box (C order, storage dtype), so a reader fetches only
   the bytes the plan needs. Chunk checksums are verified by the server on
   read; a corrupt chunk answers ``409`` with the reason.
-* ``GET /stats``: bytes and requests served.
+* ``POST /read`` with a JSON body ``{"pieces": [[proc, path, "0:4,2:4"],
+  ...]}``: the raw bytes of several sub-boxes, concatenated in request
+  order, in one response (the data path of restores: batched pieces, sent
+  from memory maps of the chunk files, see :meth:`HostStore.read_segments`).
+  Every chunk touched is checksummed before the answer starts; a corrupt
+  one answers ``409`` naming the piece.
+* ``GET /stats``: bytes, requests and pieces served; seconds spent reading
+  (mapping and checksumming) and sending (summed over threads).
 * ``POST /upload/<proc>``: a whole snapshot in one streamed body (central
   mode and store replicas): an 8-byte header length, a JSON header, then the
   boxes' bytes in header order. Committed atomically like a local save.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
+import math
 import os
 import signal
 import socket
@@ -29,7 +37,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,11 +89,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = urllib.parse.unquote(parts[2])
         q = urllib.parse.parse_qs(url.query, keep_blank_values=True)
         box = parse_box(q.get("box", [""])[0])
-        data = store.read_storage(path, box, proc=proc)
-        body = memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")
+        storage, shape, _, _ = store.storage_info(path, box, proc=proc)
+        data = np.empty(shape, storage)
+        store.read_into(path, box, data, proc=proc)
+        body = memoryview(data.reshape(-1)).cast("B")
         with self.server.lock:
           self.server.stats["bytes_sent"] += len(body)
           self.server.stats["requests"] += 1
+          self.server.stats["pieces"] += 1
         self._send(200, body, "application/octet-stream",
                    {"X-Storage-Dtype": data.dtype.name,
                     "X-Shape": ",".join(map(str, data.shape))})
@@ -100,9 +111,61 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     except Exception as e:  # pragma: no cover - report, keep serving
       self._error(500, f"{type(e).__name__}: {e}")
 
+  def _read_pieces(self):
+    store: HostStore = self.server.store
+    try:
+      n = int(self.headers.get("Content-Length", 0))
+      req = json.loads(self.rfile.read(n))
+      pieces = [(int(k), str(p), parse_box(b)) for k, p, b in req["pieces"]]
+    except Exception as e:
+      self._error(400, f"bad /read request: {type(e).__name__}: {e}")
+      return
+    try:
+      layout = []
+      total = 0
+      for k, p, box in pieces:
+        storage, shape, _, _ = store.storage_info(p, box, proc=k)
+        nb = math.prod(shape) * storage.itemsize
+        layout.append((total, nb, storage, shape))
+        total += nb
+      t0 = time.perf_counter()
+      segs = []
+      for (k, p, box), (_, nb, _, _) in zip(pieces, layout):
+        got = store.read_segments(p, box, proc=k)
+        if sum(memoryview(g).nbytes for g in got) != nb:  # pragma: no cover
+          raise StoreError(f"{p} box {list(box)}: read the wrong size")
+        segs.extend(got)
+      t1 = time.perf_counter()
+      with self.server.lock:
+        st = self.server.stats
+        st["bytes_sent"] += total
+        st["requests"] += 1
+        st["pieces"] += len(pieces)
+        st["read_s"] += t1 - t0
+      self.send_response(200)
+      self.send_header("Content-Type", "application/octet-stream")
+      self.send_header("Content-Length", str(total))
+      self.end_headers()
+      for g in segs:
+        self.wfile.write(memoryview(g).cast("B"))
+      del segs
+      with self.server.lock:
+        self.server.stats["send_s"] += time.perf_counter() - t1
+    except ChecksumError as e:
+      self._error(409, str(e))
+    except StoreError as e:
+      self._error(404, str(e))
+    except (BrokenPipeError, ConnectionResetError):
+      pass
+    except Exception as e:  # pragma: no cover - report, keep serving
+      self._error(500, f"{type(e).__name__}: {e}")
+
   def do_POST(self):
     url = urllib.parse.urlsplit(self.path)
     parts = url.path.strip("/").split("/")
+    if parts == ["read"]:
+      self._read_pieces()
+      return
     if len(parts) != 2 or parts[0] != "upload":
       self._error(404, f"no endpoint {url.path}")
       return
@@ -133,16 +196,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                   f" {type(e).__name__}: {e}")
 
 
-def _read_exact(f, n: int) -> bytes:
+def _read_exact(f, n: int) -> bytearray:
   buf = bytearray(n)
-  view = memoryview(buf)
+  _readinto_exact(f, memoryview(buf), "upload")
+  return buf
+
+
+def _readinto_exact(f, view: memoryview, what: str,
+                    exc: type[Exception] = StoreError) -> None:
+  n = len(view)
   got = 0
   while got < n:
     k = f.readinto(view[got:])
     if not k:
-      raise StoreError(f"upload ended after {got} of {n} bytes")
+      raise exc(f"{what} ended after {got} of {n} bytes")
     got += k
-  return bytes(buf)
 
 
 class _StoreServer(http.server.ThreadingHTTPServer):
@@ -153,7 +221,8 @@ class _StoreServer(http.server.ThreadingHTTPServer):
     super().__init__(addr, _Handler)
     self.store = store
     self.lock = threading.Lock()
-    self.stats = {"bytes_sent": 0, "requests": 0, "bytes_received": 0}
+    self.stats = {"bytes_sent": 0, "requests": 0, "pieces": 0,
+                  "bytes_received": 0, "read_s": 0.0, "send_s": 0.0}
 
 
 def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1"
@@ -309,6 +378,72 @@ class RemoteStore:
       self.bytes_received += len(body)
       self.requests += 1
     return arr.reshape(shape)
+
+  def read_into(self, pieces: Sequence[tuple[int, str, Box, np.ndarray]]
+                ) -> int:
+    """Reads several sub-boxes in one request (``POST /read``) straight
+    into their destinations.
+
+    Args:
+      pieces: (process, tensor path, box, destination array in the storage
+        dtype with the box's shape); a destination that is not
+        C-contiguous is filled through a buffer.
+
+    Returns:
+      The payload bytes received.
+
+    Raises:
+      ChecksumError: the server found a corrupt chunk (names the piece).
+      StoreError: the server is unreachable (after retries) or refused.
+    """
+    body = json.dumps({"pieces": [[k, p, format_box(b)]
+                                  for k, p, b, _ in pieces]}).encode()
+    total = sum(d.nbytes for *_, d in pieces)
+    what = (f"{len(pieces)} pieces ({pieces[0][1]} box"
+            f" {list(pieces[0][2])} of process {pieces[0][0]}, ...)"
+            if len(pieces) > 1 else
+            f"{pieces[0][1]} box {list(pieces[0][2])} of process"
+            f" {pieces[0][0]}")
+    last = None
+    for attempt in range(self.retries + 1):
+      try:
+        c = self._conn()
+        c.request("POST", "/read", body=body,
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+          status, err = r.status, r.read()
+          break
+        if r.length != total:
+          raise http.client.HTTPException(f"answered {r.length} bytes,"
+                                          f" expected {total}")
+        for *_, d in pieces:
+          if d.flags.c_contiguous:
+            _readinto_exact(r, memoryview(d.reshape(-1)).cast("B"), what,
+                            ConnectionError)
+          else:
+            tmp = np.empty(d.shape, d.dtype)
+            _readinto_exact(r, memoryview(tmp.reshape(-1)).cast("B"), what,
+                            ConnectionError)
+            d[...] = tmp
+        with self._lock:
+          self.bytes_received += total
+          self.requests += 1
+        return total
+      except (OSError, http.client.HTTPException) as e:
+        last = e
+        self._drop()
+        if attempt < self.retries:
+          time.sleep(0.05 * 2 ** attempt)
+    else:
+      raise UnreachableError(f"store server {self.url} is unreachable while"
+                       f" reading {what} ({self.retries + 1} attempts,"
+                       f" timeout {self.timeout}s): {type(last).__name__}:"
+                       f" {last}")
+    if status == 409:
+      raise ChecksumError(f"store server {self.url}: {what}: {_msg(err)}")
+    raise StoreError(f"store server {self.url}: {what}: HTTP {status}:"
+                     f" {_msg(err)}")
 
   def upload(self, proc: int, header: dict, chunks: Iterator[np.ndarray],
              nbytes: int) -> dict:

@@ -1,0 +1,172 @@
+"""The store's fast data path: chunk files written by ``write_zarr3`` and
+read by ``HostStore.read_into`` / ``POST /read``, checked against
+tensorstore, bitwise, with small chunks so that pieces cross chunk
+boundaries and the last chunk is padded."""
+
+import os
+import threading
+
+import google_crc32c
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tenplex_jax import store
+from tenplex_jax.store import (ChecksumError, HostStore, RemoteStore, StoreError,
+                               make_server)
+from tenplex_jax.store import api, format as fmt
+
+from test_store import DTYPES, _bits, _value
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+  monkeypatch.setattr(fmt, "_CHUNK_BYTES", 24)
+  monkeypatch.setattr(api, "_BATCH_BYTES", 64)
+
+
+@pytest.fixture
+def served(tmp_path):
+  d = str(tmp_path / "store")
+  os.makedirs(d)
+  srv = make_server(d, 0)
+  th = threading.Thread(target=srv.serve_forever, daemon=True)
+  th.start()
+  rs = RemoteStore(f"http://127.0.0.1:{srv.server_address[1]}", timeout=5,
+                   retries=0)
+  yield d, srv, rs
+  rs.close()
+  srv.shutdown()
+  srv.server_close()
+
+
+def test_crc32c_is_castagnoli_on_any_buffer_without_copies():
+  data = np.random.default_rng(0).integers(0, 256, 100_003, np.uint8)
+  want = google_crc32c.value(data.tobytes())
+  assert fmt.crc32c(data) == want
+  assert fmt.crc32c(memoryview(data)) == want
+  assert fmt.crc32c(bytearray(data.tobytes())) == want
+  assert fmt.crc32c(data[5000:], fmt.crc32c(data[:5000])) == want
+  assert fmt.crc32c(data[:100_000].view(np.uint32)) == \
+      google_crc32c.value(data[:100_000].tobytes())
+  assert fmt.crc32c(b"") == 0 and fmt.crc32c(b"123456789") == 0xE3069283
+  with pytest.raises(ValueError, match="contiguous"):
+    fmt.crc32c(data[::2])
+
+
+@pytest.mark.parametrize("shape", [(13, 3), (5,), (), (4, 3, 2)])
+def test_write_zarr3_is_what_tensorstore_reads(tmp_path, small_chunks, shape):
+  x = np.random.default_rng(1).integers(0, 2**16, shape).astype(np.uint16)
+  path = str(tmp_path / "a")
+  rows, crcs = fmt.write_zarr3(path, x)
+  got = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                "path": path},
+                 "open": True}).result().read().result()
+  np.testing.assert_array_equal(got, x)
+  n = -(-shape[0] // rows) if shape else 1
+  assert len(crcs) == n and (n > 1 or len(shape) < 2)
+
+
+def test_every_dtype_bitwise_through_small_chunks_and_sub_boxes(
+    tmp_path, small_chunks, served):
+  d, srv, rs = served
+  src = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("d", "t"))
+  dst = Mesh(np.array(jax.devices()[2:8]).reshape(2, 3), ("d", "t"))
+  tree, target = {}, {}
+  for i, dt in enumerate(DTYPES):
+    x = _value(dt, (12, 6), i)
+    tree[dt] = jax.device_put(x, NamedSharding(src, P("d")))
+    # Rows and columns both change: strided and row-contiguous pieces.
+    target[dt] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+        dst, P("t", "d")))
+  keys = jax.random.split(jax.random.key(5), 12)
+  tree["key"] = jax.device_put(keys, NamedSharding(src, P("d")))
+  target["key"] = jax.ShapeDtypeStruct(keys.shape, keys.dtype,
+                                       sharding=NamedSharding(dst, P("t")))
+  store.save(tree, d, step=4)
+  m = HostStore(d).manifest()
+  assert all(len(b["crc32c"]) > 1 for t in m["tensors"].values()
+             for b in t["boxes"])  # several chunks per box
+  url = rs.url
+  for loc in ([d], [url]):
+    out, rep = store.restore_with_report(loc, target)
+    for k in target:
+      a, b = (jax.random.key_data(out[k]), jax.random.key_data(tree[k])) \
+          if k == "key" else (out[k], tree[k])
+      assert out[k].sharding == target[k].sharding, k
+      np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{k} {loc}")
+    assert rep.network_bytes + rep.local_bytes == sum(
+        v.nbytes for v in tree.values())
+  assert srv.stats["bytes_sent"] == rep.network_bytes
+  assert HostStore(d).verify() == []
+
+
+def test_batched_read_returns_the_right_bytes(served):
+  d, srv, rs = served
+  x = np.arange(12 * 8, dtype=np.float32).reshape(12, 8)
+  y = _value("bfloat16", (6, 4), 3)
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(2, 1), ("d", "t"))
+  store.save({"x": jax.device_put(x, NamedSharding(mesh, P("d"))),
+              "y": jax.device_put(y, NamedSharding(mesh, P(None, "d")))}, d)
+  a = np.empty((3, 8), np.uint32)
+  b = np.empty((2, 3), np.uint32)
+  big = np.zeros((6, 5), np.uint16)
+  c = big[:, 1:3]  # not C-contiguous: filled through a buffer
+  pieces = [(0, "x", ((1, 4), (0, 8)), a), (0, "x", ((2, 4), (5, 8)), b),
+            (0, "y", ((0, 6), (0, 2)), c)]
+  assert rs.read_into(pieces) == a.nbytes + b.nbytes + c.nbytes
+  np.testing.assert_array_equal(a.view(np.float32), x[1:4])
+  np.testing.assert_array_equal(b.view(np.float32), x[2:4, 5:8])
+  np.testing.assert_array_equal(c, np.asarray(y)[:, :2].view(np.uint16))
+  assert big[:, 0].sum() == 0 and big[:, 3:].sum() == 0
+  assert srv.stats["requests"] == 1 and srv.stats["pieces"] == 3
+  assert srv.stats["bytes_sent"] == rs.bytes_received
+  # A box that no snapshot holds: 404 for the whole batch, connection kept.
+  with pytest.raises(StoreError, match="HTTP 404.*no box of 'x'"):
+    rs.read_into([(0, "x", ((0, 1), (0, 8)), np.empty((1, 8), np.uint32)),
+                  (0, "x", ((5, 7), (0, 8)), np.empty((2, 8), np.uint32))])
+  rs.read_into(pieces[:1])
+
+
+def _chunk(d, path, box_dir="b0", key="c/0/0"):
+  st = HostStore(d)
+  return os.path.join(st.snapshot_dir(0), "data", path, box_dir, key)
+
+
+def _flip(path, at):
+  with open(path, "r+b") as f:
+    f.seek(at)
+    v = f.read(1)
+    f.seek(at)
+    f.write(bytes([v[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("damage", ["payload", "trailer", "truncate",
+                                    "swap"])
+def test_corruption_is_detected_by_every_reader(served, damage):
+  d, srv, rs = served
+  x = np.arange(64 * 4, dtype=np.int32).reshape(64, 4)
+  store.save({"v": jax.device_put(x, jax.devices()[0]),
+              "w": jax.device_put(x + 1, jax.devices()[0])}, d)
+  chunk = _chunk(d, "v")
+  if damage == "payload":
+    _flip(chunk, 77)
+  elif damage == "trailer":
+    _flip(chunk, os.path.getsize(chunk) - 2)
+  elif damage == "truncate":
+    os.truncate(chunk, os.path.getsize(chunk) - 9)
+  else:  # a valid chunk of other data: its trailer matches, the manifest not
+    with open(_chunk(d, "w"), "rb") as f, open(chunk, "wb") as g:
+      g.write(f.read())
+  st = HostStore(d)
+  with pytest.raises(ChecksumError, match="checksum"):
+    st.read_into("v", ((0, 2), (0, 4)), np.empty((2, 4), np.uint32))
+  with pytest.raises(ChecksumError, match="checksum"):
+    rs.read_into([(0, "v", ((3, 5), (1, 2)), np.empty((2, 1), np.uint32))])
+  assert any("v box" in p for p in st.verify())
+  if damage != "swap":  # tensorstore checks only the trailer
+    with pytest.raises(StoreError):
+      st.read("v")
+  np.testing.assert_array_equal(st.read("w"), x + 1)
