@@ -1,5 +1,7 @@
 """The CPU fast path hands its new shard buffers to jax without a copy."""
 
+import sys
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -87,3 +89,38 @@ def test_host_pool_off_and_bad_setting(monkeypatch):
   b = _hostmem.host_empty((1 << 20,), np.float32)
   del b
   assert _hostmem.host_pool_stats()["idle_bytes"] == 0
+
+
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_threaded_copies_are_bitwise(monkeypatch, threads):
+  R = sys.modules["tenplex_jax.reshard"]
+  monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", threads)
+  monkeypatch.setattr(R, "_THREADED_MIN_BYTES", 0)  # thread even tiny copies
+  devs = np.array(jax.devices()[:8])
+  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
+  b = Mesh(devs[::-1].reshape(2, 4), ("data", "tensor"))
+  rng = np.random.default_rng(1)
+  tree = {
+      "w": rng.standard_normal((64, 48)).astype(np.float32),
+      "v": rng.integers(0, 255, (40, 16, 3)).astype(np.uint8),
+      "s": np.float32(3.5),
+      "e": np.zeros((0, 8), np.float32),
+  }
+  src = {"w": P("data", "tensor"), "v": P(None, "tensor"), "s": P(),
+         "e": P(None, "tensor")}
+  dst = {"w": P("tensor", "data"), "v": P("tensor", None), "s": P(),
+         "e": P(None, "tensor")}
+  x = {k: jax.device_put(v, NamedSharding(a, src[k])) for k, v in tree.items()}
+  y = tenplex_jax.reshard(x, {k: NamedSharding(b, p) for k, p in dst.items()},
+                          method="cpu")
+  for k, v in tree.items():
+    assert np.array_equal(np.asarray(y[k]), v)
+    for s in y[k].addressable_shards:
+      assert np.array_equal(np.asarray(s.data), v[s.index])
+
+
+def test_bad_copy_threads_setting(monkeypatch):
+  R = sys.modules["tenplex_jax.reshard"]
+  monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", "many")
+  with pytest.raises(ValueError, match="TENPLEX_JAX_COPY_THREADS"):
+    R._copy_threads()
