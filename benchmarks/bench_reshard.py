@@ -323,6 +323,31 @@ def run_one(method: str, transition: str, size_gib: float, check: bool,
   return res
 
 
+def _median_run(rs: list[dict]) -> dict:
+  """One record for the rounds of a (transition, method): the run with the
+  median cold time, its warm time replaced by the median warm time; every
+  round's figures are kept in ``cold_all`` / ``warm_all``."""
+  ok = [r for r in rs if r.get("cold_seconds") is not None]
+  if not ok:
+    return rs[-1]
+  ok.sort(key=lambda r: r["cold_seconds"])
+  out = dict(ok[(len(ok) - 1) // 2])
+  warms = sorted(r["warm_seconds"] for r in ok
+                 if r.get("warm_seconds") is not None)
+  if warms:
+    out["warm_seconds"] = warms[(len(warms) - 1) // 2]
+  out["rounds"] = len(rs)
+  out["cold_all"] = [r.get("cold_seconds") for r in rs]
+  out["warm_all"] = [r.get("warm_seconds") for r in rs]
+  failed = [r["failure"] for r in rs if r.get("failure")]
+  if failed:
+    out["failures_in_rounds"] = failed
+  bad = [r.get("check") for r in rs if r.get("check") not in (None, "ok")]
+  if bad:
+    out["check"] = bad[0]
+  return out
+
+
 def _fmt_s(x):
   return "-" if x is None else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
 
@@ -471,6 +496,10 @@ def main(argv=None) -> int:
                   help="each worker touches and frees this much memory before"
                   " its timed call (default: 4x the state, at most 30%% of"
                   " the available memory; 0 in --quick)")
+  ap.add_argument("--repeat", type=int, default=1,
+                  help="rounds; each (transition, method) runs once per round"
+                  " in a fresh process, method order rotated, and the table"
+                  " shows the median cold and warm seconds")
   ap.add_argument("--no-check", action="store_true",
                   help="skip the value and sharding checks")
   ap.add_argument("--worker", nargs=2, metavar=("METHOD", "TRANSITION"))
@@ -505,20 +534,24 @@ def main(argv=None) -> int:
   print(f"state: {workload.state_bytes(dims) / MIB:.0f} MiB, d_model"
         f" {dims.d_model}, vocab {dims.vocab}, {dims.layers} layers,"
         f" {len(workload.tensor_specs(dims))} arrays", flush=True)
-  results = []
+  runs: dict[tuple[str, str], list[dict]] = {}
   t_all = time.perf_counter()
-  for t in transitions:
-    tr = workload.TRANSITIONS[t]
-    print(f"{t}: {tr.src.describe()} -> {tr.dst.describe()}", flush=True)
-    for m in methods:
-      r = run_one(m, t, size, not args.no_check, args.timeout, pf_gib)
-      r["what"] = tr.what
-      results.append(r)
-      print(f"  {m:<10} cold {_fmt_s(r.get('cold_seconds'))} s, warm"
-            f" {_fmt_s(r.get('warm_seconds'))} s"
-            f" {r.get('failure', '')}"
-            f"{'' if r.get('check') in (None, 'ok') else ' CHECK ' + str(r['check'])}",
-            flush=True)
+  for rnd in range(max(1, args.repeat)):
+    order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
+    for t in transitions:
+      tr = workload.TRANSITIONS[t]
+      print(f"{t}: {tr.src.describe()} -> {tr.dst.describe()}"
+            f"{f' (round {rnd + 1})' if args.repeat > 1 else ''}", flush=True)
+      for m in order:
+        r = run_one(m, t, size, not args.no_check, args.timeout, pf_gib)
+        r["what"] = tr.what
+        runs.setdefault((t, m), []).append(r)
+        print(f"  {m:<10} cold {_fmt_s(r.get('cold_seconds'))} s, warm"
+              f" {_fmt_s(r.get('warm_seconds'))} s"
+              f" {r.get('failure', '')}"
+              f"{'' if r.get('check') in (None, 'ok') else ' CHECK ' + str(r['check'])}",
+              flush=True)
+  results = [_median_run(runs[(t, m)]) for t in transitions for m in methods]
   summary = summarize(results, transitions)
   print_table(results, summary, transitions)
   doc = {
@@ -530,6 +563,7 @@ def main(argv=None) -> int:
                   "mem_gib": _mem_gib(), "devices": "8 simulated CPU devices"},
       "versions": _versions(),
       "size_gib": size,
+      "rounds": max(1, args.repeat),
       "prefault_gib": pf_gib,
       "state_bytes": workload.state_bytes(dims),
       "dims": {"d_model": dims.d_model, "vocab": dims.vocab,
