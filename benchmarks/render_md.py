@@ -14,8 +14,9 @@ def f(v, nd=2):
 
 
 def render(doc: dict) -> str:
-  lines = ["| transition | method | cold s | warm s | peak MiB | moved MiB | note |",
-           "|---|---|---:|---:|---:|---:|---|"]
+  lines = ["| transition | method | cold s | warm s | cold s, every round"
+           " | peak MiB | moved MiB | note |",
+           "|---|---|---:|---:|---|---:|---:|---|"]
   for r in doc["results"]:
     note = r.get("failure", "")
     if r.get("check") not in (None, "ok"):
@@ -23,6 +24,7 @@ def render(doc: dict) -> str:
     lines.append(
         f"| {r['transition']} | {r['method']} | {f(r.get('cold_seconds'), 3)}"
         f" | {f(r.get('warm_seconds'), 3)} |"
+        f" {' / '.join(f(v, 3) for v in r.get('cold_all', []))} |"
         f" {'-' if r.get('peak_bytes') is None else round(r['peak_bytes'] / MIB)}"
         f" | {'-' if r.get('moved_bytes') is None else round(r['moved_bytes'] / MIB)}"
         f" | {note} |")
