@@ -8,7 +8,9 @@ memory costs a page fault per 4 KiB page, which on virtual machines costs as
 much as the copy itself, so large buffers are
 
 * mapped anonymously with ``MADV_HUGEPAGE`` (2 MiB pages where the kernel's
-  transparent huge pages allow it: 512x fewer faults), and
+  transparent huge pages allow it, for the aligned 2 MiB stretches inside
+  the mapping: 512x fewer faults there; sizes are only rounded up to 4 KiB,
+  so nothing is wasted), and
 * recycled: when jax frees a device buffer built on one, the mapping (pages
   already faulted in) goes back to a free list that the next reshard reuses,
   up to a cap (``TENPLEX_JAX_HOST_POOL_GIB``, default 4 GiB of idle memory;
@@ -31,7 +33,7 @@ import numpy as np
 __all__ = ["host_empty", "host_pool_stats", "release_host_pool"]
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
-_PAGE = 2 << 20  # a huge page; mappings are rounded up to it
+_PAGE = mmap.PAGESIZE  # mappings are rounded up to whole (small) pages
 _MIN_MAPPED = 1 << 20  # smaller buffers come from numpy's allocator
 _HUGE = os.environ.get("TENPLEX_JAX_HUGEPAGES", "1") != "0"
 
