@@ -226,3 +226,26 @@ def test_strided_pieces_go_through_small_gather_blocks(served, monkeypatch,
   np.testing.assert_array_equal(dest[5:9, 8], x[5:9, 1])
   assert not dest[:, 7].any()
 
+
+def test_restore_buffers_come_from_the_host_pool(tmp_path):
+  from tenplex_jax import _hostmem
+  d = str(tmp_path / "p")
+  x = np.arange(3 << 18, dtype=np.float32).reshape(768, 1024)  # 3 MiB
+  mesh = Mesh(np.array(jax.devices()[:2]), ("t",))
+  store.save({"x": jax.device_put(x, NamedSharding(mesh, P(None, "t"))),
+              "z": jax.device_put(np.zeros((0, 3), np.float32),
+                                  jax.devices()[0])}, d)
+  dst = Mesh(np.array(jax.devices()[2:5]), ("t",))
+  before = _hostmem.host_pool_stats()
+  out = store.restore([d], {
+      "x": jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=NamedSharding(dst, P("t"))),
+      "z": jax.ShapeDtypeStruct((0, 3), np.float32,
+                                sharding=NamedSharding(dst, P()))})
+  after = _hostmem.host_pool_stats()
+  np.testing.assert_array_equal(np.asarray(out["x"]), x)
+  assert out["z"].shape == (0, 3)
+  assert (after["mapped"] + after["reused"]
+          - before["mapped"] - before["reused"]) >= 1
+  for s in out["x"].addressable_shards:
+    assert s.data.unsafe_buffer_pointer() % 64 == 0
