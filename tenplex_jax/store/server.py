@@ -14,7 +14,8 @@ Endpoints (all under ``http://HOST:PORT``):
   Every chunk touched is checksummed before the answer starts; a corrupt
   one answers ``409`` naming the piece.
 * ``GET /stats``: bytes, requests and pieces served; seconds spent reading
-  (mapping and checksumming) and sending (summed over threads).
+  (mapping and checksumming) and sending (gathering column ranges
+  included; summed over threads).
 * ``POST /upload/<proc>``: a whole snapshot in one streamed body (central
   mode and store replicas): an 8-byte header length, a JSON header, then the
   boxes' bytes in header order. Committed atomically like a local save.
