@@ -163,6 +163,11 @@ def test_corruption_is_detected_by_every_reader(served, damage):
   st = HostStore(d)
   with pytest.raises(ChecksumError, match="checksum"):
     st.read_into("v", ((0, 2), (0, 4)), np.empty((2, 4), np.uint32))
+  with pytest.raises(ChecksumError, match="checksum"):  # strided, mapped
+    st.read_into("v", ((3, 5), (1, 2)), np.empty((4, 2), np.uint32)[:2, :1],
+                 maps=fmt.ChunkMaps())
+  with pytest.raises(ChecksumError, match="checksum"):  # whole chunk, preadv
+    st.read_into("v", ((0, 64), (0, 4)), np.empty((64, 4), np.uint32))
   with pytest.raises(ChecksumError, match="checksum"):
     rs.read_into([(0, "v", ((3, 5), (1, 2)), np.empty((2, 1), np.uint32))])
   assert any("v box" in p for p in st.verify())
@@ -170,3 +175,77 @@ def test_corruption_is_detected_by_every_reader(served, damage):
     with pytest.raises(StoreError):
       st.read("v")
   np.testing.assert_array_equal(st.read("w"), x + 1)
+
+
+def test_strided_local_reads_map_each_shared_chunk_once(tmp_path,
+                                                        small_chunks):
+  d = str(tmp_path / "s")
+  x = np.arange(10 * 6, dtype=np.uint16).reshape(10, 6)  # 12-byte rows
+  store.save({"x": jax.device_put(x, jax.devices()[0]),
+              "s": jax.device_put(np.uint32(7), jax.devices()[0])}, d)
+  st = HostStore(d)
+  assert st.storage_info("x", ((0, 10), (0, 6)))[2] == 2  # 2 rows a chunk
+  maps = fmt.ChunkMaps()
+  big = np.zeros((10, 8), np.uint16)
+  # Three column pieces of the same rows (several chunks, the last one
+  # partial): every chunk is mapped and checked once for all three.
+  for a, z in ((0, 1), (1, 4), (4, 6)):
+    assert st.read_into("x", ((1, 9), (a, z)), big[1:9, a:z],
+                        maps=maps) == 8 * (z - a) * 2
+  np.testing.assert_array_equal(big[1:9, :6], x[1:9])
+  assert not big[0].any() and not big[9].any() and not big[:, 6:].any()
+  assert maps.mapped == 5  # chunks 0..4 (rows 0-9)
+  # Whole chunks into a contiguous destination: preadv, no map.
+  whole = np.empty((4, 6), np.uint16)
+  st.read_into("x", ((2, 6), (0, 6)), whole, maps=maps)
+  np.testing.assert_array_equal(whole, x[2:6])
+  part = np.empty((3, 6), np.uint16)  # some rows of chunks: from the maps
+  st.read_into("x", ((3, 6), (0, 6)), part)
+  np.testing.assert_array_equal(part, x[3:6])
+  s = np.empty((), np.uint32)
+  st.read_into("s", (), s)
+  assert int(s) == 7
+  assert st.read_into("x", ((3, 3), (0, 6)), np.empty((0, 6), np.uint16)) == 0
+  maps.close()
+
+
+@pytest.mark.parametrize("gather", [8, 1 << 20])
+def test_strided_pieces_go_through_small_gather_blocks(served, monkeypatch,
+                                                       gather):
+  from tenplex_jax.store import server as srv_mod
+  monkeypatch.setattr(srv_mod, "_GATHER_BYTES", gather)
+  d, srv, rs = served
+  x = np.arange(40 * 7, dtype=np.uint32).reshape(40, 7)
+  store.save({"x": jax.device_put(x, jax.devices()[0])}, d)
+  dest = np.zeros((40, 9), np.uint32)
+  pieces = [(0, "x", ((0, 40), (0, 3)), dest[:, 0:3]),
+            (0, "x", ((0, 40), (3, 7)), dest[:, 3:7]),
+            (0, "x", ((5, 9), (1, 2)), dest[5:9, 8:9])]
+  rs.read_into(pieces)
+  np.testing.assert_array_equal(dest[:, :7], x)
+  np.testing.assert_array_equal(dest[5:9, 8], x[5:9, 1])
+  assert not dest[:, 7].any()
+
+
+def test_restore_buffers_come_from_the_host_pool(tmp_path):
+  from tenplex_jax import _hostmem
+  d = str(tmp_path / "p")
+  x = np.arange(3 << 18, dtype=np.float32).reshape(768, 1024)  # 3 MiB
+  mesh = Mesh(np.array(jax.devices()[:2]), ("t",))
+  store.save({"x": jax.device_put(x, NamedSharding(mesh, P(None, "t"))),
+              "z": jax.device_put(np.zeros((0, 3), np.float32),
+                                  jax.devices()[0])}, d)
+  dst = Mesh(np.array(jax.devices()[2:5]), ("t",))
+  before = _hostmem.host_pool_stats()
+  out = store.restore([d], {
+      "x": jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=NamedSharding(dst, P("t"))),
+      "z": jax.ShapeDtypeStruct((0, 3), np.float32,
+                                sharding=NamedSharding(dst, P()))})
+  after = _hostmem.host_pool_stats()
+  np.testing.assert_array_equal(np.asarray(out["x"]), x)
+  assert out["z"].shape == (0, 3)
+  assert (after["mapped"] + after["reused"]
+          - before["mapped"] - before["reused"]) >= 1
+  for s in out["x"].addressable_shards:
+    assert s.data.unsafe_buffer_pointer() % 64 == 0

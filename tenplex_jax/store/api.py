@@ -31,15 +31,16 @@ from typing import Any
 import jax
 import numpy as np
 
+from tenplex_jax._hostmem import host_empty
 from tenplex_jax.errors import (NoCopyError, StoreError, TreeError,
                                  UnreachableError)
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, _slices_to_box,
                                 box_volume, intersect, key_path_name)
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import _key_data_sharding
-from tenplex_jax.store.format import (HostStore, SnapshotWriter, _chunk_shape,
-                                      ensure_store_id, from_storage,
-                                      storage_of)
+from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
+                                      _chunk_shape, ensure_store_id,
+                                      from_storage, storage_of)
 from tenplex_jax.store.server import RemoteStore
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
@@ -54,15 +55,6 @@ class _Single(Exception):
 
 _BATCH_BYTES = 16 << 20  # pieces per request up to this many bytes
 _BATCH_PIECES = 256
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype,
-                   align: int = 64) -> np.ndarray:
-  """An uninitialised C-contiguous array whose data is ``align``-aligned."""
-  n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  raw = np.empty(n + align, np.uint8)
-  off = (-raw.ctypes.data) % align
-  return raw[off:off + n].view(dtype).reshape(shape)
 
 
 def _rel(box: Box, within: Box) -> tuple:
@@ -738,15 +730,16 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
           planned_net += nb
         tasks[key] = cands
   t3 = time.perf_counter()
-  # One aligned host buffer per distinct new box (storage dtype): pieces
-  # are read straight into their place in it, and it becomes the device
-  # buffer without another copy (CPU devices alias aligned host memory).
+  # One aligned host buffer per distinct new box (storage dtype; large ones
+  # huge-page backed and recycled, see tenplex_jax._hostmem): pieces are
+  # read straight into their place in it, and it becomes the device buffer
+  # without another copy (CPU devices alias aligned host memory).
   bufs: dict[tuple[str, Box], np.ndarray] = {}
   for key, dboxes in dests.items():
     info = tinfo[key[0]]
     for dbox in dboxes:
       if (key[0], dbox) not in bufs:
-        bufs[(key[0], dbox)] = _aligned_empty(
+        bufs[(key[0], dbox)] = host_empty(
             tuple(b - a for a, b in dbox) + tuple(info["extra"]),
             np.dtype(info["storage"]))
   jobs = []  # (path, box, destination view, candidates, piece key)
@@ -769,6 +762,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       jobs.append((path, sub, view, cands, key))
   per_source = collections.Counter()
   counts = {"local": 0, "net": 0}
+  maps = ChunkMaps()  # local chunks, each mapped and checked once
 
   def fetch_one(job, errs):
     path, box, dest, cands, _ = job
@@ -779,7 +773,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
         continue
       try:
         if s.local:
-          s.handle.read_into(path, box, dest, proc=k)
+          s.handle.read_into(path, box, dest, proc=k, maps=maps)
         else:
           s.handle.read_into([(k, path, box, dest)])
         return s
@@ -828,6 +822,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
                     sorted(dead), cause=e) from e
   finally:
     pool.shutdown(wait=True)
+    maps.close()
   for key, dboxes in dests.items():  # a piece several new boxes share
     path, box = key
     src = bufs[(path, dboxes[0])][_rel(box, dboxes[0])]

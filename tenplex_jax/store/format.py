@@ -59,8 +59,8 @@ import tensorstore as ts
 from tenplex_jax.errors import ChecksumError, StoreError
 from tenplex_jax.layout import PTC, Box
 
-__all__ = ["HostStore", "SnapshotWriter", "crc32c", "parse_index",
-           "format_box", "parse_box"]
+__all__ = ["ChunkMaps", "HostStore", "SnapshotWriter", "crc32c",
+           "parse_index", "format_box", "parse_box"]
 
 FORMAT = "tenplex_jax.store"
 _CHUNK_BYTES = 16 << 20  # chunks at most this big (split along dim 0)
@@ -331,6 +331,30 @@ def _read_all(fd: int, bufs: list, offset: int) -> int:
   return total
 
 
+def _pread_chunk(fname: str, part: np.ndarray, chunk_bytes: int, crc: int,
+                 what: str) -> None:
+  """Reads a whole chunk file with ``preadv`` into ``part`` (C-contiguous,
+  ``chunk_bytes``) and checks it against its trailer and ``crc``."""
+  try:
+    fd = os.open(fname, os.O_RDONLY)
+  except OSError as e:
+    raise StoreError(f"{what}: cannot open {fname}: {e}") from e
+  try:
+    size = os.fstat(fd).st_size
+    if size != chunk_bytes + 4:
+      raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
+                          f" file has {size} bytes, not {chunk_bytes + 4}")
+    flat = part.reshape(-1)  # a view: ``part`` is C-contiguous
+    tail = bytearray(4)
+    got = _read_all(fd, [flat, tail], 0)
+  finally:
+    os.close(fd)
+  c = crc32c(flat)
+  if got != chunk_bytes + 4 or c != int.from_bytes(tail, "little") \
+      or c != crc:
+    raise ChecksumError(f"{what}: chunk checksum mismatch (crc32c)")
+
+
 def write_zarr3(path: str, data: np.ndarray) -> tuple[int, list[int]]:
   """Writes ``data`` (C-contiguous, unsigned storage dtype) as a zarr3 array.
 
@@ -369,6 +393,79 @@ def write_zarr3(path: str, data: np.ndarray) -> tuple[int, list[int]]:
     finally:
       os.close(fd)
   return rows, crcs
+
+
+class ChunkMaps:
+  """Read-only memory maps of chunk files, each checked against its crc32c
+  once.
+
+  One per restore (or per server request): a chunk that several pieces
+  share is mapped and checksummed once, and its bytes are copied (or sent)
+  straight from the mapping, without a temporary chunk buffer. Each chunk
+  file's size is checked before it is mapped (a short file would raise
+  SIGBUS on access), and its payload is checked against the crc32c trailer
+  and the manifest's crc32c before any of its bytes are used. Safe to use
+  from several threads; the maps are unmapped when the last view of them
+  is gone (after :meth:`close`).
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._maps: dict[str, list] = {}  # file -> [lock, payload or None]
+    self.mapped = 0  # chunk files mapped (and checksummed)
+
+  def payload(self, fname: str, chunk_bytes: int, crc: int,
+              what: str) -> np.ndarray:
+    """The verified payload of chunk file ``fname`` (uint8, read-only).
+
+    Raises:
+      ChecksumError: the file has the wrong size or fails its checksum.
+      StoreError: the file cannot be opened or mapped.
+    """
+    with self._lock:
+      entry = self._maps.get(fname)
+      if entry is None:
+        entry = self._maps[fname] = [threading.Lock(), None]
+    with entry[0]:
+      if entry[1] is None:
+        entry[1] = _map_chunk(fname, chunk_bytes, crc, what)
+        with self._lock:
+          self.mapped += 1
+      return entry[1]
+
+  def close(self) -> None:
+    """Forgets the maps (each is unmapped once no view of it is left)."""
+    with self._lock:
+      self._maps.clear()
+
+
+def _map_chunk(fname: str, chunk_bytes: int, crc: int,
+               what: str) -> np.ndarray:
+  """Maps a chunk file read-only and checks it in full (size first)."""
+  try:
+    fd = os.open(fname, os.O_RDONLY)
+  except OSError as e:
+    raise StoreError(f"{what}: cannot open {fname}: {e}") from e
+  try:
+    size = os.fstat(fd).st_size
+    if size != chunk_bytes + 4:
+      raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
+                          f" file has {size} bytes, not {chunk_bytes + 4}")
+    # MAP_POPULATE: the pages are all read (checksummed) next, so map them
+    # in one call instead of one fault per page.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+  except StoreError:
+    raise
+  except OSError as e:
+    raise StoreError(f"{what}: cannot map {fname}: {e}") from e
+  finally:
+    os.close(fd)
+  data = np.frombuffer(mm, np.uint8, chunk_bytes)
+  got = crc32c(data)
+  if got != int.from_bytes(mm[chunk_bytes:], "little") or got != crc:
+    raise ChecksumError(f"{what}: chunk checksum mismatch (crc32c)")
+  return data
 
 
 # ---------------------------------------------------------------- writing
@@ -698,15 +795,27 @@ class HostStore:
     return np.dtype(t["storage"]), shape, b.get("chunk_rows"), held
 
   def read_into(self, path: str, box: Box, dest: np.ndarray, *,
-                proc: int | None = None) -> int:
+                proc: int | None = None, maps: ChunkMaps | None = None
+                ) -> int:
     """Reads sub-box ``box`` of ``path`` (storage dtype) into ``dest``.
 
-    The fast data path of restores and of the store server: the chunk
-    files written by :func:`write_zarr3` are read with ``preadv`` straight
-    into ``dest`` when the rows are contiguous there (else through one
-    chunk-sized buffer), and every chunk touched is checked in full against
-    its crc32c trailer and the manifest's crc32c. Snapshots of older
+    The fast data path of restores: a chunk that the box covers whole, with
+    its rows contiguous in ``dest``, is read with ``preadv`` straight into
+    ``dest``; any other part (a column range, strided in the chunk's rows,
+    or some rows of a chunk) is copied straight from a memory map of the
+    chunk file into ``dest`` (no temporary chunk buffer). Every chunk
+    touched is checked in full against its crc32c trailer and the
+    manifest's crc32c before its bytes are used. Snapshots of older
     versions are read through tensorstore.
+
+    Args:
+      path: the tensor.
+      box: the sub-box, inside one box held here.
+      dest: the destination, storage dtype, the box's shape (a view).
+      proc: the saving process whose snapshot to read (default: any).
+      maps: the chunk maps of this restore (see :class:`ChunkMaps`), so
+        that a chunk several pieces share is mapped and checked once;
+        default: maps for this call only.
 
     Returns:
       The bytes of ``box``.
@@ -743,54 +852,43 @@ class HostStore:
     whole_rows = all(z - a == n for (a, z), n in zip(sbox[1:], hshape[1:]))
     d = os.path.join(self.snapshot_dir(proc), b["dir"])
     crcs = b["crc32c"]
-    for ci in range(lo // rows, -(-hi // rows)):
-      c0 = ci * rows
-      r0, r1 = max(lo, c0), min(hi, c0 + rows)
-      part = dest[r0 - lo:r1 - lo] if ndim else dest
-      fname = os.path.join(d, _chunk_key(ci, ndim))
-      what = (f"store {self.root}: {path} box {list(held)} (process {proc},"
-              f" {b['dir']}, chunk {ci})")
-      try:
-        fd = os.open(fname, os.O_RDONLY)
-      except OSError as e:
-        raise StoreError(f"{what}: cannot open {fname}: {e}") from e
-      try:
-        size = os.fstat(fd).st_size
-        if size != chunk_bytes + 4:
-          raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
-                              f" file has {size} bytes, not"
-                              f" {chunk_bytes + 4}")
-        tail = bytearray(4)
-        if whole_rows and part.flags.c_contiguous:
-          pre = np.empty((r0 - c0) * row_bytes, np.uint8)
-          post = np.empty((c0 + rows - r1) * row_bytes, np.uint8)
-          got = _read_all(fd, [pre, part, post, tail], 0)
-          crc = crc32c(post, crc32c(part, crc32c(pre)))
-        else:
-          buf = np.empty(chunk_bytes, np.uint8)
-          got = _read_all(fd, [buf, tail], 0)
-          crc = crc32c(buf)
-          cview = buf.view(storage).reshape((rows,) + hshape[1:])
-          part[...] = cview[(slice(r0 - c0, r1 - c0),) + inner] if ndim \
-              else cview.reshape(())
-      finally:
-        os.close(fd)
-      if got != chunk_bytes + 4 or crc != int.from_bytes(tail, "little") \
-          or crc != crcs[ci]:
-        raise ChecksumError(f"{what}: chunk checksum mismatch (crc32c)")
+    own = maps is None
+    if own:
+      maps = ChunkMaps()
+    try:
+      for ci in range(lo // rows, -(-hi // rows)):
+        c0 = ci * rows
+        r0, r1 = max(lo, c0), min(hi, c0 + rows)
+        part = dest[r0 - lo:r1 - lo] if ndim else dest
+        fname = os.path.join(d, _chunk_key(ci, ndim))
+        what = (f"store {self.root}: {path} box {list(held)} (process"
+                f" {proc}, {b['dir']}, chunk {ci})")
+        if whole_rows and r0 == c0 and r1 == c0 + rows \
+            and part.flags.c_contiguous:
+          _pread_chunk(fname, part, chunk_bytes, crcs[ci], what)
+          continue
+        data = maps.payload(fname, chunk_bytes, crcs[ci], what)
+        cview = data.view(storage).reshape((rows,) + hshape[1:])
+        part[...] = cview[(slice(r0 - c0, r1 - c0),) + inner] if ndim \
+            else cview.reshape(())
+    finally:
+      if own:
+        maps.close()
     return dest.nbytes
 
-  def read_segments(self, path: str, box: Box, *, proc: int | None = None
-                    ) -> list:
+  def read_segments(self, path: str, box: Box, *, proc: int | None = None,
+                    maps: ChunkMaps | None = None) -> list:
     """The bytes of sub-box ``box`` of ``path`` (storage dtype, C order) as
-    a list of buffers to send one after the other.
+    a list of segments to send one after the other.
 
-    What the store server sends: chunk files are memory-mapped and every
-    chunk touched is checked in full against its crc32c (trailer and
-    manifest) first; rows that are contiguous in a chunk are returned as
-    views of the mapping (no copy), other sub-boxes are gathered into one
-    array per chunk. Snapshots of older versions are read through
-    tensorstore.
+    What the store server sends: chunk files are memory-mapped (through
+    ``maps``, so a chunk several pieces of a request share is mapped and
+    checked once) and every chunk touched is checked in full against its
+    crc32c (trailer and manifest) first. Each segment is a view of a
+    mapping, no copy: rows that are contiguous in a chunk as one
+    C-contiguous ``memoryview``, other sub-boxes (column ranges) as a
+    strided numpy array, which the sender gathers in small blocks. Snapshots
+    of older versions are read through tensorstore.
 
     Raises:
       ChecksumError: a chunk fails its checksum (or has the wrong size).
@@ -816,6 +914,8 @@ class HostStore:
                   for (a, z), (h0, _) in zip(sbox[1:], sheld[1:]))
     whole_rows = all(z - a == n for (a, z), n in zip(sbox[1:], hshape[1:]))
     d = os.path.join(self.snapshot_dir(proc), b["dir"])
+    if maps is None:
+      maps = ChunkMaps()
     out = []
     for ci in range(lo // rows, -(-hi // rows)):
       c0 = ci * rows
@@ -823,30 +923,13 @@ class HostStore:
       fname = os.path.join(d, _chunk_key(ci, ndim))
       what = (f"store {self.root}: {path} box {list(held)} (process {proc},"
               f" {b['dir']}, chunk {ci})")
-      try:
-        with open(fname, "rb") as f:
-          size = os.fstat(f.fileno()).st_size
-          if size != chunk_bytes + 4:
-            raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
-                                f" file has {size} bytes, not"
-                                f" {chunk_bytes + 4}")
-          mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-      except StoreError:
-        raise
-      except OSError as e:
-        raise StoreError(f"{what}: cannot read {fname}: {e}") from e
-      data = np.frombuffer(mm, np.uint8, chunk_bytes)
-      crc = crc32c(data)
-      if crc != int.from_bytes(mm[chunk_bytes:], "little") \
-          or crc != b["crc32c"][ci]:
-        raise ChecksumError(f"{what}: chunk checksum mismatch (crc32c)")
+      data = maps.payload(fname, chunk_bytes, b["crc32c"][ci], what)
       if whole_rows:
-        out.append(memoryview(mm)[(r0 - c0) * row_bytes:
-                                  (r1 - c0) * row_bytes])
+        out.append(memoryview(data[(r0 - c0) * row_bytes:
+                                   (r1 - c0) * row_bytes]))
       else:
         cview = data.view(storage).reshape((rows,) + hshape[1:])
-        out.append(np.ascontiguousarray(
-            cview[(slice(r0 - c0, r1 - c0),) + inner]).reshape(-1))
+        out.append(cview[(slice(r0 - c0, r1 - c0),) + inner])
     return out
 
   def _proc_holding(self, path: str, box: Box) -> int:

@@ -14,7 +14,8 @@ Endpoints (all under ``http://HOST:PORT``):
   Every chunk touched is checksummed before the answer starts; a corrupt
   one answers ``409`` naming the piece.
 * ``GET /stats``: bytes, requests and pieces served; seconds spent reading
-  (mapping and checksumming) and sending (summed over threads).
+  (mapping and checksumming) and sending (gathering column ranges
+  included; summed over threads).
 * ``POST /upload/<proc>``: a whole snapshot in one streamed body (central
   mode and store replicas): an 8-byte header length, a JSON header, then the
   boxes' bytes in header order. Committed atomically like a local save.
@@ -44,10 +45,50 @@ import numpy as np
 
 from tenplex_jax.errors import ChecksumError, StoreError, UnreachableError
 from tenplex_jax.layout import Box
-from tenplex_jax.store.format import (HostStore, SnapshotWriter, format_box,
-                                      parse_box)
+from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
+                                      format_box, parse_box)
 
 __all__ = ["RemoteStore", "make_server", "serve"]
+
+_GATHER_BYTES = 1 << 20  # strided pieces go through a buffer this big
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+  """This thread's reusable gather buffer, at least ``nbytes`` (uint8).
+
+  Reused, so its pages are faulted in once and it stays in the cache; a
+  fresh buffer per piece would cost a page fault per 4 KiB.
+  """
+  buf = getattr(_SCRATCH, "buf", None)
+  if buf is None or buf.nbytes < nbytes:
+    buf = _SCRATCH.buf = np.empty(max(nbytes, _GATHER_BYTES), np.uint8)
+  return buf[:nbytes]
+
+
+def _blocks(a: np.ndarray):
+  """Splits a strided array along dim 0 into blocks of about
+  ``_GATHER_BYTES``: (block view, a scratch buffer of its size viewed with
+  its shape and dtype)."""
+  row = a[0].nbytes if a.shape[0] else 0
+  per = max(1, _GATHER_BYTES // max(1, row))
+  for i in range(0, a.shape[0], per):
+    blk = a[i:i + per]
+    raw = _scratch(blk.nbytes)
+    yield blk, raw, raw.view(a.dtype).reshape(blk.shape)
+
+
+def _write_segment(write, seg) -> None:
+  """Writes one segment of :meth:`HostStore.read_segments`: a contiguous
+  buffer as it is, a strided array gathered block by block through this
+  thread's scratch buffer (one copy, into memory already in the cache)."""
+  if isinstance(seg, np.ndarray) and not seg.flags.c_contiguous \
+      and seg.ndim:
+    for blk, raw, view in _blocks(seg):
+      np.copyto(view, blk)
+      write(memoryview(raw))
+    return
+  write(memoryview(seg).cast("B"))
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -130,8 +171,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         total += nb
       t0 = time.perf_counter()
       segs = []
+      maps = ChunkMaps()  # a chunk several pieces share is checked once
       for (k, p, box), (_, nb, _, _) in zip(pieces, layout):
-        got = store.read_segments(p, box, proc=k)
+        got = store.read_segments(p, box, proc=k, maps=maps)
         if sum(memoryview(g).nbytes for g in got) != nb:  # pragma: no cover
           raise StoreError(f"{p} box {list(box)}: read the wrong size")
         segs.extend(got)
@@ -147,8 +189,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self.send_header("Content-Length", str(total))
       self.end_headers()
       for g in segs:
-        self.wfile.write(memoryview(g).cast("B"))
+        _write_segment(self.wfile.write, g)
       del segs
+      maps.close()
       with self.server.lock:
         self.server.stats["send_s"] += time.perf_counter() - t1
     except ChecksumError as e:
@@ -387,7 +430,8 @@ class RemoteStore:
     Args:
       pieces: (process, tensor path, box, destination array in the storage
         dtype with the box's shape); a destination that is not
-        C-contiguous is filled through a buffer.
+        C-contiguous is filled block by block through a small reused
+        buffer.
 
     Returns:
       The payload bytes received.
@@ -421,11 +465,10 @@ class RemoteStore:
           if d.flags.c_contiguous:
             _readinto_exact(r, memoryview(d.reshape(-1)).cast("B"), what,
                             ConnectionError)
-          else:
-            tmp = np.empty(d.shape, d.dtype)
-            _readinto_exact(r, memoryview(tmp.reshape(-1)).cast("B"), what,
-                            ConnectionError)
-            d[...] = tmp
+          else:  # through this thread's scratch buffer, in blocks
+            for blk, raw, view in _blocks(d):
+              _readinto_exact(r, memoryview(raw), what, ConnectionError)
+              blk[...] = view
         with self._lock:
           self.bytes_received += total
           self.requests += 1
