@@ -249,3 +249,45 @@ def test_restore_buffers_come_from_the_host_pool(tmp_path):
           - before["mapped"] - before["reused"]) >= 1
   for s in out["x"].addressable_shards:
     assert s.data.unsafe_buffer_pointer() % 64 == 0
+
+
+def test_snapshots_are_fsynced_except_on_memory_file_systems(tmp_path,
+                                                            monkeypatch):
+  synced = []
+  real = os.fsync
+
+  def spy(fd):
+    import stat
+    is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+    synced.append((os.readlink(f"/proc/self/fd/{fd}"), is_dir))
+    return real(fd)
+
+  monkeypatch.setattr(os, "fsync", spy)
+  x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+  mesh = Mesh(np.array(jax.devices()[:2]), ("t",))
+  tree = {"x": jax.device_put(x, NamedSharding(mesh, P(None, "t")))}
+  monkeypatch.setenv("TENPLEX_JAX_STORE_FSYNC", "1")
+  d = str(tmp_path / "disk")
+  store.save(tree, d)
+  files = [p for p, is_dir in synced if not is_dir]
+  dirs = [p for p, is_dir in synced if is_dir]
+  chunks = [p for p in files if "/data/x/" in p]
+  assert len(chunks) == 2  # one chunk file per saved box
+  assert any(p.endswith("manifest.json") for p in files)
+  assert any(p.endswith(os.path.join("procs", "0")) for p in dirs)
+  assert any("/data/x/b0" in p for p in dirs)  # the chunks' directories
+  out = store.restore([d], {"x": jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, P("t")))})
+  np.testing.assert_array_equal(np.asarray(out["x"]), x)
+  # Auto: tmpfs (/dev/shm) is lost in a crash anyway, so nothing is synced.
+  monkeypatch.delenv("TENPLEX_JAX_STORE_FSYNC")
+  assert fmt.needs_fsync("/dev/shm/anything") is False
+  synced.clear()
+  import shutil
+  import tempfile
+  shm = tempfile.mkdtemp(dir="/dev/shm")
+  try:
+    store.save(tree, shm)
+  finally:
+    shutil.rmtree(shm, ignore_errors=True)
+  assert synced == []

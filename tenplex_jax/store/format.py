@@ -355,7 +355,8 @@ def _pread_chunk(fname: str, part: np.ndarray, chunk_bytes: int, crc: int,
     raise ChecksumError(f"{what}: chunk checksum mismatch (crc32c)")
 
 
-def write_zarr3(path: str, data: np.ndarray) -> tuple[int, list[int]]:
+def write_zarr3(path: str, data: np.ndarray, *, fsync: bool = False
+                ) -> tuple[int, list[int]]:
   """Writes ``data`` (C-contiguous, unsigned storage dtype) as a zarr3 array.
 
   Exactly the layout tensorstore's ``zarr3`` driver writes for
@@ -390,6 +391,8 @@ def write_zarr3(path: str, data: np.ndarray) -> tuple[int, list[int]]:
     fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
       _write_all(fd, [part, pad, c.to_bytes(4, "little")])
+      if fsync:
+        os.fsync(fd)
     finally:
       os.close(fd)
   return rows, crcs
@@ -471,6 +474,44 @@ def _map_chunk(fname: str, chunk_bytes: int, crc: int,
 # ---------------------------------------------------------------- writing
 
 
+_VOLATILE_FS = {"tmpfs", "ramfs", "devtmpfs"}
+
+
+def needs_fsync(path: str) -> bool:
+  """Whether files under ``path`` must be fsynced to survive a host crash.
+
+  ``TENPLEX_JAX_STORE_FSYNC=1``/``0`` decides; otherwise everything but
+  memory file systems (tmpfs such as /dev/shm, ramfs), which a crash loses
+  anyway, is fsynced.
+  """
+  v = os.environ.get("TENPLEX_JAX_STORE_FSYNC")
+  if v is not None:
+    return v not in ("0", "false", "no", "")
+  path = os.path.realpath(path)
+  best, fstype = "", None
+  try:
+    with open("/proc/mounts") as f:
+      for line in f:
+        parts = line.split()
+        if len(parts) < 3:
+          continue
+        mnt = parts[1].replace("\\040", " ")
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and \
+            len(mnt) > len(best):
+          best, fstype = mnt, parts[2]
+  except OSError:
+    return True
+  return fstype not in _VOLATILE_FS
+
+
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 class SnapshotWriter:
   """Writes one process's snapshot into a store directory, atomically.
 
@@ -481,8 +522,12 @@ class SnapshotWriter:
   for uploads (central mode, store replicas).
   """
 
-  def __init__(self, root: str, proc: int, *, step: int):
+  def __init__(self, root: str, proc: int, *, step: int,
+               fsync: bool | None = None):
     self.root = os.path.abspath(root)
+    # A committed snapshot must survive a host crash: its chunks, manifest
+    # and directory entries reach the disk before CURRENT names it.
+    self.fsync = needs_fsync(self.root) if fsync is None else bool(fsync)
     self.proc = int(proc)
     self.step = int(step)
     self.pdir = os.path.join(self.root, "procs", str(self.proc))
@@ -539,7 +584,8 @@ class SnapshotWriter:
     dest = os.path.join(self.staging, rel)
 
     def write():
-      entry["chunk_rows"], entry["crc32c"] = write_zarr3(dest, data)
+      entry["chunk_rows"], entry["crc32c"] = write_zarr3(dest, data,
+                                                         fsync=self.fsync)
 
     self._futures.append(self._pool.submit(write))
 
@@ -563,12 +609,23 @@ class SnapshotWriter:
     }
     with open(os.path.join(self.staging, "manifest.json"), "w") as f:
       json.dump(manifest, f)
+      if self.fsync:
+        f.flush()
+        os.fsync(f.fileno())
+    if self.fsync:  # the chunk files' directory entries
+      for d, _, _ in os.walk(self.staging, topdown=False):
+        _fsync_dir(d)
     final = os.path.join(self.pdir, self.name)
     os.rename(self.staging, final)
     tmp = os.path.join(self.pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
     with open(tmp, "w") as f:
       f.write(self.name)
+      if self.fsync:
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, os.path.join(self.pdir, "CURRENT"))
+    if self.fsync:
+      _fsync_dir(self.pdir)
     # Keep the newest ``keep`` snapshots.
     snaps = sorted(n for n in os.listdir(self.pdir) if n.startswith("snap-"))
     for old in snaps[:-keep] if keep else []:
