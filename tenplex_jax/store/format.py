@@ -331,19 +331,31 @@ def _read_all(fd: int, bufs: list, offset: int) -> int:
   return total
 
 
-def _pread_chunk(fname: str, part: np.ndarray, chunk_bytes: int, crc: int,
-                 what: str) -> None:
-  """Reads a whole chunk file with ``preadv`` into ``part`` (C-contiguous,
-  ``chunk_bytes``) and checks it against its trailer and ``crc``."""
+def _open_chunk(fname: str, chunk_bytes: int, what: str) -> tuple[int, int]:
+  """Opens a chunk file for reading; ``(fd, size)`` once its size is right
+  (payload plus the 4-byte crc32c trailer), else closes it and raises."""
   try:
     fd = os.open(fname, os.O_RDONLY)
   except OSError as e:
     raise StoreError(f"{what}: cannot open {fname}: {e}") from e
   try:
     size = os.fstat(fd).st_size
-    if size != chunk_bytes + 4:
-      raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
-                          f" file has {size} bytes, not {chunk_bytes + 4}")
+  except OSError as e:
+    os.close(fd)
+    raise StoreError(f"{what}: cannot stat {fname}: {e}") from e
+  if size != chunk_bytes + 4:
+    os.close(fd)
+    raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk file"
+                        f" has {size} bytes, not {chunk_bytes + 4}")
+  return fd, size
+
+
+def _pread_chunk(fname: str, part: np.ndarray, chunk_bytes: int, crc: int,
+                 what: str) -> None:
+  """Reads a whole chunk file with ``preadv`` into ``part`` (C-contiguous,
+  ``chunk_bytes``) and checks it against its trailer and ``crc``."""
+  fd, _ = _open_chunk(fname, chunk_bytes, what)
+  try:
     flat = part.reshape(-1)  # a view: ``part`` is C-contiguous
     tail = bytearray(4)
     got = _read_all(fd, [flat, tail], 0)
@@ -445,21 +457,12 @@ class ChunkMaps:
 def _map_chunk(fname: str, chunk_bytes: int, crc: int,
                what: str) -> np.ndarray:
   """Maps a chunk file read-only and checks it in full (size first)."""
+  fd, size = _open_chunk(fname, chunk_bytes, what)
   try:
-    fd = os.open(fname, os.O_RDONLY)
-  except OSError as e:
-    raise StoreError(f"{what}: cannot open {fname}: {e}") from e
-  try:
-    size = os.fstat(fd).st_size
-    if size != chunk_bytes + 4:
-      raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
-                          f" file has {size} bytes, not {chunk_bytes + 4}")
     # MAP_POPULATE: the pages are all read (checksummed) next, so map them
     # in one call instead of one fault per page.
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-  except StoreError:
-    raise
   except OSError as e:
     raise StoreError(f"{what}: cannot map {fname}: {e}") from e
   finally:
