@@ -112,6 +112,15 @@ class _Pool:
 _POOL = _Pool()
 
 
+def _after_fork_in_child() -> None:
+  # The lock may have been held by another thread at fork time; the mappings
+  # themselves are private copies in the child and stay usable.
+  _POOL._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
   """An uninitialised C-contiguous array, 64-byte aligned, for a device buffer.
 

@@ -233,7 +233,17 @@ def _copy_threads() -> int:
 
 _copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
 _copy_pool_size = 0
+_copy_pool_pid = 0  # a forked child must not use its parent's (dead) threads
 _copy_pool_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+  global _copy_pool, _copy_pool_size, _copy_pool_lock
+  _copy_pool, _copy_pool_size = None, 0
+  _copy_pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 _THREADED_MIN_BYTES = 64 << 20
 
 
@@ -245,7 +255,7 @@ def _copy_all(copies) -> None:
   benchmark VM, 2 threads took the cold tensor 2->4 reshard of 1 GiB from
   0.55-0.68 s to 0.26-0.57 s (when the cores were not busy with other work).
   """
-  global _copy_pool, _copy_pool_size
+  global _copy_pool, _copy_pool_size, _copy_pool_pid
   n = _copy_threads()
   total = sum(src.nbytes for _, _, src in copies)
   if n == 1 or total < _THREADED_MIN_BYTES:
@@ -276,10 +286,11 @@ def _copy_all(copies) -> None:
       dst[...] = src
 
   with _copy_pool_lock:
-    if _copy_pool is None or _copy_pool_size < n:
+    if (_copy_pool is None or _copy_pool_size < n
+        or _copy_pool_pid != os.getpid()):
       _copy_pool = concurrent.futures.ThreadPoolExecutor(
           n, thread_name_prefix="tenplex-copy")
-      _copy_pool_size = n
+      _copy_pool_size, _copy_pool_pid = n, os.getpid()
     pool = _copy_pool
   for f in [pool.submit(run, lane) for lane in lanes if lane]:
     f.result()

@@ -124,3 +124,29 @@ def test_bad_copy_threads_setting(monkeypatch):
   monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", "many")
   with pytest.raises(ValueError, match="TENPLEX_JAX_COPY_THREADS"):
     R._copy_threads()
+
+
+def test_copy_threads_work_in_a_forked_child(monkeypatch):
+  import multiprocessing as mp
+  R = sys.modules["tenplex_jax.reshard"]
+  monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", "2")
+  monkeypatch.setattr(R, "_THREADED_MIN_BYTES", 0)
+  src = np.arange(4096, dtype=np.float32).reshape(64, 64)
+  a = np.empty_like(src)
+  R._copy_all([(a, (), src[:, :]), (a[:1], (), src[:1])])  # pool started here
+  ctx = mp.get_context("fork")
+  q = ctx.Queue()
+
+  def child():
+    b = np.empty_like(src)
+    R._copy_all([(b[:32], (), src[:32]), (b[32:], (), src[32:])])
+    q.put(bool(np.array_equal(b, src)))
+
+  p = ctx.Process(target=child)
+  p.start()
+  try:
+    assert q.get(timeout=30) is True
+  finally:
+    p.join(10)
+    if p.is_alive():
+      p.kill()
