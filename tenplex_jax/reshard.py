@@ -379,6 +379,8 @@ def _every_box_stays(phys) -> bool:
   for name, leaf, s, _ in phys:
     if s is None:
       continue
+    if s.memory_kind != leaf.sharding.memory_kind:  # e.g. device -> host
+      return False
     dst = placement_of(s, leaf.shape, name)  # raises LayoutError naming it
     src = placement_of(leaf.sharding, leaf.shape, name)
     src_of, dst_of = src.box_of_device, dst.box_of_device
@@ -450,6 +452,32 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
   ``rebuild(new_leaves)`` restores the caller's structure.
   """
   t0 = time.perf_counter() if t0 is None else t0
+  # Memory kinds other than the devices' default (e.g. pinned_host): the
+  # pieces move between devices in the default memory; a source elsewhere
+  # is first put there, and each new array is put into its target's memory
+  # kind last. Both are transfers on one device, the layout unchanged.
+  final_kind: dict[int, Sharding] = {}
+  adjusted = []
+  for i, (name, leaf, s) in enumerate(items):
+    if s is not None and isinstance(leaf, jax.Array):
+      dflt = next(iter(leaf.sharding.device_set)).default_memory().kind
+      if (leaf.sharding.memory_kind or dflt) != dflt:
+        moved = jax.device_put(leaf, leaf.sharding.with_memory_kind(dflt))
+        if donate:
+          leaf.delete()
+        leaf = moved
+      if (s.memory_kind or dflt) != dflt:
+        final_kind[i] = s
+        s = s.with_memory_kind(dflt)
+    adjusted.append((name, leaf, s))
+  items = adjusted
+  if final_kind:
+    inner_rebuild = rebuild
+
+    def rebuild(leaves):
+      return inner_rebuild([
+          jax.device_put(x, final_kind[i]) if i in final_kind else x
+          for i, x in enumerate(leaves)])
   # Physical view: PRNG keys travel as their uint32 key data.
   phys = []
   for name, leaf, s in items:

@@ -305,3 +305,28 @@ def test_failure_midway_leaves_source_intact(monkeypatch):
 def test_public_names_resolve():
   for name in tj.__all__:
     assert getattr(tj, name) is not None
+
+
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+def test_memory_kinds_change_with_the_layout(method):
+  # Offloaded state (pinned_host) resharded onto device memory and back,
+  # on a new mesh, keys included.
+  m8 = Mesh(np.array(DEVS).reshape(4, 2), ("data", "tensor"))
+  m2 = Mesh(np.array(DEVS[2:6]).reshape(2, 2), ("data", "tensor"))
+  x = make((8, 6), jnp.bfloat16, NamedSharding(m8, P("data", "tensor")))
+  k = jax.device_put(jax.random.split(jax.random.key(1), 8),
+                     NamedSharding(m8, P("data")))
+  ref = {"x": bits(x), "k": bits(k)}
+  to_host = {"x": NamedSharding(m2, P(None, "tensor"),
+                                memory_kind="pinned_host"),
+             "k": NamedSharding(m2, P("tensor"), memory_kind="pinned_host")}
+  h = reshard({"x": x, "k": k}, to_host, method=method)
+  back = {"x": NamedSharding(m8, P("tensor", None)),
+          "k": NamedSharding(m8, P(None))}
+  d = reshard(h, back, method=method)
+  for name in ("x", "k"):
+    assert h[name].sharding.memory_kind == "pinned_host"
+    assert h[name].sharding.is_equivalent_to(to_host[name], h[name].ndim)
+    assert d[name].sharding.memory_kind == "device"
+    assert d[name].sharding.is_equivalent_to(back[name], d[name].ndim)
+    assert bits(h[name]) == ref[name] and bits(d[name]) == ref[name]
