@@ -16,7 +16,8 @@ much as the copy itself, so large buffers are
   up to a cap (``TENPLEX_JAX_HOST_POOL_GIB``, default 4 GiB of idle memory;
   ``0`` turns recycling off). :func:`release_host_pool` unmaps idle buffers.
 
-Buffers handed out are uninitialised; the executor overwrites every byte.
+Buffers handed out are uninitialised; the caller overwrites every byte.
+``tenplex_jax.store.restore`` takes its destination buffers from here too.
 """
 
 from __future__ import annotations
