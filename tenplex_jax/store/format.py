@@ -29,7 +29,10 @@ key data), so every dtype round-trips bitwise.
 
 Snapshots are written into a staging directory and renamed into place; the
 ``CURRENT`` pointer is replaced atomically last, so a half-written snapshot
-never replaces a good one.
+never replaces a good one. The ``keep`` newest snapshots of each process are
+kept (``snap-<step>-<id>/`` next to ``CURRENT``); every read can name the
+step of the snapshot to read (default: ``CURRENT``), so a restore can use an
+older step of which every process still has a copy.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ __all__ = ["ChunkMaps", "HostStore", "SnapshotWriter", "crc32c",
 FORMAT = "tenplex_jax.store"
 _CHUNK_BYTES = 16 << 20  # chunks at most this big (split along dim 0)
 _WRITE_THREADS = 4  # concurrent box writers per snapshot
+_SNAP_NAME = re.compile(r"snap-(\d+)-[0-9a-f]+")
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -595,7 +599,19 @@ class SnapshotWriter:
   def commit(self, *, ptc_json: str, extras: Mapping[str, Any] | None = None,
              num_processes: int = 1, mode: str = "local",
              keep: int = 1) -> str:
-    """Finishes the snapshot; returns its directory."""
+    """Finishes the snapshot; returns its directory.
+
+    Args:
+      ptc_json: the saving job's full layout.
+      extras: the non-array leaves (JSON).
+      num_processes: processes of the saving job.
+      mode: how the snapshot was written (``local``, ``central``,
+        ``replica``).
+      keep: snapshots of this process kept, this one included (0: all).
+        Before that, this process's other snapshots of this step or a
+        later one are deleted: they belong to a run that was abandoned
+        when the job restored an older step.
+    """
     try:
       for f in self._futures:
         f.result()
@@ -629,11 +645,20 @@ class SnapshotWriter:
     os.replace(tmp, os.path.join(self.pdir, "CURRENT"))
     if self.fsync:
       _fsync_dir(self.pdir)
-    # Keep the newest ``keep`` snapshots.
-    snaps = sorted(n for n in os.listdir(self.pdir) if n.startswith("snap-"))
+    # Drop snapshots of an abandoned run (this step or later), then keep
+    # the newest ``keep``.
+    snaps = []
+    for n in sorted(os.listdir(self.pdir)):
+      m = _SNAP_NAME.fullmatch(n)
+      if m is None or n == self.name:
+        continue
+      if int(m.group(1)) >= self.step:
+        shutil.rmtree(os.path.join(self.pdir, n), ignore_errors=True)
+      else:
+        snaps.append(n)
+    snaps.append(self.name)
     for old in snaps[:-keep] if keep else []:
-      if old != self.name:
-        shutil.rmtree(os.path.join(self.pdir, old), ignore_errors=True)
+      shutil.rmtree(os.path.join(self.pdir, old), ignore_errors=True)
     return final
 
   def abort(self) -> None:
@@ -704,6 +729,7 @@ class HostStore:
     if not os.path.isdir(self.root):
       raise StoreError(f"store directory {self.root} does not exist")
     self._manifests: dict[int, tuple[str, dict]] = {}
+    self._snap_manifests: dict[str, dict] = {}
     self._arrays: dict[str, Any] = {}
     self._lock = threading.Lock()
 
@@ -720,24 +746,67 @@ class HostStore:
                   if n.isdigit() and
                   os.path.exists(os.path.join(d, n, "CURRENT")))
 
-  def snapshot_dir(self, proc: int) -> str:
+  def snapshots(self, proc: int) -> dict[int, str]:
+    """Every committed snapshot of process ``proc`` held here: step ->
+    snapshot directory (``CURRENT``'s for its step, else the newest name).
+
+    Older snapshots are those :meth:`SnapshotWriter.commit` kept
+    (``keep``); a snapshot deleted meanwhile by a newer commit is left out.
+    """
+    pdir = os.path.join(self.root, "procs", str(proc))
+    try:
+      names = sorted(n for n in os.listdir(pdir) if n.startswith("snap-"))
+    except FileNotFoundError:
+      return {}
+    out = {}
+    for n in names:
+      m = _SNAP_NAME.fullmatch(n)
+      if m and os.path.exists(os.path.join(pdir, n, "manifest.json")):
+        out[int(m.group(1))] = os.path.join(pdir, n)
+    try:
+      cur = self.snapshot_dir(proc)
+    except StoreError:
+      return {}  # not committed (CURRENT is written last)
+    m = _SNAP_NAME.fullmatch(os.path.basename(cur))
+    if m:
+      out[int(m.group(1))] = cur
+    return dict(sorted(out.items()))
+
+  def snapshot_dir(self, proc: int, step: int | None = None) -> str:
+    """The directory of process ``proc``'s snapshot of ``step`` (default:
+    its ``CURRENT`` snapshot)."""
     pdir = os.path.join(self.root, "procs", str(proc))
     try:
       with open(os.path.join(pdir, "CURRENT")) as f:
-        return os.path.join(pdir, f.read().strip())
+        cur = os.path.join(pdir, f.read().strip())
     except FileNotFoundError:
       raise StoreError(f"store {self.root} holds no snapshot of process"
                        f" {proc} (it holds {self.procs()})") from None
+    if step is None:
+      return cur
+    m = _SNAP_NAME.fullmatch(os.path.basename(cur))
+    if m and int(m.group(1)) == int(step):
+      return cur
+    snap = self.snapshots(proc).get(int(step))
+    if snap is None:
+      raise StoreError(f"store {self.root} holds no snapshot of step {step}"
+                       f" of process {proc} (it holds steps"
+                       f" {sorted(self.snapshots(proc))})")
+    return snap
 
-  def manifest(self, proc: int | None = None) -> dict:
-    """The manifest of process ``proc``'s current snapshot (default: the
-    only or the lowest process held)."""
+  def manifest(self, proc: int | None = None, step: int | None = None
+               ) -> dict:
+    """The manifest of process ``proc``'s snapshot of ``step`` (default:
+    its current snapshot; process default: the only or the lowest process
+    held)."""
     if proc is None:
       procs = self.procs()
       if not procs:
         raise StoreError(f"store {self.root} is empty")
       proc = procs[0]
-    snap = self.snapshot_dir(proc)
+    snap = self.snapshot_dir(proc, step)
+    if step is not None:
+      return self._snap_manifest(proc, snap)
     with self._lock:
       cached = self._manifests.get(proc)
       if cached and cached[0] == snap:
@@ -752,8 +821,41 @@ class HostStore:
       self._manifests[proc] = (snap, m)
     return m
 
+  def _snap_manifest(self, proc: int, snap: str) -> dict:
+    with self._lock:
+      m = self._snap_manifests.get(snap)
+    if m is None:
+      try:
+        with open(os.path.join(snap, "manifest.json")) as f:
+          m = json.load(f)
+      except (OSError, ValueError) as e:
+        raise StoreError(f"store {self.root}: manifest of process {proc}"
+                         f" ({snap}) is unreadable: {e}") from e
+      with self._lock:
+        self._snap_manifests[snap] = m
+    return m
+
   def manifests(self) -> dict[int, dict]:
+    """The manifest of each process's current snapshot."""
     return {p: self.manifest(p) for p in self.procs()}
+
+  def all_manifests(self) -> dict[int, dict[int, dict]]:
+    """Every kept snapshot's manifest: process -> step -> manifest (the
+    current snapshot's included)."""
+    out = {}
+    for p in self.procs():
+      cur = self.manifest(p)
+      by_step = {}
+      for st, snap in self.snapshots(p).items():
+        try:
+          by_step[st] = self._snap_manifest(p, snap)
+        except StoreError:
+          if not os.path.exists(snap):  # deleted by a newer commit
+            continue
+          raise
+      by_step[cur["step"]] = cur
+      out[p] = dict(sorted(by_step.items()))
+    return out
 
   def list(self, proc: int | None = None) -> list[str]:
     """Tensor paths held (of one process's snapshot)."""
@@ -788,18 +890,20 @@ class HostStore:
         self._arrays[key] = arr
     return arr
 
-  def read_storage(self, path: str, box: Box, *, proc: int | None = None
-                   ) -> np.ndarray:
-    """Reads sub-box ``box`` of tensor ``path`` in its storage dtype.
+  def read_storage(self, path: str, box: Box, *, proc: int | None = None,
+                   step: int | None = None) -> np.ndarray:
+    """Reads sub-box ``box`` of tensor ``path`` in its storage dtype (from
+    the snapshot of ``step``, default: the current one).
 
     Raises:
       ChecksumError: a chunk fails its checksum.
       StoreError: the tensor or box is not held here.
     """
     if proc is None:
-      proc = self._proc_holding(path, box)
-    m = self.manifest(proc)
-    snap = self.snapshot_dir(proc)
+      proc = self._proc_holding(path, box, step)
+    snap = self.snapshot_dir(proc, step)
+    m = self._snap_manifest(proc, snap) if step is not None \
+        else self.manifest(proc)
     t = m["tensors"].get(path)
     if t is None:
       raise StoreError(f"store {self.root} (process {proc}) holds no tensor"
@@ -828,13 +932,16 @@ class HostStore:
     raise StoreError(f"store {self.root} (process {proc}) holds no box of"
                      f" {path!r} containing {list(box)}")
 
-  def _locate(self, path: str, box: Box, proc: int | None
-              ) -> tuple[int, dict, dict, Box]:
-    """(proc, tensor entry, box entry, held box) of the box containing
-    ``box``."""
+  def _locate(self, path: str, box: Box, proc: int | None,
+              step: int | None = None) -> tuple[int, dict, dict, Box, str]:
+    """(proc, tensor entry, box entry, held box, snapshot directory) of the
+    box containing ``box`` (in the snapshot of ``step``)."""
     if proc is None:
-      proc = self._proc_holding(path, box)
-    t = self.manifest(proc)["tensors"].get(path)
+      proc = self._proc_holding(path, box, step)
+    snap = self.snapshot_dir(proc, step)
+    m = self._snap_manifest(proc, snap) if step is not None \
+        else self.manifest(proc)
+    t = m["tensors"].get(path)
     if t is None:
       raise StoreError(f"store {self.root} (process {proc}) holds no tensor"
                        f" {path!r}")
@@ -842,21 +949,22 @@ class HostStore:
       held = tuple(tuple(r) for r in b["box"])
       if len(box) == len(held) and all(
           h0 <= lo and hi <= h1 for (lo, hi), (h0, h1) in zip(box, held)):
-        return proc, t, b, held
+        return proc, t, b, held, snap
     raise StoreError(f"store {self.root} (process {proc}) holds no box of"
                      f" {path!r} containing {list(box)}")
 
-  def storage_info(self, path: str, box: Box, *, proc: int | None = None
+  def storage_info(self, path: str, box: Box, *, proc: int | None = None,
+                   step: int | None = None
                    ) -> tuple[np.dtype, tuple[int, ...], int | None, Box]:
     """(storage dtype, shape of ``box`` in storage, rows per chunk of the
     box holding it or None, that held box)."""
-    proc, t, b, held = self._locate(path, box, proc)
+    proc, t, b, held, _ = self._locate(path, box, proc, step)
     shape = tuple(hi - lo for lo, hi in box) + tuple(t["extra"])
     return np.dtype(t["storage"]), shape, b.get("chunk_rows"), held
 
   def read_into(self, path: str, box: Box, dest: np.ndarray, *,
-                proc: int | None = None, maps: ChunkMaps | None = None
-                ) -> int:
+                proc: int | None = None, maps: ChunkMaps | None = None,
+                step: int | None = None) -> int:
     """Reads sub-box ``box`` of ``path`` (storage dtype) into ``dest``.
 
     The fast data path of restores: a chunk that the box covers whole, with
@@ -876,6 +984,7 @@ class HostStore:
       maps: the chunk maps of this restore (see :class:`ChunkMaps`), so
         that a chunk several pieces share is mapped and checked once;
         default: maps for this call only.
+      step: the step of the snapshot to read (default: the current one).
 
     Returns:
       The bytes of ``box``.
@@ -884,7 +993,7 @@ class HostStore:
       ChecksumError: a chunk fails its checksum (or has the wrong size).
       StoreError: the tensor or box is not held here, or a file is missing.
     """
-    proc, t, b, held = self._locate(path, box, proc)
+    proc, t, b, held, snap = self._locate(path, box, proc, step)
     extra = tuple(t["extra"])
     storage = np.dtype(t["storage"])
     shape = tuple(hi - lo for lo, hi in box) + extra
@@ -895,7 +1004,7 @@ class HostStore:
     if math.prod(shape) == 0:
       return 0
     if "chunk_rows" not in b:  # written by tensorstore (format version 1)
-      dest[...] = self.read_storage(path, box, proc=proc)
+      dest[...] = self.read_storage(path, box, proc=proc, step=step)
       return dest.nbytes
     sbox = tuple(box) + tuple((0, e) for e in extra)
     sheld = tuple(held) + tuple((0, e) for e in extra)
@@ -910,7 +1019,7 @@ class HostStore:
     inner = tuple(slice(a - h0, z - h0)
                   for (a, z), (h0, _) in zip(sbox[1:], sheld[1:]))
     whole_rows = all(z - a == n for (a, z), n in zip(sbox[1:], hshape[1:]))
-    d = os.path.join(self.snapshot_dir(proc), b["dir"])
+    d = os.path.join(snap, b["dir"])
     crcs = b["crc32c"]
     own = maps is None
     if own:
@@ -937,7 +1046,8 @@ class HostStore:
     return dest.nbytes
 
   def read_segments(self, path: str, box: Box, *, proc: int | None = None,
-                    maps: ChunkMaps | None = None) -> list:
+                    maps: ChunkMaps | None = None, step: int | None = None
+                    ) -> list:
     """The bytes of sub-box ``box`` of ``path`` (storage dtype, C order) as
     a list of segments to send one after the other.
 
@@ -948,19 +1058,21 @@ class HostStore:
     mapping, no copy: rows that are contiguous in a chunk as one
     C-contiguous ``memoryview``, other sub-boxes (column ranges) as a
     strided numpy array, which the sender gathers in small blocks. Snapshots
-    of older versions are read through tensorstore.
+    of older versions are read through tensorstore. ``step``: the step of
+    the snapshot to read (default: the current one).
 
     Raises:
       ChecksumError: a chunk fails its checksum (or has the wrong size).
       StoreError: the tensor or box is not held here, or a file is missing.
     """
-    proc, t, b, held = self._locate(path, box, proc)
+    proc, t, b, held, snap = self._locate(path, box, proc, step)
     extra = tuple(t["extra"])
     storage = np.dtype(t["storage"])
     if math.prod(tuple(hi - lo for lo, hi in box) + extra) == 0:
       return []
     if "chunk_rows" not in b:
-      return [self.read_storage(path, box, proc=proc).reshape(-1)]
+      return [self.read_storage(path, box, proc=proc,
+                                step=step).reshape(-1)]
     sbox = tuple(box) + tuple((0, e) for e in extra)
     sheld = tuple(held) + tuple((0, e) for e in extra)
     hshape = tuple(h1 - h0 for h0, h1 in sheld)
@@ -973,7 +1085,7 @@ class HostStore:
     inner = tuple(slice(a - h0, z - h0)
                   for (a, z), (h0, _) in zip(sbox[1:], sheld[1:]))
     whole_rows = all(z - a == n for (a, z), n in zip(sbox[1:], hshape[1:]))
-    d = os.path.join(self.snapshot_dir(proc), b["dir"])
+    d = os.path.join(snap, b["dir"])
     if maps is None:
       maps = ChunkMaps()
     out = []
@@ -992,9 +1104,12 @@ class HostStore:
         out.append(cview[(slice(r0 - c0, r1 - c0),) + inner])
     return out
 
-  def _proc_holding(self, path: str, box: Box) -> int:
+  def _proc_holding(self, path: str, box: Box, step: int | None = None
+                    ) -> int:
     for p in self.procs():
-      t = self.manifest(p)["tensors"].get(path)
+      if step is not None and step not in self.snapshots(p):
+        continue
+      t = self.manifest(p, step)["tensors"].get(path)
       if t is None:
         continue
       for b in t["boxes"]:
