@@ -2,17 +2,22 @@
 
 Endpoints (all under ``http://HOST:PORT``):
 
-* ``GET /manifest``: ``{"store_id": ..., "procs": {k: manifest}}``.
-* ``GET /tensor/<proc>/<path>?box=0:4,2:4``: the raw little-endian bytes of
-  exactly that sub-box (C order, storage dtype), so a reader fetches only
-  the bytes the plan needs. Chunk checksums are verified by the server on
-  read; a corrupt chunk answers ``409`` with the reason.
+* ``GET /manifest``: ``{"store_id": ..., "procs": {k: manifest},
+  "history": {k: {step: manifest}}}``: each process's current snapshot,
+  and its older kept snapshots (``history``, the current one left out).
+* ``GET /tensor/<proc>/<path>?box=0:4,2:4[&step=S]``: the raw little-endian
+  bytes of exactly that sub-box (C order, storage dtype), so a reader
+  fetches only the bytes the plan needs; from the snapshot of step ``S``
+  (default: the current one). Chunk checksums are verified by the server
+  on read; a corrupt chunk answers ``409`` with the reason.
 * ``POST /read`` with a JSON body ``{"pieces": [[proc, path, "0:4,2:4"],
-  ...]}``: the raw bytes of several sub-boxes, concatenated in request
-  order, in one response (the data path of restores: batched pieces, sent
-  from memory maps of the chunk files, see :meth:`HostStore.read_segments`).
-  Every chunk touched is checksummed before the answer starts; a corrupt
-  one answers ``409`` naming the piece.
+  ...]}`` (a piece may name a step as a fourth entry, ``[proc, path, box,
+  step]``; default: the current snapshot): the raw bytes of several
+  sub-boxes, concatenated in request order, in one response (the data path
+  of restores: batched pieces, sent from memory maps of the chunk files,
+  see :meth:`HostStore.read_segments`). Every chunk touched is checksummed
+  before the answer starts; a corrupt one answers ``409`` naming the
+  piece.
 * ``GET /stats``: bytes, requests and pieces served; seconds spent reading
   (mapping and checksumming) and sending (gathering column ranges
   included; summed over threads).
@@ -117,9 +122,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     store: HostStore = self.server.store
     try:
       if parts[0] == "manifest":
+        current = store.manifests()
+        history = {str(k): {str(st): m for st, m in by_step.items()
+                            if st != current[k]["step"]}
+                   for k, by_step in store.all_manifests().items()
+                   if k in current}
         body = json.dumps({"store_id": store.store_id,
-                           "procs": {str(k): v for k, v in
-                                     store.manifests().items()}}).encode()
+                           "procs": {str(k): v for k, v in current.items()},
+                           "history": history}).encode()
         self._send(200, body)
       elif parts[0] == "stats":
         with self.server.lock:
@@ -130,9 +140,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = urllib.parse.unquote(parts[2])
         q = urllib.parse.parse_qs(url.query, keep_blank_values=True)
         box = parse_box(q.get("box", [""])[0])
-        storage, shape, _, _ = store.storage_info(path, box, proc=proc)
+        step = int(q["step"][0]) if q.get("step", [""])[0] else None
+        storage, shape, _, _ = store.storage_info(path, box, proc=proc,
+                                                  step=step)
         data = np.empty(shape, storage)
-        store.read_into(path, box, data, proc=proc)
+        store.read_into(path, box, data, proc=proc, step=step)
         body = memoryview(data.reshape(-1)).cast("B")
         with self.server.lock:
           self.server.stats["bytes_sent"] += len(body)
@@ -157,23 +169,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     try:
       n = int(self.headers.get("Content-Length", 0))
       req = json.loads(self.rfile.read(n))
-      pieces = [(int(k), str(p), parse_box(b)) for k, p, b in req["pieces"]]
+      pieces = [(int(q[0]), str(q[1]), parse_box(q[2]),
+                 None if len(q) < 4 or q[3] is None else int(q[3]))
+                for q in req["pieces"]]
+      if any(len(q) not in (3, 4) for q in req["pieces"]):
+        raise ValueError("a piece is [proc, path, box] or [proc, path, box,"
+                         " step]")
     except Exception as e:
       self._error(400, f"bad /read request: {type(e).__name__}: {e}")
       return
     try:
       layout = []
       total = 0
-      for k, p, box in pieces:
-        storage, shape, _, _ = store.storage_info(p, box, proc=k)
+      for k, p, box, st in pieces:
+        storage, shape, _, _ = store.storage_info(p, box, proc=k, step=st)
         nb = math.prod(shape) * storage.itemsize
         layout.append((total, nb, storage, shape))
         total += nb
       t0 = time.perf_counter()
       segs = []
       maps = ChunkMaps()  # a chunk several pieces share is checked once
-      for (k, p, box), (_, nb, _, _) in zip(pieces, layout):
-        got = store.read_segments(p, box, proc=k, maps=maps)
+      for (k, p, box, st), (_, nb, _, _) in zip(pieces, layout):
+        got = store.read_segments(p, box, proc=k, maps=maps, step=st)
         if sum(memoryview(g).nbytes for g in got) != nb:  # pragma: no cover
           raise StoreError(f"{p} box {list(box)}: read the wrong size")
         segs.extend(got)
@@ -229,7 +246,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.stats["bytes_received"] += nbytes
         final = w.commit(ptc_json=header["job"], extras=header["extras"],
                          num_processes=header["num_processes"],
-                         mode=header.get("mode", "local"))
+                         mode=header.get("mode", "local"),
+                         keep=int(header.get("keep", 1)))
       except BaseException:
         w.abort()
         raise
@@ -398,16 +416,35 @@ class RemoteStore:
     return self._manifest
 
   def manifests(self) -> dict[int, dict]:
+    """The manifest of each process's current snapshot."""
     return {int(k): v for k, v in self.fetch_manifest()["procs"].items()}
+
+  def all_manifests(self) -> dict[int, dict[int, dict]]:
+    """Every kept snapshot's manifest: process -> step -> manifest (the
+    current one included; a server without ``history`` gives the current
+    ones only)."""
+    man = self.fetch_manifest()
+    out = {}
+    for k, cur in man["procs"].items():
+      by_step = {int(st): m for st, m in
+                 man.get("history", {}).get(k, {}).items()}
+      by_step[cur["step"]] = cur
+      out[int(k)] = dict(sorted(by_step.items()))
+    return out
 
   def stats(self) -> dict:
     code, _, body = self._get("/stats", "/stats")
     return json.loads(body)
 
-  def read_storage(self, path: str, box: Box, *, proc: int) -> np.ndarray:
+  def read_storage(self, path: str, box: Box, *, proc: int,
+                   step: int | None = None) -> np.ndarray:
+    """Reads one sub-box (``GET /tensor``) of the snapshot of ``step``
+    (default: the current one)."""
     target = (f"/tensor/{proc}/{urllib.parse.quote(path, safe='')}"
-              f"?box={format_box(box)}")
-    what = f"{path} box {list(box)} of process {proc}"
+              f"?box={format_box(box)}"
+              + ("" if step is None else f"&step={int(step)}"))
+    what = f"{path} box {list(box)} of process {proc}" + (
+        "" if step is None else f" (step {step})")
     code, headers, body = self._get(target, what)
     if code == 409:
       raise ChecksumError(f"store server {self.url}: {what}:"
@@ -422,8 +459,8 @@ class RemoteStore:
       self.requests += 1
     return arr.reshape(shape)
 
-  def read_into(self, pieces: Sequence[tuple[int, str, Box, np.ndarray]]
-                ) -> int:
+  def read_into(self, pieces: Sequence[tuple[int, str, Box, np.ndarray]], *,
+                step: int | None = None) -> int:
     """Reads several sub-boxes in one request (``POST /read``) straight
     into their destinations.
 
@@ -432,6 +469,7 @@ class RemoteStore:
         dtype with the box's shape); a destination that is not
         C-contiguous is filled block by block through a small reused
         buffer.
+      step: the step of the snapshots to read (default: the current ones).
 
     Returns:
       The payload bytes received.
@@ -440,7 +478,8 @@ class RemoteStore:
       ChecksumError: the server found a corrupt chunk (names the piece).
       StoreError: the server is unreachable (after retries) or refused.
     """
-    body = json.dumps({"pieces": [[k, p, format_box(b)]
+    tail = [] if step is None else [int(step)]
+    body = json.dumps({"pieces": [[k, p, format_box(b)] + tail
                                   for k, p, b, _ in pieces]}).encode()
     total = sum(d.nbytes for *_, d in pieces)
     what = (f"{len(pieces)} pieces ({pieces[0][1]} box"
