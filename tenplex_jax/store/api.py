@@ -206,7 +206,7 @@ def _snapshot_items(tree):
 
 def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
          central: str | None = None, replicas: int = 0,
-         peers: Sequence[str] | None = None, keep: int = 1) -> str:
+         peers: Sequence[str] | None = None, keep: int = 2) -> str:
   """Writes this process's shards and the job's layout to its host store.
 
   Call it in every process of the job (no collectives are used). Each
@@ -227,8 +227,11 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
       ``replicas`` processes (round robin over ``peers``).
     peers: every process's store location, in process order (needed for
       ``replicas``).
-    keep: snapshots kept per process (older ones are deleted after the new
-      one is committed).
+    keep: snapshots kept per process, the new one included (older ones
+      are deleted after the new one is committed; 0 keeps all). The
+      default 2 keeps the previous round, so that if a process dies while
+      the processes save a round, restore finds the previous round
+      complete; it costs up to twice the state's size on each host.
 
   Returns:
     The committed snapshot's directory (or the central server's answer).
@@ -256,7 +259,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
     target = location
   if target.startswith("http://"):
     return _upload(RemoteStore(target), proc, nproc, step, ptc, extras,
-                   arrays, mode)
+                   arrays, mode, keep)
   w = SnapshotWriter(target, proc, step=step)
   try:
     for name, leaf, impl, boxes in arrays:
@@ -280,7 +283,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
 
 
 def _upload(remote: RemoteStore, proc, nproc, step, ptc, extras, arrays,
-            mode):
+            mode, keep=2):
   tensors = {}
   boxes = []
   chunks = []
@@ -299,7 +302,7 @@ def _upload(remote: RemoteStore, proc, nproc, step, ptc, extras, arrays,
       nbytes += a.nbytes
   header = {"step": step, "job": ptc.to_json(), "extras": extras,
             "num_processes": nproc, "mode": mode, "tensors": tensors,
-            "boxes": boxes}
+            "boxes": boxes, "keep": keep}
   return remote.upload(proc, header, iter(chunks), nbytes)["snapshot"]
 
 
@@ -410,9 +413,12 @@ class RestoreReport:
 
 
 class _Source:
-  """One reachable store: its handles and the snapshots it holds."""
+  """One reachable store: its handles and the snapshots it holds.
 
-  def __init__(self, name: str, handle, manifests: dict[int, dict],
+  ``manifests``: old process -> step -> manifest, every kept snapshot.
+  """
+
+  def __init__(self, name: str, handle, manifests: dict[int, dict[int, dict]],
                local: bool):
     self.name = name
     self.handle = handle
@@ -427,7 +433,7 @@ def _gather(locations: Sequence[str], timeout: float, retries: int):
   for loc in locations:
     try:
       h = open_store(loc, timeout=timeout, retries=retries)
-      ms = h.manifests()
+      ms = h.all_manifests()
       sid = h.store_id
     except StoreError as e:
       unreachable[loc] = str(e)
@@ -452,8 +458,9 @@ def _saved_state(sources, step, wanted):
   holding: dict[int, list[_Source]] = collections.defaultdict(list)
   job = None
   for s in sorted(sources, key=lambda s: not s.local):
-    for k, m in s.manifests.items():
-      if m["step"] == step:
+    for k, by_step in s.manifests.items():
+      m = by_step.get(step)
+      if m is not None:
         holding[k].append(s)
         job = job or m
   if job is None:
@@ -461,7 +468,7 @@ def _saved_state(sources, step, wanted):
   src_ptc = PTC.from_json(job["job"])
   tinfo = {}
   for k, srcs in holding.items():
-    for p, t in srcs[0].manifests[k]["tensors"].items():
+    for p, t in srcs[0].manifests[k][step]["tensors"].items():
       tinfo.setdefault(p, t)
   lost = tuple(sorted({p for _, p in src_ptc.processes} - set(holding)))
   host_ids = {id(s): i for i, s in enumerate(sources)}
@@ -639,8 +646,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   # Which snapshots exist, per old process, at which step. Without a step,
   # the newest step of which every box has a copy (an incomplete newer one
   # is reported as steps lost).
-  steps = sorted({m["step"] for s in sources for m in s.manifests.values()},
-                 reverse=True)
+  steps = sorted({st for s in sources for by_step in s.manifests.values()
+                  for st in by_step}, reverse=True)
   if step is None and not steps:
     raise _Fallback("no store holds a snapshot", None, (), fallbacks, dead)
   newest = steps[0] if step is None else step
@@ -773,9 +780,9 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
         continue
       try:
         if s.local:
-          s.handle.read_into(path, box, dest, proc=k, maps=maps)
+          s.handle.read_into(path, box, dest, proc=k, maps=maps, step=step)
         else:
-          s.handle.read_into([(k, path, box, dest)])
+          s.handle.read_into([(k, path, box, dest)], step=step)
         return s
       except UnreachableError as e:
         dead.add(s.name)
@@ -795,7 +802,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       if s.local or len(batch) == 1 or s.name in dead:
         raise _Single()
       s.handle.read_into([(k, path, box, dest)
-                          for path, box, dest, _, _ in batch])
+                          for path, box, dest, _, _ in batch], step=step)
       served = [(s, job) for job in batch]
     except (StoreError, _Single) as e:
       if isinstance(e, UnreachableError):
