@@ -1,0 +1,186 @@
+"""Older snapshots kept in the stores: a restore after a process died in the
+middle of a save round uses the previous, complete round.
+
+Two processes of a saving job are simulated in this one process: each
+process's snapshot is written with :class:`SnapshotWriter` into its own
+store directory, holding the boxes of its devices, with a layout whose
+devices belong to the two processes.
+"""
+
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tenplex_jax.layout import PTC
+from tenplex_jax.store import HostStore, RemoteStore, api, make_server
+from tenplex_jax.store.format import SnapshotWriter
+
+
+def _mesh(n, start=0):
+  return Mesh(np.array(jax.devices()[start:start + n]), ("d",))
+
+
+def _state(step):
+  """The state of ``step``: different values at every step."""
+  m = _mesh(4)
+  w = np.arange(32, dtype=np.float32).reshape(8, 4) * 10 + step
+  b = np.arange(8, dtype=np.int32) + 100 * step
+  return {"w": jax.device_put(w, NamedSharding(m, P("d"))),
+          "b": jax.device_put(b, NamedSharding(m, P())), "step": step}
+
+
+def _save_as_two(dirs, tree, step, procs=(0, 1), keep=2):
+  """Writes the snapshots of ``procs`` of a two-process job (devices 0, 1
+  of process 0, devices 2, 3 of process 1) saving ``tree``, process k to
+  ``dirs[k]``."""
+  ptc, extras, arrays = api._snapshot_items(tree)
+  devs = sorted(d for d, _ in ptc.processes)
+  owner = {d: 0 if i < len(devs) // 2 else 1 for i, d in enumerate(devs)}
+  job = PTC(ptc.tensors, tuple(sorted(owner.items())))
+  for k in procs:
+    w = SnapshotWriter(dirs[k], k, step=step)
+    for name, _, impl, boxes in arrays:
+      t = job[name]
+      w.declare(name, dtype=t.dtype, itemsize=t.itemsize, shape=t.shape,
+                key_impl=impl)
+      for box, data in boxes:
+        i = t.placement.boxes.index(box)
+        if any(owner[h] == k for h in t.placement.holders[i]):
+          w.add(name, box, np.asarray(data))
+    w.commit(ptc_json=job.to_json(), extras=extras, num_processes=2,
+             keep=keep)
+
+
+def _target():
+  m = _mesh(2, start=4)
+  return {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                                    sharding=NamedSharding(m, P(None, "d"))),
+          "b": jax.ShapeDtypeStruct((8,), jnp.int32,
+                                    sharding=NamedSharding(m, P("d"))),
+          "step": 0}
+
+
+def _check(out, step):
+  want = _state(step)
+  for k in ("w", "b"):
+    assert np.asarray(out[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+  assert out["step"] == step
+
+
+@pytest.fixture
+def dirs(tmp_path):
+  return [str(tmp_path / "host0"), str(tmp_path / "host1")]
+
+
+@pytest.fixture
+def served(dirs):
+  srv = make_server(dirs[1], 0)
+  t = threading.Thread(target=srv.serve_forever, daemon=True)
+  t.start()
+  yield f"http://127.0.0.1:{srv.server_address[1]}"
+  srv.shutdown()
+  srv.server_close()
+
+
+def test_crash_mid_round_restores_previous_complete_round(dirs):
+  _save_as_two(dirs, _state(1), 1)
+  _save_as_two(dirs, _state(2), 2, procs=(0,))  # process 1 died
+  assert sorted(HostStore(dirs[0]).snapshots(0)) == [1, 2]
+  assert HostStore(dirs[0]).manifest(0)["step"] == 2
+  assert HostStore(dirs[0]).manifest(0, step=1)["step"] == 1
+  out, rep = api.restore_with_report(dirs, _target())
+  _check(out, 1)
+  assert rep.step == 1 and rep.steps_lost == 1 and not rep.from_checkpoint
+  assert rep.lost_processes == () and rep.local_bytes > 0
+  assert any("step 1" in f for f in rep.fallbacks), rep.fallbacks
+  # The newest step is still restored when it is complete.
+  _save_as_two(dirs, _state(2), 2, procs=(1,))
+  out, rep = api.restore_with_report(dirs, _target())
+  _check(out, 2)
+  assert rep.step == 2 and rep.steps_lost == 0
+  # An explicit older step reads the kept snapshots.
+  out, rep = api.restore_with_report(dirs, _target(), step=1)
+  _check(out, 1)
+  assert rep.step == 1
+
+
+def test_crash_mid_round_through_a_store_server(dirs, served):
+  _save_as_two(dirs, _state(1), 1)
+  _save_as_two(dirs, _state(2), 2, procs=(0,))  # process 1 died
+  with RemoteStore(served) as rs:
+    man = rs.fetch_manifest()
+    assert man["procs"]["1"]["step"] == 1 and man["history"] == {"1": {}}
+  # Process 0's step 2 is incomplete; process 1's server serves step 1.
+  out, rep = api.restore_with_report([dirs[0], served], _target())
+  _check(out, 1)
+  assert rep.step == 1 and rep.steps_lost == 1 and not rep.from_checkpoint
+  assert rep.network_bytes > 0
+  assert rep.network_bytes == rep.per_source_bytes[served]
+  # Now the older snapshot is on the server's side: process 1 saved steps 2
+  # and 3, process 0 only step 2; step 2 is read from history over HTTP.
+  _save_as_two(dirs, _state(2), 2, procs=(1,))
+  _save_as_two(dirs, _state(3), 3, procs=(1,))
+  with RemoteStore(served) as rs:
+    assert sorted(rs.all_manifests()[1]) == [2, 3]
+    assert list(rs.fetch_manifest()["history"]["1"]) == ["2"]
+    m = rs.all_manifests()[1][2]
+    path = "w"
+    box = tuple(tuple(r) for r in m["tensors"][path]["boxes"][0]["box"])
+    got = rs.read_storage(path, box, proc=1, step=2)
+    want = np.asarray(_state(2)["w"])[tuple(slice(a, z) for a, z in box)]
+    assert got.tobytes() == want.tobytes()
+    cur = rs.read_storage(path, box, proc=1)  # default: the current (3)
+    want3 = np.asarray(_state(3)["w"])[tuple(slice(a, z) for a, z in box)]
+    assert cur.tobytes() == want3.tobytes()
+  out, rep = api.restore_with_report([dirs[0], served], _target())
+  _check(out, 2)
+  assert rep.step == 2 and rep.steps_lost == 1
+  assert rep.network_bytes > 0 and rep.local_bytes > 0
+
+
+def test_old_clients_pieces_without_step_read_the_current_snapshot(dirs,
+                                                                   served):
+  _save_as_two(dirs, _state(1), 1, procs=(1,))
+  _save_as_two(dirs, _state(2), 2, procs=(1,))
+  with RemoteStore(served) as rs:
+    box = ((6, 8), (0, 4))
+    cur = np.empty((2, 4), np.uint32)
+    rs.read_into([(1, "w", box, cur)])
+    old = np.empty((2, 4), np.uint32)
+    rs.read_into([(1, "w", box, old)], step=1)
+  assert cur.view(np.float32).tobytes() == \
+      np.asarray(_state(2)["w"])[6:8].tobytes()
+  assert old.view(np.float32).tobytes() == \
+      np.asarray(_state(1)["w"])[6:8].tobytes()
+
+
+def test_keep_1_deletes_older_snapshots(dirs):
+  _save_as_two(dirs, _state(1), 1, keep=1)
+  _save_as_two(dirs, _state(2), 2, procs=(0,), keep=1)
+  assert sorted(HostStore(dirs[0]).snapshots(0)) == [2]
+  assert sorted(HostStore(dirs[1]).snapshots(1)) == [1]
+  # Step 2 is incomplete and step 1 is gone from process 0's store.
+  with pytest.raises(api.NoCopyError):
+    api.restore(dirs, _target())
+
+
+def test_save_keeps_two_by_default_and_drops_an_abandoned_run(tmp_path):
+  d = str(tmp_path / "s")
+  for st in (1, 2, 3):
+    api.save(_state(st), d, step=st)
+  assert sorted(HostStore(d).snapshots(0)) == [2, 3]
+  # The job restored step 2 and saves step 2 again: the old step 3 (and
+  # the old step 2) belong to the abandoned run.
+  api.save(_state(2), d, step=2)
+  snaps = HostStore(d).snapshots(0)
+  assert sorted(snaps) == [2]
+  assert len([n for n in os.listdir(os.path.dirname(snaps[2]))
+              if n.startswith("snap-")]) == 1
+  api.save(_state(3), d, step=3, keep=0)
+  api.save(_state(4), d, step=4, keep=0)
+  assert sorted(HostStore(d).snapshots(0)) == [2, 3, 4]
