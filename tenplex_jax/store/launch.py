@@ -158,7 +158,10 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None
   process failure the relaunched job restores the newest snapshot, so a
   failure loses at most the steps since it. ``replicas`` (default: the
   launcher's ``--replicas``) also copies the snapshot to the next stores,
-  round robin, so it survives the loss of its host.
+  round robin, so it survives the loss of its host. Each store keeps the
+  previous snapshot too (``save``'s ``keep=2``, up to twice the state's
+  size on disk), so a process that dies during a round leaves the previous
+  round complete for the restore.
 
   Returns:
     The committed snapshot's directory.
