@@ -10,7 +10,9 @@ from ``request_resize(M, at_step=S)`` called at step A. Optional:
 (Orbax checkpoint in the launcher's ``--checkpoint``), ``TRAIN_SLEEP=s``
 per step, and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
 with code 3 after step S; KIND ``host`` first deletes its store, as if its
-host were lost; ``TRAIN_CRASH_ALWAYS=1`` crashes in every generation).
+host were lost; KIND ``midsave`` exits before its ``save_snapshot`` of step
+S, once process 0 has committed that snapshot: a crash in the middle of a
+save round; ``TRAIN_CRASH_ALWAYS=1`` crashes in every generation).
 Process 0 writes ``JOB_DIR/final.json`` at the end.
 """
 
@@ -68,6 +70,24 @@ while step < total:
     _, m, at = request.split(":")
     store.request_resize(int(m), at_step=int(at))
   due = store.resize_due(step)
+  if crash_now and crash.endswith(":midsave"):
+    s, p, _ = crash.split(":")
+    if int(s) == step and int(p) == info["process_id"]:
+      peers = json.loads(os.environ["TENPLEX_STORES"])
+      deadline = time.time() + 60
+      while time.time() < deadline:  # process 0 committed step S
+        h = store.open_store(peers[0])
+        try:
+          if h.manifests().get(0, {}).get("step") == step:
+            break
+        except store.StoreError:
+          pass
+        finally:
+          getattr(h, "close", lambda: None)()
+        time.sleep(0.05)
+      print(f"launch_train: process {p} crashes before its snapshot of step"
+            f" {step}", flush=True)
+      os._exit(3)
   if snapshot_every and step % snapshot_every == 0:
     store.save_snapshot(state, step)
   if ckpt_every and step % ckpt_every == 0:

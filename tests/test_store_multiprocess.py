@@ -454,6 +454,24 @@ def test_launch_restarts_after_a_process_crash(tmp):
   check_final(job, procs=2, step=8, generation=1)
 
 
+def test_launch_crash_mid_save_round_restores_the_previous_round(tmp):
+  # Process 1 dies before its snapshot of step 6, after process 0 committed
+  # its own: step 6 is incomplete, and step 4 (kept, keep=2) is restored
+  # from the stores, without a checkpoint.
+  with launcher(tmp, 8, procs=2, TRAIN_SNAPSHOT_EVERY=2,
+                TRAIN_CRASH="6:1:midsave") as (p, job, log):
+    rc, out = finish(p, log)
+  assert rc == 0, out[-3000:]
+  rec = _recovery(job)
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["source"]) == (6, 4, 2, "stores"), rec
+  for i in range(2):
+    rep = json.loads(_text(os.path.join(job, f"restore_{i}_1.json")))
+    assert rep["step"] == 4 and rep["steps_lost"] == 2, rep  # 6 - 4
+    assert not rep["from_checkpoint"] and rep["lost_processes"] == [], rep
+  check_final(job, procs=2, step=8, generation=1)
+
+
 def test_launch_lost_host_restores_from_store_replica_and_shrinks(tmp):
   # Process 1's host is lost (store deleted); its snapshot has a replica
   # in store 0. The job goes on with one process.
