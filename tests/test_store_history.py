@@ -184,3 +184,14 @@ def test_save_keeps_two_by_default_and_drops_an_abandoned_run(tmp_path):
   api.save(_state(3), d, step=3, keep=0)
   api.save(_state(4), d, step=4, keep=0)
   assert sorted(HostStore(d).snapshots(0)) == [2, 3, 4]
+
+
+def test_replicas_keep_as_many_snapshots(dirs, served):
+  for st in (1, 2, 3):
+    api.save(_state(st), dirs[0], step=st, replicas=1, peers=dirs)
+  assert sorted(HostStore(dirs[1]).snapshots(0)) == [2, 3]
+  api.save(_state(2), dirs[0], step=2, replicas=1, peers=[dirs[0], served])
+  assert sorted(HostStore(dirs[1]).snapshots(0)) == [2]  # 3 abandoned
+  assert len(os.listdir(os.path.join(dirs[1], "procs", "0"))) == 2
+  out, rep = api.restore_with_report([dirs[1]], _target(), step=2)
+  _check(out, 2)

@@ -40,7 +40,8 @@ from tenplex_jax.planner import plan
 from tenplex_jax.reshard import _key_data_sharding
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       _chunk_shape, ensure_store_id,
-                                      from_storage, storage_of)
+                                      from_storage, prune_snapshots,
+                                      storage_of)
 from tenplex_jax.store.server import RemoteStore
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
@@ -278,7 +279,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
       raise StoreError(f"replicas={replicas} needs peers=[every process's"
                        " store location]")
     for k in range(1, min(replicas, len(peers) - 1) + 1):
-      replicate(snap, proc, peers[(proc + k) % len(peers)])
+      replicate(snap, proc, peers[(proc + k) % len(peers)], keep=keep)
   return snap
 
 
@@ -306,9 +307,11 @@ def _upload(remote: RemoteStore, proc, nproc, step, ptc, extras, arrays,
   return remote.upload(proc, header, iter(chunks), nbytes)["snapshot"]
 
 
-def replicate(snapshot: str, proc: int, dest: str) -> None:
+def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
+              ) -> None:
   """Copies a committed snapshot of process ``proc`` to store ``dest`` (a
-  directory, or a store server URL), atomically."""
+  directory, or a store server URL), atomically; ``dest`` then keeps the
+  newest ``keep`` snapshots of ``proc`` (as :func:`save`)."""
   if dest.startswith("http://"):
     src = HostStore(os.path.dirname(os.path.dirname(os.path.dirname(
         snapshot))))
@@ -326,7 +329,7 @@ def replicate(snapshot: str, proc: int, dest: str) -> None:
         nbytes += a.nbytes
     header = {"step": m["step"], "job": m["job"], "extras": m["extras"],
               "num_processes": m["num_processes"], "mode": "replica",
-              "tensors": tensors, "boxes": boxes}
+              "tensors": tensors, "boxes": boxes, "keep": keep}
     RemoteStore(dest).upload(proc, header, iter(chunks), nbytes)
     return
   pdir = os.path.join(dest, "procs", str(proc))
@@ -344,6 +347,7 @@ def replicate(snapshot: str, proc: int, dest: str) -> None:
   with open(tmp, "w") as f:
     f.write(name)
   os.replace(tmp, os.path.join(pdir, "CURRENT"))
+  prune_snapshots(pdir, name, keep)
 
 
 @dataclasses.dataclass(frozen=True)

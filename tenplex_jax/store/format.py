@@ -645,20 +645,7 @@ class SnapshotWriter:
     os.replace(tmp, os.path.join(self.pdir, "CURRENT"))
     if self.fsync:
       _fsync_dir(self.pdir)
-    # Drop snapshots of an abandoned run (this step or later), then keep
-    # the newest ``keep``.
-    snaps = []
-    for n in sorted(os.listdir(self.pdir)):
-      m = _SNAP_NAME.fullmatch(n)
-      if m is None or n == self.name:
-        continue
-      if int(m.group(1)) >= self.step:
-        shutil.rmtree(os.path.join(self.pdir, n), ignore_errors=True)
-      else:
-        snaps.append(n)
-    snaps.append(self.name)
-    for old in snaps[:-keep] if keep else []:
-      shutil.rmtree(os.path.join(self.pdir, old), ignore_errors=True)
+    prune_snapshots(self.pdir, self.name, keep)
     return final
 
   def abort(self) -> None:
@@ -670,6 +657,33 @@ class SnapshotWriter:
     self._futures = []
     self._drain()
     shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def prune_snapshots(pdir: str, current: str, keep: int) -> None:
+  """Deletes a process's snapshots around its new current one.
+
+  First every other snapshot of the current one's step or a later one (a
+  run abandoned when the job restored an older step), then all but the
+  newest ``keep`` (0: none).
+
+  Args:
+    pdir: the process's directory (``DIR/procs/<k>``).
+    current: the name of the snapshot just committed (never deleted).
+    keep: snapshots kept, ``current`` included.
+  """
+  step = int(_SNAP_NAME.fullmatch(current).group(1))
+  snaps = []
+  for n in sorted(os.listdir(pdir)):
+    m = _SNAP_NAME.fullmatch(n)
+    if m is None or n == current:
+      continue
+    if int(m.group(1)) >= step:
+      shutil.rmtree(os.path.join(pdir, n), ignore_errors=True)
+    else:
+      snaps.append(n)
+  snaps.append(current)
+  for old in snaps[:-keep] if keep else []:
+    shutil.rmtree(os.path.join(pdir, old), ignore_errors=True)
 
 
 def ensure_store_id(root: str) -> str:
