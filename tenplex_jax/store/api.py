@@ -205,9 +205,19 @@ def _snapshot_items(tree):
   return ptc, extras, arrays
 
 
+def run_id(run: str | None = None) -> str:
+  """The run id ``save`` records: ``run``, else the ``TENPLEX_RUN``
+  environment variable (``tenplex-jax launch`` sets one per generation,
+  shared by all the generation's processes), else ``""``."""
+  if run is None:
+    run = os.environ.get("TENPLEX_RUN", "")
+  return str(run)
+
+
 def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
          central: str | None = None, replicas: int = 0,
-         peers: Sequence[str] | None = None, keep: int = 2) -> str:
+         peers: Sequence[str] | None = None, keep: int = 2,
+         run: str | None = None) -> str:
   """Writes this process's shards and the job's layout to its host store.
 
   Call it in every process of the job (no collectives are used). Each
@@ -233,6 +243,10 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
       default 2 keeps the previous round, so that if a process dies while
       the processes save a round, restore finds the previous round
       complete; it costs up to twice the state's size on each host.
+    run: the run (job incarnation) saving, the same in all its processes:
+      restore never combines snapshots of one step written by different
+      runs. Default: the ``TENPLEX_RUN`` environment variable (set per
+      generation by ``tenplex-jax launch``), else ``""`` (a single run).
 
   Returns:
     The committed snapshot's directory (or the central server's answer).
@@ -249,6 +263,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
   """
   proc = jax.process_index()
   nproc = jax.process_count()
+  run = run_id(run)
   ptc, extras, arrays = _snapshot_items(tree)
   if mode not in ("local", "central"):
     raise StoreError(f"mode must be 'local' or 'central', not {mode!r}")
@@ -260,7 +275,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
     target = location
   if target.startswith("http://"):
     return _upload(RemoteStore(target), proc, nproc, step, ptc, extras,
-                   arrays, mode, keep)
+                   arrays, mode, keep, run)
   w = SnapshotWriter(target, proc, step=step)
   try:
     for name, leaf, impl, boxes in arrays:
@@ -270,7 +285,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
       for box, data in boxes:
         w.add(name, box, np.asarray(data))
     snap = w.commit(ptc_json=ptc.to_json(), extras=extras,
-                    num_processes=nproc, mode=mode, keep=keep)
+                    num_processes=nproc, mode=mode, keep=keep, run=run)
   except BaseException:
     w.abort()
     raise
@@ -284,7 +299,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
 
 
 def _upload(remote: RemoteStore, proc, nproc, step, ptc, extras, arrays,
-            mode, keep=2):
+            mode, keep=2, run=""):
   tensors = {}
   boxes = []
   chunks = []
@@ -303,7 +318,7 @@ def _upload(remote: RemoteStore, proc, nproc, step, ptc, extras, arrays,
       nbytes += a.nbytes
   header = {"step": step, "job": ptc.to_json(), "extras": extras,
             "num_processes": nproc, "mode": mode, "tensors": tensors,
-            "boxes": boxes, "keep": keep}
+            "boxes": boxes, "keep": keep, "run": run}
   return remote.upload(proc, header, iter(chunks), nbytes)["snapshot"]
 
 
@@ -329,7 +344,8 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
         nbytes += a.nbytes
     header = {"step": m["step"], "job": m["job"], "extras": m["extras"],
               "num_processes": m["num_processes"], "mode": "replica",
-              "tensors": tensors, "boxes": boxes, "keep": keep}
+              "tensors": tensors, "boxes": boxes, "keep": keep,
+              "run": m.get("run", "")}
     RemoteStore(dest).upload(proc, header, iter(chunks), nbytes)
     return
   pdir = os.path.join(dest, "procs", str(proc))
@@ -454,17 +470,32 @@ def _gather(locations: Sequence[str], timeout: float, retries: int):
   return list(by_id.values()), unreachable
 
 
-def _saved_state(sources, step, wanted):
-  """What the stores hold of ``step``: (holding: old process -> sources,
-  a manifest, the saved layout, tensor infos, lost old processes, the
-  layout of the surviving copies (of the ``wanted`` paths), old device ->
-  host, lost boxes). ``(None,)`` when no store holds the step."""
+def _runs_at(sources, step) -> list[str]:
+  """The runs that wrote snapshots of ``step``, newest first (by the
+  newest ``created`` time of their snapshots); manifests without a run id
+  are run ``""``."""
+  created: dict[str, float] = {}
+  for s in sources:
+    for by_step in s.manifests.values():
+      m = by_step.get(step)
+      if m is not None:
+        r = m.get("run", "")
+        created[r] = max(created.get(r, 0.0), float(m.get("created", 0.0)))
+  return sorted(created, key=lambda r: (-created[r], r))
+
+
+def _saved_state(sources, step, wanted, run=None):
+  """What the stores hold of ``step`` (only snapshots of ``run`` unless it
+  is None): (holding: old process -> sources, a manifest, the saved
+  layout, tensor infos, lost old processes, the layout of the surviving
+  copies (of the ``wanted`` paths), old device -> host, lost boxes).
+  ``(None,)`` when no store holds the step."""
   holding: dict[int, list[_Source]] = collections.defaultdict(list)
   job = None
   for s in sorted(sources, key=lambda s: not s.local):
     for k, by_step in s.manifests.items():
       m = by_step.get(step)
-      if m is not None:
+      if m is not None and (run is None or m.get("run", "") == run):
         holding[k].append(s)
         job = job or m
   if job is None:
@@ -661,16 +692,25 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
             if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))}
   reason = None
   for st in (steps if step is None else [step]):
-    saved = _saved_state(sources, st, wanted)
-    if saved[0] is None:
+    # Snapshots of one step from different runs (job incarnations) are
+    # never combined: the newest run whose snapshots cover every box.
+    runs = _runs_at(sources, st)
+    if not runs:
       reason = reason or (f"no store holds step {st}", st, ())
       continue
-    if not saved[-1]:
+    tried = [_saved_state(sources, st, wanted, run=r) for r in runs]
+    saved = next((t for t in tried if not t[-1]), None)
+    if saved is not None:
       break
+    saved = tried[0]
     holding, job, src_ptc, tinfo, lost, src2, src_host, missing = saved
     why = (f"processes {list(lost)} of the saved job have no surviving"
            f" copy in any store ({len(missing)} boxes lost, e.g."
            f" {missing[0]})")
+    if len(runs) > 1:
+      why = (f"step {st} mixes snapshots of different runs"
+             f" {runs}, none of which covers every box: for"
+             f" the newest run {runs[0]!r}, " + why)
     if unreachable:
       why += "; unreachable: " + "; ".join(unreachable.values())
     reason = reason or (why, st, lost)

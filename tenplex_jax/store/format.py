@@ -598,7 +598,7 @@ class SnapshotWriter:
 
   def commit(self, *, ptc_json: str, extras: Mapping[str, Any] | None = None,
              num_processes: int = 1, mode: str = "local",
-             keep: int = 1) -> str:
+             keep: int = 1, run: str = "") -> str:
     """Finishes the snapshot; returns its directory.
 
     Args:
@@ -611,6 +611,9 @@ class SnapshotWriter:
         Before that, this process's other snapshots of this step or a
         later one are deleted: they belong to a run that was abandoned
         when the job restored an older step.
+      run: the run (job incarnation) that wrote the snapshot, shared by
+        all its processes; restore never combines snapshots of one step
+        from different runs ("": unnamed, as manifests without a run).
     """
     try:
       for f in self._futures:
@@ -623,6 +626,7 @@ class SnapshotWriter:
         "format": FORMAT, "version": 2, "step": self.step,
         "process_index": self.proc, "num_processes": int(num_processes),
         "mode": mode, "created": time.time(), "nbytes": self.nbytes,
+        "run": str(run or ""),
         "job": json.loads(ptc_json) if isinstance(ptc_json, str) else ptc_json,
         "tensors": self.tensors, "extras": dict(extras or {}),
     }

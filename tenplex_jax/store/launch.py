@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,8 +151,8 @@ def resize_due(step: int) -> int | None:
   return None
 
 
-def save_snapshot(state: Any, step: int, *, replicas: int | None = None
-                  ) -> str:
+def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
+                  run: str | None = None) -> str:
   """Saves this process's shards to its host store and goes on training.
 
   Call it in every process at the same steps (e.g. every 10 steps): after a
@@ -161,7 +162,9 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None
   round robin, so it survives the loss of its host. Each store keeps the
   previous snapshot too (``save``'s ``keep=2``, up to twice the state's
   size on disk), so a process that dies during a round leaves the previous
-  round complete for the restore.
+  round complete for the restore. ``run`` (default: ``TENPLEX_RUN``, which
+  the launcher sets per generation) is recorded in the snapshot; restore
+  never combines snapshots of one step from different runs.
 
   Returns:
     The committed snapshot's directory.
@@ -177,7 +180,7 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None
     raise RuntimeError("save_snapshot needs tenplex-jax launch"
                        " (TENPLEX_STORE is not set)")
   return save(state, store, step=step, replicas=replicas,
-              peers=peers or None)
+              peers=peers or None, run=run)
 
 
 def save_and_exit(state: Any, step: int, *, procs: int | None = None,
@@ -356,6 +359,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   restarts = 0
   code = 1
   t_end = None if timeout is None else time.time() + timeout
+  # Run ids (TENPLEX_RUN): this launch and the generation; unique across
+  # launches of a job dir, so that restore never combines one step's
+  # snapshots written by different generations or launches.
+  launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
   try:
     for gen in range(max_generations):
       for i in range(n):
@@ -388,6 +395,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
                "TENPLEX_PEERS": json.dumps(urls),
                "TENPLEX_JOB_DIR": job_dir,
                "TENPLEX_GENERATION": str(gen),
+               "TENPLEX_RUN": f"{launch_id}-g{gen}",
                "TENPLEX_START_STEP": str(start_step),
                "TENPLEX_REPLICAS": str(replicas)}
         env.pop("TENPLEX_FAILED_STEP", None)

@@ -246,6 +246,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.stats["bytes_received"] += nbytes
         final = w.commit(ptc_json=header["job"], extras=header["extras"],
                          num_processes=header["num_processes"],
+                         run=header.get("run", ""),
                          mode=header.get("mode", "local"),
                          keep=int(header.get("keep", 1)))
       except BaseException:
