@@ -34,10 +34,10 @@ def _state(step):
           "b": jax.device_put(b, NamedSharding(m, P())), "step": step}
 
 
-def _save_as_two(dirs, tree, step, procs=(0, 1), keep=2):
+def _save_as_two(dirs, tree, step, procs=(0, 1), keep=2, run=""):
   """Writes the snapshots of ``procs`` of a two-process job (devices 0, 1
   of process 0, devices 2, 3 of process 1) saving ``tree``, process k to
-  ``dirs[k]``."""
+  ``dirs[k]``, as run ``run``."""
   ptc, extras, arrays = api._snapshot_items(tree)
   devs = sorted(d for d, _ in ptc.processes)
   owner = {d: 0 if i < len(devs) // 2 else 1 for i, d in enumerate(devs)}
@@ -53,7 +53,7 @@ def _save_as_two(dirs, tree, step, procs=(0, 1), keep=2):
         if any(owner[h] == k for h in t.placement.holders[i]):
           w.add(name, box, np.asarray(data))
     w.commit(ptc_json=job.to_json(), extras=extras, num_processes=2,
-             keep=keep)
+             keep=keep, run=run)
 
 
 def _target():
@@ -195,3 +195,71 @@ def test_replicas_keep_as_many_snapshots(dirs, served):
   assert len(os.listdir(os.path.join(dirs[1], "procs", "0"))) == 2
   out, rep = api.restore_with_report([dirs[1]], _target(), step=2)
   _check(out, 2)
+
+
+def _two_runs_mix_step_8(dirs):
+  """Run A: both processes save steps 6 and 8, process 1 dies before
+  committing 8. Run B (restored step 6): process 1 commits step 8 (other
+  values), process 0 dies before re-saving 8."""
+  _save_as_two(dirs, _state(6), 6, run="A")
+  _save_as_two(dirs, _state(8), 8, procs=(0,), run="A")
+  _save_as_two(dirs, _state(108), 8, procs=(1,), run="B")
+  assert HostStore(dirs[0]).manifest(0)["run"] == "A"
+  assert HostStore(dirs[1]).manifest(1)["run"] == "B"
+  assert HostStore(dirs[1]).manifest(1)["step"] == 8
+
+
+def test_a_step_mixing_two_runs_is_not_restored(dirs):
+  _two_runs_mix_step_8(dirs)
+  out, rep = api.restore_with_report(dirs, _target())
+  _check(out, 6)
+  assert rep.step == 6 and rep.steps_lost == 2 and not rep.from_checkpoint
+  assert any("mixes snapshots of different runs" in f and "step 6" in f
+             for f in rep.fallbacks), rep.fallbacks
+  # An explicit request for the mixed step fails rather than mixing.
+  with pytest.raises(api.NoCopyError, match="different runs"):
+    api.restore(dirs, _target(), step=8)
+
+
+def test_a_step_mixing_two_runs_through_a_store_server(dirs, served):
+  _two_runs_mix_step_8(dirs)
+  with RemoteStore(served) as rs:
+    assert rs.all_manifests()[1][8]["run"] == "B"
+  out, rep = api.restore_with_report([dirs[0], served], _target())
+  _check(out, 6)
+  assert rep.step == 6 and rep.steps_lost == 2
+
+
+def test_a_step_complete_in_one_run_is_restored(dirs):
+  _two_runs_mix_step_8(dirs)
+  # Run B's process 0 saves step 8 too: step 8 is complete in run B.
+  _save_as_two(dirs, _state(108), 8, procs=(0,), run="B")
+  out, rep = api.restore_with_report(dirs, _target())
+  _check(out, 108)
+  assert rep.step == 8 and rep.steps_lost == 0
+  assert not any("runs" in f for f in rep.fallbacks), rep.fallbacks
+
+
+def test_the_newest_complete_run_of_a_step_is_preferred(dirs, tmp_path):
+  # Replica stores hold run A's complete step 8; the primaries hold run
+  # B's complete step 8 (written later): run B is restored.
+  more = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+  _save_as_two(more, _state(8), 8, run="A")
+  _save_as_two(dirs, _state(108), 8, run="B")
+  out, rep = api.restore_with_report(more + dirs, _target())
+  _check(out, 108)
+  # Process 1's run-B snapshot is gone: run A's complete step 8 is used.
+  out, rep = api.restore_with_report(more + [dirs[0]], _target())
+  _check(out, 8)
+  assert rep.step == 8
+
+
+def test_save_records_the_run(tmp_path, monkeypatch):
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  assert HostStore(d).manifest()["run"] == ""
+  monkeypatch.setenv("TENPLEX_RUN", "gen-3")
+  api.save(_state(2), d, step=2)
+  assert HostStore(d).manifest()["run"] == "gen-3"
+  api.save(_state(3), d, step=3, run="explicit")
+  assert HostStore(d).manifest()["run"] == "explicit"
