@@ -917,38 +917,23 @@ class HostStore:
       ChecksumError: a chunk fails its checksum.
       StoreError: the tensor or box is not held here.
     """
-    if proc is None:
-      proc = self._proc_holding(path, box, step)
-    snap = self.snapshot_dir(proc, step)
-    m = self._snap_manifest(proc, snap) if step is not None \
-        else self.manifest(proc)
-    t = m["tensors"].get(path)
-    if t is None:
-      raise StoreError(f"store {self.root} (process {proc}) holds no tensor"
-                       f" {path!r}")
-    extra = tuple(t["extra"])
-    for b in t["boxes"]:
-      held = tuple(tuple(r) for r in b["box"])
-      if all(h0 <= lo and hi <= h1 for (lo, hi), (h0, h1) in zip(box, held)) \
-          and len(box) == len(held):
-        shape = tuple(hi - lo for lo, hi in box) + extra
-        if math.prod(shape) == 0:
-          return np.empty(shape, np.dtype(t["storage"]))
-        arr = self._array(snap, b["dir"])
-        idx = tuple(slice(lo - h0, hi - h0)
-                    for (lo, hi), (h0, _) in zip(box, held))
-        try:
-          return arr[idx].read().result()
-        except Exception as e:
-          msg = str(e)
-          if any(w in msg.lower() for w in ("crc32c", "checksum", "digest")):
-            raise ChecksumError(
-                f"store {self.root}: {path} box {list(held)} (process {proc},"
-                f" {b['dir']}): chunk checksum mismatch: {msg}") from e
-          raise StoreError(f"store {self.root}: reading {path} box {box}"
-                           f" failed: {msg}") from e
-    raise StoreError(f"store {self.root} (process {proc}) holds no box of"
-                     f" {path!r} containing {list(box)}")
+    proc, t, b, held, snap = self._locate(path, box, proc, step)
+    shape = tuple(hi - lo for lo, hi in box) + tuple(t["extra"])
+    if math.prod(shape) == 0:
+      return np.empty(shape, np.dtype(t["storage"]))
+    arr = self._array(snap, b["dir"])
+    idx = tuple(slice(lo - h0, hi - h0)
+                for (lo, hi), (h0, _) in zip(box, held))
+    try:
+      return arr[idx].read().result()
+    except Exception as e:
+      msg = str(e)
+      if any(w in msg.lower() for w in ("crc32c", "checksum", "digest")):
+        raise ChecksumError(
+            f"store {self.root}: {path} box {list(held)} (process {proc},"
+            f" {b['dir']}): chunk checksum mismatch: {msg}") from e
+      raise StoreError(f"store {self.root}: reading {path} box {box}"
+                       f" failed: {msg}") from e
 
   def _locate(self, path: str, box: Box, proc: int | None,
               step: int | None = None) -> tuple[int, dict, dict, Box, str]:

@@ -32,6 +32,7 @@ outlives the training process that wrote the store.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import json
@@ -116,11 +117,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   def _error(self, code: int, msg: str):
     self._send(code, json.dumps({"error": msg}).encode())
 
+  @contextlib.contextmanager
+  def _answering_errors(self):
+    """Turns a failed request into its HTTP error; the server keeps serving."""
+    try:
+      yield
+    except ChecksumError as e:
+      self._error(409, str(e))
+    except StoreError as e:
+      self._error(404, str(e))
+    except (BrokenPipeError, ConnectionResetError):
+      pass
+    except Exception as e:  # pragma: no cover - report, keep serving
+      self._error(500, f"{type(e).__name__}: {e}")
+
   def do_GET(self):
     url = urllib.parse.urlsplit(self.path)
     parts = url.path.strip("/").split("/", 2)
     store: HostStore = self.server.store
-    try:
+    with self._answering_errors():
       if parts[0] == "manifest":
         current = store.manifests()
         history = {str(k): {str(st): m for st, m in by_step.items()
@@ -155,14 +170,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     "X-Shape": ",".join(map(str, data.shape))})
       else:
         self._error(404, f"no endpoint {url.path}")
-    except ChecksumError as e:
-      self._error(409, str(e))
-    except StoreError as e:
-      self._error(404, str(e))
-    except (BrokenPipeError, ConnectionResetError):
-      pass
-    except Exception as e:  # pragma: no cover - report, keep serving
-      self._error(500, f"{type(e).__name__}: {e}")
 
   def _read_pieces(self):
     store: HostStore = self.server.store
@@ -178,7 +185,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     except Exception as e:
       self._error(400, f"bad /read request: {type(e).__name__}: {e}")
       return
-    try:
+    with self._answering_errors():
       layout = []
       total = 0
       for k, p, box, st in pieces:
@@ -196,11 +203,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         segs.extend(got)
       t1 = time.perf_counter()
       with self.server.lock:
-        st = self.server.stats
-        st["bytes_sent"] += total
-        st["requests"] += 1
-        st["pieces"] += len(pieces)
-        st["read_s"] += t1 - t0
+        stats = self.server.stats
+        stats["bytes_sent"] += total
+        stats["requests"] += 1
+        stats["pieces"] += len(pieces)
+        stats["read_s"] += t1 - t0
       self.send_response(200)
       self.send_header("Content-Type", "application/octet-stream")
       self.send_header("Content-Length", str(total))
@@ -211,14 +218,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       maps.close()
       with self.server.lock:
         self.server.stats["send_s"] += time.perf_counter() - t1
-    except ChecksumError as e:
-      self._error(409, str(e))
-    except StoreError as e:
-      self._error(404, str(e))
-    except (BrokenPipeError, ConnectionResetError):
-      pass
-    except Exception as e:  # pragma: no cover - report, keep serving
-      self._error(500, f"{type(e).__name__}: {e}")
 
   def do_POST(self):
     url = urllib.parse.urlsplit(self.path)
