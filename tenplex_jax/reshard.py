@@ -312,23 +312,16 @@ def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
     dbox = boxes[dst_box_of[dev.id]]
     moves = template.moves_to(dev.id)
     whole = len(moves) == 1 and src_boxes[moves[0].src_box] == dbox
-    if whole:
+    if whole:  # kept where it is, else (generic) one device-to-device copy
       src = _pick(moves[0], rotation, shards)
-      data = shards[src].data
       if src == dev.id:
-        out.append(data)
+        out.append(shards[src].data)
         reused.add(src)
-      elif method == "cpu":
-        if src not in views:
-          views[src] = np.asarray(data)
-        buf = host_empty(views[src].shape, np_dtype)
-        copies.append((buf, (), views[src]))
-        out.append(buf)
-        targets.append((len(out) - 1, dev))
-      else:
-        out.append(jax.device_put(data, dev))
-      continue
-    if method == "cpu":
+        continue
+      if method != "cpu":
+        out.append(jax.device_put(shards[src].data, dev))
+        continue
+    if method == "cpu":  # one host buffer filled piece by piece
       buf = host_empty(tuple(b - a for a, b in dbox), np_dtype)
       for m in moves:
         src = _pick(m, rotation, shards)
