@@ -118,7 +118,9 @@ def _method_fn(method: str, dims, src_layout, dst_layout, targets, workdir):
       jax.block_until_ready(new)
       return new, {"phases": dict(rep.seconds), "moved_bytes": rep.moved_bytes,
                    "lower_bound_bytes": rep.lower_bound_bytes,
-                   "reused_shards": rep.reused_shards, "path": rep.method}
+                   "reused_shards": rep.reused_shards,
+                   "aliased_shards": rep.aliased_shards,
+                   "copied_bytes": rep.copied_bytes, "path": rep.method}
     return call
 
   if method == "device_put":

@@ -57,6 +57,13 @@ class ReshardReport:
       copied (the arrays are rebuilt from the old shards).
     seconds: time per phase (``layout``, ``plan``, ``transfer``, ``total``);
       on the ``kept`` path all of it is ``layout``.
+    aliased_shards: (``cpu`` path) new shards that copied nothing because
+      their buffer is shared, read-only, with an old shard that held exactly
+      their box or with another new shard of the same box (a replica).
+    copied_bytes: (``cpu`` path) bytes written into new host buffers: each
+      distinct new box that no old shard held exactly, once per process
+      however many devices hold it; ``0`` on the ``kept`` path, ``None`` on
+      the ``generic`` path (which copies per device).
     plan: the plan that was executed; ``None`` on the ``kept`` path.
   """
 
@@ -69,6 +76,8 @@ class ReshardReport:
   reused_shards: int
   method: str
   seconds: Mapping[str, float]
+  aliased_shards: int = 0
+  copied_bytes: int | None = None
   plan: Plan | None = dataclasses.field(default=None, repr=False,
                                         compare=False)
 
@@ -85,7 +94,11 @@ class ReshardReport:
             f" moved {f(self.moved_bytes)} (lower bound"
             f" {f(self.lower_bound_bytes)}, naive {f(self.naive_bytes)}),"
             f" kept {f(self.local_bytes)} in place,"
-            f" {self.reused_shards} shards reused; {self.method} path;"
+            f" {self.reused_shards} shards reused,"
+            f" {self.aliased_shards} shared"
+            + (f", copied {f(self.copied_bytes)}"
+               if self.copied_bytes is not None else "")
+            + f"; {self.method} path;"
             f" layout {s.get('layout', 0) * 1e3:.1f} ms, plan"
             f" {s.get('plan', 0) * 1e3:.1f} ms, transfer"
             f" {s.get('transfer', 0) * 1e3:.1f} ms")
@@ -296,62 +309,115 @@ def _copy_all(copies) -> None:
     f.result()
 
 
+def _donate_sources(x: jax.Array, shards: dict, reused: set[int]) -> None:
+  if reused:
+    for d, s in shards.items():
+      if d not in reused:
+        s.data.delete()
+  else:
+    x.delete()
+
+
 def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
-             rotation: int, src_boxes, dst_layout: TensorLayout, method: str,
-             donate: bool) -> tuple[jax.Array, int]:
+             rotation: int, src_place, dst_layout: TensorLayout,
+             donate: bool) -> tuple[jax.Array, dict]:
+  """The generic executor: slice on the source device, copy, concatenate."""
   shards = {s.device.id: s for s in x.addressable_shards}
   dst_box_of = dst_layout.placement.box_of_device
   boxes = dst_layout.placement.boxes
-  np_dtype = x.dtype
-  views: dict[int, np.ndarray] = {}
-  copies: list = []  # (destination buffer, its index, source view)
-  targets: list = []  # (position in out, device) of host buffers
+  src_boxes = src_place.boxes
   out = []
   reused: set[int] = set()
   for dev in sharding.addressable_devices:
     dbox = boxes[dst_box_of[dev.id]]
     moves = template.moves_to(dev.id)
-    whole = len(moves) == 1 and src_boxes[moves[0].src_box] == dbox
-    if whole:  # kept where it is, else (generic) one device-to-device copy
+    if len(moves) == 1 and src_boxes[moves[0].src_box] == dbox:  # whole
       src = _pick(moves[0], rotation, shards)
       if src == dev.id:
         out.append(shards[src].data)
         reused.add(src)
-        continue
-      if method != "cpu":
+      else:
         out.append(jax.device_put(shards[src].data, dev))
-        continue
-    if method == "cpu":  # one host buffer filled piece by piece
-      buf = host_empty(tuple(b - a for a, b in dbox), np_dtype)
-      for m in moves:
-        src = _pick(m, rotation, shards)
-        if src not in views:
-          views[src] = np.asarray(shards[src].data)
-        copies.append((buf, _rel(m.box, dbox),
-                       views[src][_rel(m.box, src_boxes[m.src_box])]))
-      out.append(buf)
-      targets.append((len(out) - 1, dev))
-    else:
-      pieces = []
-      for m in moves:
-        src = _pick(m, rotation, shards)
-        piece = shards[src].data[_rel(m.box, src_boxes[m.src_box])]
-        pieces.append((m.box, jax.device_put(piece, dev)))
-      out.append(_assemble_generic(pieces, dbox))
-  if copies:
-    _copy_all(copies)
-    for i, dev in targets:
-      out[i] = jax.device_put(out[i], dev, may_alias=True)
-  del views, copies
+      continue
+    pieces = []
+    for m in moves:
+      src = _pick(m, rotation, shards)
+      piece = shards[src].data[_rel(m.box, src_boxes[m.src_box])]
+      pieces.append((m.box, jax.device_put(piece, dev)))
+    out.append(_assemble_generic(pieces, dbox))
   new = jax.make_array_from_single_device_arrays(x.shape, sharding, out)
   if donate:
-    if reused:
-      for d, s in shards.items():
-        if d not in reused:
-          s.data.delete()
-    else:
-      x.delete()
-  return new, len(reused)
+    _donate_sources(x, shards, reused)
+  return new, {"reused": len(reused), "aliased": 0, "copied": None}
+
+
+def _execute_cpu(path: str, x: jax.Array, sharding: Sharding,
+                 template: Template, rotation: int, src_place,
+                 dst_layout: TensorLayout, donate: bool
+                 ) -> tuple[jax.Array, dict]:
+  """The CPU executor: every CPU device's buffer is host memory.
+
+  * A device that keeps its box keeps its buffer.
+  * A box that some source device holds exactly is not copied at all: the
+    new device's buffer aliases the old one (read-only; jax never writes
+    into a buffer it did not allocate, and does not donate it).
+  * Any other box is assembled once per process, piece by piece, into one
+    host buffer that all the devices holding that box share.
+
+  So the bytes written are those of the distinct new boxes that no device
+  held, not of every replica: a replicated (data-parallel) target costs one
+  copy, not one per device.
+  """
+  shards = {s.device.id: s for s in x.addressable_shards}
+  dst_place = dst_layout.placement
+  src_boxes = src_place.boxes
+  src_box_of = src_place.box_of_device
+  views: dict[int, np.ndarray] = {}
+
+  def view(d: int) -> np.ndarray:  # zero-copy, read-only
+    if d not in views:
+      views[d] = np.asarray(shards[d].data)
+    return views[d]
+
+  built: dict[int, np.ndarray] = {}  # new box -> the host array its holders share
+  copies: list = []  # (destination buffer, its index, source view)
+  targets: list = []  # (position in out, device, new box)
+  out: list = []
+  reused: set[int] = set()
+  copied = n_filled = 0
+  for dev in sharding.addressable_devices:
+    bi = dst_place.box_of_device[dev.id]
+    dbox = dst_place.boxes[bi]
+    moves = template.moves_to(dev.id)
+    exact = len(moves) == 1 and src_boxes[moves[0].src_box] == dbox
+    if exact and src_box_of.get(dev.id) == moves[0].src_box and dev.id in shards:
+      out.append(shards[dev.id].data)  # kept where it is
+      reused.add(dev.id)
+      continue
+    if bi not in built:
+      if exact:
+        built[bi] = view(_pick(moves[0], rotation, shards))
+      else:
+        buf = host_empty(tuple(b - a for a, b in dbox), x.dtype)
+        for m in moves:
+          src = _pick(m, rotation, shards)
+          copies.append((buf, _rel(m.box, dbox),
+                         view(src)[_rel(m.box, src_boxes[m.src_box])]))
+        built[bi] = buf
+        copied += buf.nbytes
+        n_filled += 1
+    out.append(None)
+    targets.append((len(out) - 1, dev, bi))
+  if copies:
+    _copy_all(copies)
+  for i, dev, bi in targets:
+    out[i] = jax.device_put(built[bi], dev, may_alias=True)
+  del views, copies, built
+  new = jax.make_array_from_single_device_arrays(x.shape, sharding, out)
+  if donate:
+    _donate_sources(x, shards, reused)
+  return new, {"reused": len(reused), "aliased": len(targets) - n_filled,
+               "copied": copied}
 
 
 def _check_sources(path: str, x: jax.Array, template: Template,
@@ -421,7 +487,7 @@ def _keep_in_place(items, phys, rebuild, donate: bool, method: str,
       lower_bound_bytes=0, local_bytes=kept_bytes, naive_bytes=kept_bytes,
       reused_shards=reused, method=method if method != "auto" else "kept",
       seconds={"layout": t1 - t0, "plan": 0.0, "transfer": 0.0,
-               "total": t1 - t0})
+               "total": t1 - t0}, copied_bytes=0)
   return rebuild(new_leaves), report
 
 
@@ -510,7 +576,8 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
       tpl, rot = the_plan.template(name)
       _check_sources(name, leaf, tpl, s, rot)
   new_leaves = []
-  reused = 0
+  reused = aliased = 0
+  copied: int | None = None
   done: dict[int, Any] = {}
   for (name, orig, _), (_, leaf, s, impl) in zip(items, phys):
     if s is None:
@@ -521,16 +588,19 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
       continue
     tpl, rot = the_plan.template(name)
     try:
-      new, n_reused = _execute(name, leaf, s, tpl, rot,
-                               src_ptc[name].placement.boxes, dst_ptc[name],
-                               method, donate and impl is None)
+      run = _execute_cpu if method == "cpu" else _execute
+      new, counts = run(name, leaf, s, tpl, rot, src_ptc[name].placement,
+                        dst_ptc[name], donate and impl is None)
     except Exception as e:
       raise ReshardError(f"{name}: resharding failed: {e}") from e
     if impl is not None:
       new = jax.random.wrap_key_data(new, impl=impl)
       if donate:
         orig.delete()
-    reused += n_reused
+    reused += counts["reused"]
+    aliased += counts["aliased"]
+    if counts["copied"] is not None:
+      copied = (copied or 0) + counts["copied"]
     done[id(orig)] = new
     new_leaves.append(new)
   t3 = time.perf_counter()
@@ -542,7 +612,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
       reused_shards=reused, method=method,
       seconds={"layout": t1 - t0, "plan": t2 - t1, "transfer": t3 - t2,
                "total": t3 - t0},
-      plan=the_plan)
+      aliased_shards=aliased, copied_bytes=copied, plan=the_plan)
   return rebuild(new_leaves), report
 
 

@@ -60,7 +60,8 @@ def test_host_buffers_are_recycled_once_jax_drops_them():
   b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
   host = np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024)
   x = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
-  target = NamedSharding(b, P("tensor", "data"))  # 1 MiB shards: mapped
+  # 1 MiB shards (mapped), none of them an old box (which would be shared).
+  target = NamedSharding(b, P(("data", "tensor")))
   y = tenplex_jax.reshard(x, target, method="cpu")
   before = _hostmem.host_pool_stats()
   assert before["idle_bytes"] == 0
@@ -74,7 +75,7 @@ def test_host_buffers_are_recycled_once_jax_drops_them():
   assert after["reused"] > mid["reused"]
   # Recycled buffers hold the right values; the view still sees its own.
   assert np.array_equal(np.asarray(z), host)
-  assert np.array_equal(held, host[0:512, 0:512])
+  assert np.array_equal(held, host[0:256])
   assert _hostmem.release_host_pool() >= 0
   assert _hostmem.host_pool_stats()["idle_bytes"] == 0
 
@@ -150,3 +151,88 @@ def test_copy_threads_work_in_a_forked_child(monkeypatch):
     p.join(10)
     if p.is_alive():
       p.kill()
+
+
+def _ptrs(x):
+  return {s.device.id: s.data.unsafe_buffer_pointer() for s in
+          x.addressable_shards}
+
+
+def test_replicas_share_one_buffer_and_copy_once():
+  # (data 4, tensor 2) -> (data 2, tensor 4): 4 new column boxes, each held
+  # by 2 devices; none of them is an old box, so each is copied once.
+  devs = np.array(jax.devices()[:8])
+  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
+  b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
+  host = np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)
+  x = jax.device_put(host, NamedSharding(a, P(None, "tensor")))
+  target = NamedSharding(b, P(None, "tensor"))
+  y, rep = tenplex_jax.reshard_with_report(x, target, method="cpu")
+  assert y.sharding.is_equivalent_to(target, 2)
+  assert np.array_equal(np.asarray(y), host)
+  for s in y.addressable_shards:
+    assert np.array_equal(np.asarray(s.data), host[s.index])
+  by_box: dict = {}
+  for s in y.addressable_shards:
+    box = tuple((i.start, i.stop) for i in s.index)
+    by_box.setdefault(box, set()).add(s.data.unsafe_buffer_pointer())
+  assert len(by_box) == 4 and all(len(p) == 1 for p in by_box.values())
+  assert rep.copied_bytes == host.nbytes  # one copy, not two
+  assert rep.aliased_shards == 4 and rep.reused_shards == 0
+  assert rep.moved_bytes == rep.lower_bound_bytes  # the plan is unchanged
+
+
+def test_a_box_some_device_held_is_aliased_not_copied():
+  # data 2 -> 4 over 4 -> 8 devices: every new box is an old box.
+  devs = np.array(jax.devices()[:8])
+  a = Mesh(devs[:4].reshape(2, 2), ("data", "tensor"))
+  b = Mesh(devs.reshape(4, 2), ("data", "tensor"))
+  host = np.arange(32 * 512, dtype=np.float32).reshape(32, 512)
+  x = jax.device_put(host, NamedSharding(a, P(None, "tensor")))
+  old = _ptrs(x)
+  y, rep = tenplex_jax.reshard_with_report(
+      x, NamedSharding(b, P(None, "tensor")), method="cpu", donate=True)
+  assert rep.copied_bytes == 0 and rep.moved_bytes > 0
+  assert rep.reused_shards == 4 and rep.aliased_shards == 4
+  assert set(_ptrs(y).values()) == set(old.values())
+  del x  # the source's memory lives on in the new array
+  junk = [jax.device_put(np.full(host.shape, 7.0, np.float32), d)
+          for d in jax.devices()]
+  assert np.array_equal(np.asarray(y), host)
+  del junk
+
+
+def test_shared_buffers_are_never_written_by_donation():
+  """jax does not donate a buffer it did not allocate: a jitted step that
+  donates the resharded state writes its outputs elsewhere, so replicas
+  sharing memory, and the old arrays they alias, keep their values."""
+  devs = np.array(jax.devices()[:8])
+  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
+  b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
+  host = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
+  x = jax.device_put(host, NamedSharding(a, P(None, "tensor")))
+  y = tenplex_jax.reshard(x, NamedSharding(b, P(None, "tensor")),
+                          method="cpu")
+  z_target = NamedSharding(b, P(None, "tensor"))
+  step = jax.jit(lambda v: v * 2 + 1, donate_argnums=0,
+                 out_shardings=z_target)
+  shared = set(_ptrs(y).values())
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "donated buffers were not usable"
+    z = step(y)
+  assert np.array_equal(np.asarray(z), host * 2 + 1)
+  assert not shared & set(_ptrs(z).values())
+  # And donating the old array leaves a new one that aliases it intact
+  # (devices 4..7 swap column halves: each new box is another's old box).
+  x2 = jax.device_put(host, NamedSharding(a, P(None, "tensor")))
+  swapped = Mesh(devs[[5, 4, 7, 6]].reshape(2, 2), ("data", "tensor"))
+  y2, rep = tenplex_jax.reshard_with_report(
+      x2, NamedSharding(swapped, P(None, "tensor")), method="cpu")
+  assert rep.aliased_shards == 4 and rep.copied_bytes == 0
+  assert set(_ptrs(y2).values()) <= set(_ptrs(x2).values())
+  step_old = jax.jit(lambda v: v * 0, donate_argnums=0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    step_old(x2).block_until_ready()
+  assert np.array_equal(np.asarray(y2), host)
