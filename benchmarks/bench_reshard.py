@@ -4,7 +4,8 @@ For a transformer-like state (``--size-gib``, default 1 GiB, float32 and
 bfloat16) on 8 simulated CPU devices, every (transition, method) runs in a
 fresh process (``--worker``): the *cold* figure is the first call, compilation
 and first-touch included; the *warm* figure is a second call on a fresh copy
-of the source state. Methods:
+of the source state (a warm call under 50 ms, for any method, is timed 5
+times on that copy and the median taken). Methods:
 
 * ``reshard``: ``tenplex_jax.reshard_with_report(state, targets)``.
 * ``device_put``: ``jax.device_put(state, targets)``; can stall on simulated
@@ -208,6 +209,10 @@ def _method_fn(method: str, dims, src_layout, dst_layout, targets, workdir):
   raise ValueError(f"unknown method {method!r}")
 
 
+SHORT_CALL_SECONDS = 0.05
+WARM_CALLS = 5
+
+
 def worker(method: str, transition: str, size_gib: float, result_path: str,
            check: bool, prefault_gib: float = 0.0) -> None:
   jax = _configure_jax()
@@ -263,11 +268,22 @@ def worker(method: str, transition: str, size_gib: float, result_path: str,
     state = workload.build_state(dims, tr.src)  # a fresh copy of the source
     t0 = time.perf_counter()
     new, extra = call(state)
-    result["warm_seconds"] = time.perf_counter() - t0
+    warm = [time.perf_counter() - t0]
     result["warm_extra"] = extra
     if check and method == "reshard":
       problems = workload.check_state(dims, new, targets)
       result["check_warm"] = problems[:5] if problems else "ok"
+    # A call of a few milliseconds is at the mercy of the VM's scheduler
+    # (one sample ranged 0.9-4 ms here): such calls, whatever the method,
+    # are timed WARM_CALLS times and the median is the warm figure.
+    if warm[0] < SHORT_CALL_SECONDS:
+      for _ in range(WARM_CALLS - 1):
+        del new
+        t0 = time.perf_counter()
+        new, _ = call(state)
+        warm.append(time.perf_counter() - t0)
+    result["warm_calls"] = warm
+    result["warm_seconds"] = sorted(warm)[(len(warm) - 1) // 2]
     result["ok"] = True
     result["stage"] = "done"
     dump()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -28,7 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from tenplex_jax.errors import LayoutError
 
@@ -320,7 +321,42 @@ def _dtype_info(dtype) -> tuple[str, int]:
 @functools.lru_cache(maxsize=4096)
 def _cached_placement(sharding: jax.sharding.Sharding,
                       shape: tuple[int, ...]) -> Placement:
+  fast = _placement_by_arithmetic(sharding, shape)
+  if fast is not None:
+    return fast
   return _placement_from_indices_map(sharding.devices_indices_map(shape), shape)
+
+
+def _placement_by_arithmetic(sharding: jax.sharding.Sharding,
+                             shape: tuple[int, ...]) -> Placement | None:
+  """The placement of a plain ``NamedSharding``, by index arithmetic.
+
+  Four times faster on first use than going through ``devices_indices_map``
+  (XLA's HloSharding), which is what a resize pays: 12 arrays, 0.26 ms
+  against 1.1 ms. Covers a concrete mesh, spec entries that are ``None``, an
+  axis name or a tuple of names, and dimensions the axes divide (the same
+  arithmetic as :func:`named_layout`); anything else returns ``None`` and
+  takes jax's path. ``tests/test_layout_named.py`` checks that both agree.
+  """
+  if type(sharding) is not NamedSharding:
+    return None
+  mesh, spec = sharding.mesh, sharding.spec
+  if (not isinstance(mesh, Mesh) or getattr(spec, "unreduced", None)
+      or getattr(spec, "reduced", None)):
+    return None
+  entries = []
+  for e in spec:
+    if e is not None and not isinstance(e, str) and not (
+        isinstance(e, tuple) and all(isinstance(a, str) for a in e)):
+      return None  # UNCONSTRAINED, or an entry kind this does not know
+    entries.append(e)
+  devices = mesh.devices
+  try:
+    return _named_placement_cached(
+        shape, tuple(zip(mesh.axis_names, devices.shape)), tuple(entries),
+        tuple(d.id for d in devices.flat))
+  except LayoutError:  # jax's path raises the error that names the leaf
+    return None
 
 
 def placement_of(sharding: jax.sharding.Sharding, shape: Sequence[int],
@@ -550,23 +586,23 @@ def _named_placement_cached(shape, mesh_items, spec, device_ids) -> Placement:
           f"dimension {d} of size {shape[d]} cannot be split"
           f" {parts} ways over mesh axes {axes} (shape {shape})")
     dim_axes.append(idx)
-  # Box coordinate of every grid position, vectorised over the grid.
-  coords = np.indices(sizes).reshape(len(sizes), -1)  # [n_axes, n_dev]
-  chunk_idx = []
-  for d, idx in enumerate(dim_axes):
-    lin = np.zeros(n_dev, dtype=np.int64)
-    for i in idx:
-      lin = lin * sizes[i] + coords[i]
-    chunk_idx.append(lin)
-  parts = [math.prod(sizes[i] for i in idx) for idx in dim_axes]
-  flat_ids = grid.reshape(-1)
+  # Each tensor dimension's chunk index is its mesh axes' coordinates read
+  # as one mixed-radix number (the first axis major).
+  chunks = [(idx, shape[d] // math.prod(sizes[i] for i in idx))
+            for d, idx in enumerate(dim_axes)]
   by_box: dict[Box, list[int]] = {}
-  key = np.stack(chunk_idx, axis=1) if chunk_idx else np.zeros((n_dev, 0),
-                                                              np.int64)
-  for k, dev in zip(map(tuple, key.tolist()), flat_ids.tolist()):
-    box = tuple((c * (n // p), (c + 1) * (n // p))
-                for c, n, p in zip(k, shape, parts))
-    by_box.setdefault(box, []).append(int(dev))
+  for coord, dev in zip(itertools.product(*map(range, sizes)),
+                        grid.reshape(-1).tolist()):
+    box = []
+    for (idx, chunk), n in zip(chunks, shape):
+      if not idx:
+        box.append((0, n))
+        continue
+      c = 0
+      for i in idx:
+        c = c * sizes[i] + coord[i]
+      box.append((c * chunk, (c + 1) * chunk))
+    by_box.setdefault(tuple(box), []).append(int(dev))
   items = sorted(by_box.items())
   boxes = [b for b, _ in items]
   return Placement(tuple(boxes), tuple(tuple(sorted(h)) for _, h in items))

@@ -2,17 +2,20 @@
 
 Two executors share one plan:
 
-* ``cpu`` (fast path, CPU devices): a device buffer is host memory, so each
-  new shard is one host allocation filled by one ``memcpy`` per piece from
-  zero-copy views of the old shards, then handed to the device without a
-  further copy. No XLA program is compiled.
+* ``cpu`` (fast path, CPU devices): a device buffer is host memory shared
+  by all CPU devices of the process, so each distinct new box is written at
+  most once: a box an old shard held exactly is aliased, any other is one
+  host allocation filled by one ``memcpy`` per piece from zero-copy views of
+  the old shards, and every device holding the box adopts that buffer
+  without a further copy. No XLA program is compiled.
 * ``generic`` (any backend): each piece is sliced on its source device,
   copied to the destination device, and the pieces are concatenated there.
 
 Both reuse an old shard's buffer untouched wherever a device keeps exactly
-the box it had, and copy a whole shard device-to-device where a box only
-changes device. Neither depends on ``jax.device_put`` between meshes (which
-can stall on simulated CPU devices with many arrays in flight).
+the box it had; where a box only changes device, ``generic`` copies the whole
+shard device-to-device and ``cpu`` aliases it. Neither depends on
+``jax.device_put`` between meshes (which can stall on simulated CPU devices
+with many arrays in flight).
 """
 
 from __future__ import annotations
@@ -642,6 +645,9 @@ def reshard(tree: Any, target: Any, *, donate: bool = False,
 
   Returns:
     The tree with the same structure, every array on its target sharding.
+    On CPU devices (which share the process's memory) the devices holding
+    the same box share one read-only buffer, and a box that an old shard
+    held exactly shares that shard's buffer; see ``docs/core.md``.
 
   Raises:
     LayoutError: the target does not match the tree (structure, shapes,

@@ -1,0 +1,71 @@
+"""The index-arithmetic placement of a NamedSharding agrees with jax's."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from tenplex_jax.layout import _placement_by_arithmetic, _placement_from_indices_map
+
+DEVS = jax.devices()
+FACTORS = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2), (1, 8), (2, 1, 4),
+           (2, 2, 2)]
+
+
+def jax_placement(sharding, shape):
+  return _placement_from_indices_map(sharding.devices_indices_map(shape), shape)
+
+
+@st.composite
+def cases(draw):
+  mesh_shape = draw(st.sampled_from(FACTORS))
+  n = math.prod(mesh_shape)
+  ids = draw(st.permutations(range(8)))[:n]  # a subset, in any order
+  names = tuple(f"a{i}" for i in range(len(mesh_shape)))
+  kinds = draw(st.sampled_from([AxisType.Auto, AxisType.Explicit]))
+  mesh = Mesh(np.array([DEVS[i] for i in ids]).reshape(mesh_shape), names,
+              axis_types=(kinds,) * len(names))
+  ndim = draw(st.integers(0, 3))
+  free = list(names)
+  spec, shape = [], []
+  for _ in range(ndim):
+    k = draw(st.integers(0, min(2, len(free))))
+    axes = tuple(draw(st.permutations(free))[:k])
+    for a in axes:
+      free.remove(a)
+    parts = math.prod(mesh.shape[a] for a in axes)
+    shape.append(parts * draw(st.integers(0, 3)))
+    spec.append(None if not axes else axes[0] if len(axes) == 1
+                and draw(st.booleans()) else axes)
+  # A spec may be shorter than the rank.
+  cut = draw(st.integers(0, ndim))
+  if all(e is None for e in spec[cut:]):
+    spec = spec[:cut]
+  return NamedSharding(mesh, P(*spec)), tuple(shape)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_arithmetic_placement_equals_jax(case):
+  sharding, shape = case
+  fast = _placement_by_arithmetic(sharding, shape)
+  assert fast is not None
+  assert fast == jax_placement(sharding, shape)
+
+
+@pytest.mark.parametrize("spec,shape", [
+    (P(P.UNCONSTRAINED), (8,)),  # not a concrete layout: jax decides
+    (P("x"), (6,)),  # 4 does not divide 6
+])
+def test_other_cases_take_jax_path(spec, shape):
+  mesh = Mesh(np.array(DEVS[:4]), ("x",))
+  assert _placement_by_arithmetic(NamedSharding(mesh, spec), shape) is None
+
+
+def test_single_device_sharding_takes_jax_path():
+  s = jax.sharding.SingleDeviceSharding(DEVS[3])
+  assert _placement_by_arithmetic(s, (4, 4)) is None
