@@ -236,3 +236,38 @@ def test_shared_buffers_are_never_written_by_donation():
     warnings.simplefilter("ignore")
     step_old(x2).block_until_ready()
   assert np.array_equal(np.asarray(y2), host)
+
+
+def test_an_alias_of_a_pooled_buffer_keeps_it_out_of_the_pool():
+  """A new shard that aliases a buffer the pool handed out earlier keeps that
+  buffer alive: once the older arrays are gone, later reshards (which take
+  buffers from the pool and overwrite them) never write into it."""
+  import gc
+  from tenplex_jax import _hostmem
+  _hostmem.release_host_pool()
+  devs = np.array(jax.devices()[:8])
+  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
+  b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
+  host = np.arange(1024 * 2048, dtype=np.float32).reshape(1024, 2048)
+  x = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
+  # y: 8 pooled 1 MiB buffers; z: the same boxes on other devices (aliased).
+  y = tenplex_jax.reshard(x, NamedSharding(b, P(("data", "tensor"))),
+                          method="cpu")
+  rot = Mesh(devs[[1, 2, 3, 4, 5, 6, 7, 0]].reshape(2, 4), ("data", "tensor"))
+  z, rep = tenplex_jax.reshard_with_report(
+      y, NamedSharding(rot, P(("data", "tensor"))), method="cpu")
+  assert rep.aliased_shards == 8 and rep.copied_bytes == 0
+  del y
+  gc.collect()
+  # Churn the pool: reshards that take 1 MiB buffers and fill them with
+  # other values.
+  other = jax.device_put(-host, NamedSharding(a, P("data", "tensor")))
+  for _ in range(3):
+    w = tenplex_jax.reshard(other, NamedSharding(b, P(("data", "tensor"))),
+                            method="cpu")
+    del w
+    gc.collect()
+  assert _hostmem.host_pool_stats()["reused"] > 0
+  assert np.array_equal(np.asarray(z), host)
+  for s in z.addressable_shards:
+    assert np.array_equal(np.asarray(s.data), host[s.index])
