@@ -3,10 +3,11 @@
 import sys
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import tenplex_jax
 from tenplex_jax._hostmem import host_empty as _aligned_empty
@@ -271,3 +272,33 @@ def test_an_alias_of_a_pooled_buffer_keeps_it_out_of_the_pool():
   assert np.array_equal(np.asarray(z), host)
   for s in z.addressable_shards:
     assert np.array_equal(np.asarray(s.data), host[s.index])
+
+
+def test_donated_source_shards_that_are_aliased_stay_valid():
+  # Devices 4..7 swap column halves with donate=True: every old shard is
+  # deleted (none is kept), and the new shards alias four of them.
+  import gc
+  devs = np.array(jax.devices()[:8])
+  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
+  swapped = Mesh(devs[[5, 4, 7, 6]].reshape(2, 2), ("data", "tensor"))
+  host = np.arange(256 * 2048, dtype=np.float32).reshape(256, 2048)
+  src = NamedSharding(a, P(None, "tensor"))
+  # Buffers XLA allocated (not host memory jax merely adopted).
+  x = jax.jit(lambda v: v + 0, out_shardings=src)(jax.device_put(host, src))
+  old = set(_ptrs(x).values())
+  y, rep = tenplex_jax.reshard_with_report(
+      x, NamedSharding(swapped, P(None, "tensor")), method="cpu", donate=True)
+  assert x.is_deleted()
+  assert rep.aliased_shards == 4 and rep.reused_shards == 0
+  assert set(_ptrs(y).values()) <= old
+  del x
+  gc.collect()
+  # New buffers from XLA's allocator and from numpy's: neither may land on
+  # the memory y uses.
+  junk = [jax.jit(lambda: jnp.full(host.shape, -1.0, jnp.float32),
+                  out_shardings=SingleDeviceSharding(d))()
+          for d in jax.devices() for _ in range(2)]
+  junk += [np.full(host.shape, -2.0, np.float32) for _ in range(8)]
+  jax.block_until_ready(junk[:16])
+  assert np.array_equal(np.asarray(y), host)
+  del junk
