@@ -16,6 +16,13 @@ DTYPES = [np.float32, ml_dtypes.bfloat16, np.bool_, ml_dtypes.int4,
           ml_dtypes.float8_e4m3fn, np.uint32, np.complex64]
 
 
+def _meshes():
+  """The 8 devices, a (data 4, tensor 2) and a (data 2, tensor 4) mesh."""
+  devs = np.array(jax.devices()[:8])
+  return (devs, Mesh(devs.reshape(4, 2), ("data", "tensor")),
+          Mesh(devs.reshape(2, 4), ("data", "tensor")))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("shape", [(), (0,), (3, 5), (1 << 18,)])
 def test_aligned_empty(dtype, shape):
@@ -56,9 +63,7 @@ def test_host_buffers_are_recycled_once_jax_drops_them():
   import gc
   from tenplex_jax import _hostmem
   _hostmem.release_host_pool()
-  devs = np.array(jax.devices()[:8])
-  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
-  b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
+  devs, a, b = _meshes()
   host = np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024)
   x = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
   # 1 MiB shards (mapped), none of them an old box (which would be shared).
@@ -162,9 +167,7 @@ def _ptrs(x):
 def test_replicas_share_one_buffer_and_copy_once():
   # (data 4, tensor 2) -> (data 2, tensor 4): 4 new column boxes, each held
   # by 2 devices; none of them is an old box, so each is copied once.
-  devs = np.array(jax.devices()[:8])
-  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
-  b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
+  devs, a, b = _meshes()
   host = np.arange(64 * 4096, dtype=np.float32).reshape(64, 4096)
   x = jax.device_put(host, NamedSharding(a, P(None, "tensor")))
   target = NamedSharding(b, P(None, "tensor"))
@@ -207,9 +210,7 @@ def test_shared_buffers_are_never_written_by_donation():
   """jax does not donate a buffer it did not allocate: a jitted step that
   donates the resharded state writes its outputs elsewhere, so replicas
   sharing memory, and the old arrays they alias, keep their values."""
-  devs = np.array(jax.devices()[:8])
-  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
-  b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
+  devs, a, b = _meshes()
   host = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
   x = jax.device_put(host, NamedSharding(a, P(None, "tensor")))
   y = tenplex_jax.reshard(x, NamedSharding(b, P(None, "tensor")),
@@ -246,9 +247,7 @@ def test_an_alias_of_a_pooled_buffer_keeps_it_out_of_the_pool():
   import gc
   from tenplex_jax import _hostmem
   _hostmem.release_host_pool()
-  devs = np.array(jax.devices()[:8])
-  a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
-  b = Mesh(devs.reshape(2, 4), ("data", "tensor"))
+  devs, a, b = _meshes()
   host = np.arange(1024 * 2048, dtype=np.float32).reshape(1024, 2048)
   x = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
   # y: 8 pooled 1 MiB buffers; z: the same boxes on other devices (aliased).

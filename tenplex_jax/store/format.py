@@ -829,12 +829,7 @@ class HostStore:
       cached = self._manifests.get(proc)
       if cached and cached[0] == snap:
         return cached[1]
-    try:
-      with open(os.path.join(snap, "manifest.json")) as f:
-        m = json.load(f)
-    except (OSError, ValueError) as e:
-      raise StoreError(f"store {self.root}: manifest of process {proc}"
-                       f" ({snap}) is unreadable: {e}") from e
+    m = self._read_manifest(proc, snap)
     with self._lock:
       self._manifests[proc] = (snap, m)
     return m
@@ -843,15 +838,18 @@ class HostStore:
     with self._lock:
       m = self._snap_manifests.get(snap)
     if m is None:
-      try:
-        with open(os.path.join(snap, "manifest.json")) as f:
-          m = json.load(f)
-      except (OSError, ValueError) as e:
-        raise StoreError(f"store {self.root}: manifest of process {proc}"
-                         f" ({snap}) is unreadable: {e}") from e
+      m = self._read_manifest(proc, snap)
       with self._lock:
         self._snap_manifests[snap] = m
     return m
+
+  def _read_manifest(self, proc: int, snap: str) -> dict:
+    try:
+      with open(os.path.join(snap, "manifest.json")) as f:
+        return json.load(f)
+    except (OSError, ValueError) as e:
+      raise StoreError(f"store {self.root}: manifest of process {proc}"
+                       f" ({snap}) is unreadable: {e}") from e
 
   def manifests(self) -> dict[int, dict]:
     """The manifest of each process's current snapshot."""
