@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import os
 import threading
 import time
@@ -36,8 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax.errors import LayoutError, ReshardError
-from tenplex_jax.layout import (PTC, Box, TensorLayout, _dtype_info, key_path_name,
-                                placement_of, sharding_from_description)
+from tenplex_jax.layout import (PTC, Box, TensorLayout, _dtype_info, box_volume,
+                                key_path_name, placement_of, sharding_from_description)
 from tenplex_jax.planner import Plan, Template, fmt_bytes, plan
 
 __all__ = ["ReshardReport", "reshard", "reshard_with_report", "resolve_targets"]
@@ -313,6 +312,8 @@ def _copy_all(copies) -> None:
 
 
 def _donate_sources(x: jax.Array, shards: dict, reused: set[int]) -> None:
+  """Deletes ``x``'s shards (``{device id: Shard}``) on every device but the
+  ``reused`` ones, whose buffers now belong to the new array too."""
   if reused:
     for d, s in shards.items():
       if d not in reused:
@@ -415,7 +416,8 @@ def _execute_cpu(path: str, x: jax.Array, sharding: Sharding,
     _copy_all(copies)
   for i, dev, bi in targets:
     out[i] = jax.device_put(built[bi], dev, may_alias=True)
-  del views, copies, built
+  views.clear()  # drop the zero-copy views before any source is donated
+  del copies, built
   new = jax.make_array_from_single_device_arrays(x.shape, sharding, out)
   if donate:
     _donate_sources(x, shards, reused)
@@ -465,21 +467,18 @@ def _keep_in_place(items, phys, rebuild, donate: bool, method: str,
     if id(orig) in done:
       new_leaves.append(done[id(orig)])
       continue
-    shards = {sh.device.id: sh.data for sh in leaf.addressable_shards}
-    out = [shards[d.id] for d in s.addressable_devices]
+    shards = {sh.device.id: sh for sh in leaf.addressable_shards}
+    out = [shards[d.id].data for d in s.addressable_devices]
     new = jax.make_array_from_single_device_arrays(leaf.shape, s, out)
     if donate and impl is None:
-      keep = {d.id for d in s.addressable_devices}
-      for d, data in shards.items():
-        if d not in keep:
-          data.delete()
+      _donate_sources(leaf, shards, {d.id for d in s.addressable_devices})
     if impl is not None:
       new = jax.random.wrap_key_data(new, impl=impl)
     dst = placement_of(s, leaf.shape, name)
     itemsize = leaf.dtype.itemsize
     n += 1
     state_bytes += leaf.size * itemsize
-    kept_bytes += sum(len(h) * _box_size(b) for b, h
+    kept_bytes += sum(len(h) * box_volume(b) for b, h
                       in zip(dst.boxes, dst.holders)) * itemsize
     reused += len(out)
     done[id(orig)] = new
@@ -492,10 +491,6 @@ def _keep_in_place(items, phys, rebuild, donate: bool, method: str,
       seconds={"layout": t1 - t0, "plan": 0.0, "transfer": 0.0,
                "total": t1 - t0}, copied_bytes=0)
   return rebuild(new_leaves), report
-
-
-def _box_size(box: Box) -> int:
-  return math.prod(b - a for a, b in box)
 
 
 def reshard_with_report(tree: Any, target: Any, *, donate: bool = False,
