@@ -414,6 +414,72 @@ def write_zarr3(path: str, data: np.ndarray, *, fsync: bool = False
   return rows, crcs
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+  """One chunk file a sub-box read touches, and the rows it gives."""
+  fname: str
+  crc: int
+  what: str  # names the chunk in errors
+  c0: int  # the chunk's first row, relative to the held box
+  r0: int  # the rows of the sub-box in it (relative to the held box)
+  r1: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkWalk:
+  """Where a sub-box of a held box lies in the held box's chunk files
+  (format version 2: ``chunk_rows`` rows of the held box per file)."""
+  storage: np.dtype
+  hshape: tuple[int, ...]  # the held box in storage (extra dims included)
+  rows: int  # rows per chunk
+  row_bytes: int
+  lo: int  # the sub-box's first row, relative to the held box
+  inner: tuple[slice, ...]  # the sub-box in the other dims
+  whole_rows: bool  # the sub-box spans whole rows
+  chunks: tuple[_Chunk, ...]
+
+  @property
+  def ndim(self) -> int:
+    return len(self.hshape)
+
+  @property
+  def chunk_bytes(self) -> int:
+    return self.rows * self.row_bytes
+
+  @classmethod
+  def of(cls, root: str, path: str, box: Box, proc: int, t: dict, b: dict,
+         held: Box, snap: str) -> _ChunkWalk:
+    extra = tuple((0, e) for e in t["extra"])
+    sbox, sheld = tuple(box) + extra, tuple(held) + extra
+    hshape = tuple(h1 - h0 for h0, h1 in sheld)
+    storage = np.dtype(t["storage"])
+    rows = int(b["chunk_rows"])
+    ndim = len(hshape)
+    lo, hi = (sbox[0][0] - sheld[0][0], sbox[0][1] - sheld[0][0]) \
+        if ndim else (0, 1)
+    d = os.path.join(snap, b["dir"])
+    chunks = tuple(
+        _Chunk(os.path.join(d, _chunk_key(ci, ndim)), b["crc32c"][ci],
+               f"store {root}: {path} box {list(held)} (process {proc},"
+               f" {b['dir']}, chunk {ci})",
+               ci * rows, max(lo, ci * rows), min(hi, ci * rows + rows))
+        for ci in range(lo // rows, -(-hi // rows)))
+    return cls(
+        storage=storage, hshape=hshape, rows=rows,
+        row_bytes=(math.prod(hshape[1:]) if ndim else 1) * storage.itemsize,
+        lo=lo,
+        inner=tuple(slice(a - h0, z - h0)
+                    for (a, z), (h0, _) in zip(sbox[1:], sheld[1:])),
+        whole_rows=all(z - a == n
+                       for (a, z), n in zip(sbox[1:], hshape[1:])),
+        chunks=chunks)
+
+  def rows_of(self, data: np.ndarray, c: _Chunk) -> np.ndarray:
+    """The sub-box's part of chunk ``c`` (its payload ``data``), a view."""
+    cview = data.view(self.storage).reshape((self.rows,) + self.hshape[1:])
+    return cview[(slice(c.r0 - c.c0, c.r1 - c.c0),) + self.inner]
+
+
 class ChunkMaps:
   """Read-only memory maps of chunk files, each checked against its crc32c
   once.
@@ -1007,40 +1073,20 @@ class HostStore:
     if "chunk_rows" not in b:  # written by tensorstore (format version 1)
       dest[...] = self.read_storage(path, box, proc=proc, step=step)
       return dest.nbytes
-    sbox = tuple(box) + tuple((0, e) for e in extra)
-    sheld = tuple(held) + tuple((0, e) for e in extra)
-    hshape = tuple(h1 - h0 for h0, h1 in sheld)
-    itemsize = storage.itemsize
-    rows = int(b["chunk_rows"])
-    ndim = len(hshape)
-    row_bytes = (math.prod(hshape[1:]) if ndim else 1) * itemsize
-    chunk_bytes = rows * row_bytes
-    lo, hi = (sbox[0][0] - sheld[0][0], sbox[0][1] - sheld[0][0]) \
-        if ndim else (0, 1)
-    inner = tuple(slice(a - h0, z - h0)
-                  for (a, z), (h0, _) in zip(sbox[1:], sheld[1:]))
-    whole_rows = all(z - a == n for (a, z), n in zip(sbox[1:], hshape[1:]))
-    d = os.path.join(snap, b["dir"])
-    crcs = b["crc32c"]
+    w = _ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
     own = maps is None
     if own:
       maps = ChunkMaps()
     try:
-      for ci in range(lo // rows, -(-hi // rows)):
-        c0 = ci * rows
-        r0, r1 = max(lo, c0), min(hi, c0 + rows)
-        part = dest[r0 - lo:r1 - lo] if ndim else dest
-        fname = os.path.join(d, _chunk_key(ci, ndim))
-        what = (f"store {self.root}: {path} box {list(held)} (process"
-                f" {proc}, {b['dir']}, chunk {ci})")
-        if whole_rows and r0 == c0 and r1 == c0 + rows \
+      for c in w.chunks:
+        part = dest[c.r0 - w.lo:c.r1 - w.lo] if w.ndim else dest
+        if w.whole_rows and c.r0 == c.c0 and c.r1 == c.c0 + w.rows \
             and part.flags.c_contiguous:
-          _pread_chunk(fname, part, chunk_bytes, crcs[ci], what)
+          _pread_chunk(c.fname, part, w.chunk_bytes, c.crc, c.what)
           continue
-        data = maps.payload(fname, chunk_bytes, crcs[ci], what)
-        cview = data.view(storage).reshape((rows,) + hshape[1:])
-        part[...] = cview[(slice(r0 - c0, r1 - c0),) + inner] if ndim \
-            else cview.reshape(())
+        data = maps.payload(c.fname, w.chunk_bytes, c.crc, c.what)
+        part[...] = w.rows_of(data, c) if w.ndim \
+            else data.view(w.storage).reshape(())
     finally:
       if own:
         maps.close()
@@ -1068,41 +1114,22 @@ class HostStore:
     """
     proc, t, b, held, snap = self._locate(path, box, proc, step)
     extra = tuple(t["extra"])
-    storage = np.dtype(t["storage"])
     if math.prod(tuple(hi - lo for lo, hi in box) + extra) == 0:
       return []
     if "chunk_rows" not in b:
       return [self.read_storage(path, box, proc=proc,
                                 step=step).reshape(-1)]
-    sbox = tuple(box) + tuple((0, e) for e in extra)
-    sheld = tuple(held) + tuple((0, e) for e in extra)
-    hshape = tuple(h1 - h0 for h0, h1 in sheld)
-    rows = int(b["chunk_rows"])
-    ndim = len(hshape)
-    row_bytes = (math.prod(hshape[1:]) if ndim else 1) * storage.itemsize
-    chunk_bytes = rows * row_bytes
-    lo, hi = (sbox[0][0] - sheld[0][0], sbox[0][1] - sheld[0][0]) \
-        if ndim else (0, 1)
-    inner = tuple(slice(a - h0, z - h0)
-                  for (a, z), (h0, _) in zip(sbox[1:], sheld[1:]))
-    whole_rows = all(z - a == n for (a, z), n in zip(sbox[1:], hshape[1:]))
-    d = os.path.join(snap, b["dir"])
+    w = _ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
     if maps is None:
       maps = ChunkMaps()
     out = []
-    for ci in range(lo // rows, -(-hi // rows)):
-      c0 = ci * rows
-      r0, r1 = max(lo, c0), min(hi, c0 + rows)
-      fname = os.path.join(d, _chunk_key(ci, ndim))
-      what = (f"store {self.root}: {path} box {list(held)} (process {proc},"
-              f" {b['dir']}, chunk {ci})")
-      data = maps.payload(fname, chunk_bytes, b["crc32c"][ci], what)
-      if whole_rows:
-        out.append(memoryview(data[(r0 - c0) * row_bytes:
-                                   (r1 - c0) * row_bytes]))
+    for c in w.chunks:
+      data = maps.payload(c.fname, w.chunk_bytes, c.crc, c.what)
+      if w.whole_rows:
+        out.append(memoryview(data[(c.r0 - c.c0) * w.row_bytes:
+                                   (c.r1 - c.c0) * w.row_bytes]))
       else:
-        cview = data.view(storage).reshape((rows,) + hshape[1:])
-        out.append(cview[(slice(r0 - c0, r1 - c0),) + inner])
+        out.append(w.rows_of(data, c))
     return out
 
   def _proc_holding(self, path: str, box: Box, step: int | None = None
