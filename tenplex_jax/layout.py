@@ -45,6 +45,7 @@ __all__ = [
     "intersect",
     "key_path_name",
     "named_layout",
+    "relative_index",
 ]
 
 
@@ -75,6 +76,18 @@ def intersect(a: Box, b: Box) -> Box | None:
       return None
     out.append((lo, hi))
   return tuple(out)
+
+
+def relative_index(piece: Box, within: Box) -> tuple:
+  """The index of ``piece`` inside an array that holds the box ``within``:
+  one slice per dimension of the boxes, then ``...`` for any trailing
+  dimensions (a view, also of a 0-d array).
+
+  >>> relative_index(((2, 4), (0, 3)), ((2, 6), (0, 8)))
+  (slice(0, 2, None), slice(0, 3, None), Ellipsis)
+  """
+  return tuple(slice(p0 - w0, p1 - w0)
+               for (p0, p1), (w0, _) in zip(piece, within)) + (Ellipsis,)
 
 
 def _slices_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:

@@ -36,7 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax.errors import LayoutError, ReshardError
 from tenplex_jax.layout import (PTC, Box, TensorLayout, _dtype_info, box_volume,
-                                key_path_name, placement_of, sharding_from_description)
+                                key_path_name, placement_of, relative_index,
+                                sharding_from_description)
 from tenplex_jax.planner import Plan, Template, fmt_bytes, plan
 
 __all__ = ["ReshardReport", "reshard", "reshard_with_report", "resolve_targets"]
@@ -203,10 +204,6 @@ def resolve_targets(tree: Any, target: Any) -> tuple[list, Callable]:
   return items, rebuild
 
 
-def _rel(piece: Box, outer: Box) -> tuple[slice, ...]:
-  return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(piece, outer))
-
-
 def _assemble_generic(pieces: list[tuple[Box, jax.Array]], box: Box):
   """Concatenates pieces (on one device) that tile ``box`` in grid order."""
   ndim = len(box)
@@ -346,7 +343,7 @@ def _execute(path: str, x: jax.Array, sharding: Sharding, template: Template,
     pieces = []
     for m in moves:
       src = _pick(m, rotation, shards)
-      piece = shards[src].data[_rel(m.box, src_boxes[m.src_box])]
+      piece = shards[src].data[relative_index(m.box, src_boxes[m.src_box])]
       pieces.append((m.box, jax.device_put(piece, dev)))
     out.append(_assemble_generic(pieces, dbox))
   new = jax.make_array_from_single_device_arrays(x.shape, sharding, out)
@@ -383,7 +380,7 @@ def _execute_cpu(path: str, x: jax.Array, sharding: Sharding,
       views[d] = np.asarray(shards[d].data)
     return views[d]
 
-  built: dict[int, np.ndarray] = {}  # new box -> the host array its holders share
+  built: dict[int, np.ndarray] = {}  # new box -> the array its holders share
   copies: list = []  # (destination buffer, its index, source view)
   targets: list = []  # (position in out, device, new box)
   out: list = []
@@ -394,7 +391,8 @@ def _execute_cpu(path: str, x: jax.Array, sharding: Sharding,
     dbox = dst_place.boxes[bi]
     moves = template.moves_to(dev.id)
     exact = len(moves) == 1 and src_boxes[moves[0].src_box] == dbox
-    if exact and src_box_of.get(dev.id) == moves[0].src_box and dev.id in shards:
+    if (exact and src_box_of.get(dev.id) == moves[0].src_box
+        and dev.id in shards):
       out.append(shards[dev.id].data)  # kept where it is
       reused.add(dev.id)
       continue
@@ -405,8 +403,8 @@ def _execute_cpu(path: str, x: jax.Array, sharding: Sharding,
         buf = host_empty(tuple(b - a for a, b in dbox), x.dtype)
         for m in moves:
           src = _pick(m, rotation, shards)
-          copies.append((buf, _rel(m.box, dbox),
-                         view(src)[_rel(m.box, src_boxes[m.src_box])]))
+          piece = view(src)[relative_index(m.box, src_boxes[m.src_box])]
+          copies.append((buf, relative_index(m.box, dbox), piece))
         built[bi] = buf
         copied += buf.nbytes
         n_filled += 1

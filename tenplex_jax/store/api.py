@@ -35,7 +35,8 @@ from tenplex_jax._hostmem import host_empty
 from tenplex_jax.errors import (NoCopyError, StoreError, TreeError,
                                  UnreachableError)
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, _slices_to_box,
-                                box_volume, intersect, key_path_name)
+                                box_volume, intersect, key_path_name,
+                                relative_index)
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import _key_data_sharding
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
@@ -56,13 +57,6 @@ class _Single(Exception):
 
 _BATCH_BYTES = 16 << 20  # pieces per request up to this many bytes
 _BATCH_PIECES = 256
-
-
-def _rel(box: Box, within: Box) -> tuple:
-  """The index of ``box`` inside an array holding ``within`` (a view, also
-  for 0-d arrays)."""
-  return tuple(slice(p0 - d0, p1 - d0)
-               for (p0, p1), (d0, _) in zip(box, within)) + (Ellipsis,)
 
 
 def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
@@ -797,7 +791,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   for key, cands in tasks.items():
     path, box = key
     dbox = dests[key][0]
-    dest = bufs[(path, dbox)][_rel(box, dbox)]
+    dest = bufs[(path, dbox)][relative_index(box, dbox)]
     if dest.size == 0:
       continue
     held = next((b for b in src2[path].placement.boxes
@@ -876,9 +870,9 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     maps.close()
   for key, dboxes in dests.items():  # a piece several new boxes share
     path, box = key
-    src = bufs[(path, dboxes[0])][_rel(box, dboxes[0])]
+    src = bufs[(path, dboxes[0])][relative_index(box, dboxes[0])]
     for dbox in dboxes[1:]:
-      bufs[(path, dbox)][_rel(box, dbox)] = src
+      bufs[(path, dbox)][relative_index(box, dbox)] = src
   local_bytes, net_bytes = counts["local"], counts["net"]
   t4 = time.perf_counter()
   # Place each distinct new box on its devices.
