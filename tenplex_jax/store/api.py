@@ -34,7 +34,7 @@ import numpy as np
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax.errors import (NoCopyError, StoreError, TreeError,
                                  UnreachableError)
-from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, _slices_to_box,
+from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
 from tenplex_jax.planner import plan
