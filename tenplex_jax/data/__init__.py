@@ -4,6 +4,8 @@
 * :mod:`~tenplex_jax.data.index`: the byte-range dataset index and its reader;
 * :mod:`~tenplex_jax.data.records`: a length-prefixed record format;
 * :mod:`~tenplex_jax.data.iterator`: :class:`ElasticIterator`;
+* :mod:`~tenplex_jax.data.packing`: :class:`PackedIterator` (filtering and
+  sequence packing, exactly once under any shard count);
 * :mod:`~tenplex_jax.data.rng`: per-sample PRNG keys.
 """
 
@@ -26,6 +28,7 @@ from tenplex_jax.data.order import (
     shard_bounds,
     steps_per_epoch,
 )
+from tenplex_jax.data.packing import PackedIterator, pack_rows
 from tenplex_jax.data.records import RECORD_MAGIC, read_records, scan_records, write_records
 from tenplex_jax.data.rng import sample_key, sample_key_data, sample_keys
 from tenplex_jax.errors import DataError
@@ -38,12 +41,14 @@ __all__ = [
     "DatasetReader",
     "ElasticIterator",
     "FileEntry",
+    "PackedIterator",
     "build_index",
     "epoch_permutation",
     "epoch_seed_sequence",
     "global_batch_ids",
     "index_fingerprint",
     "load_index",
+    "pack_rows",
     "read_records",
     "sample_key",
     "sample_key_data",
