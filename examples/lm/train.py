@@ -50,20 +50,11 @@ from tenplex_jax.data import ElasticIterator  # noqa: E402
 
 
 def dataset(cfg, n=1024, seed=0):
-  """Synthetic token sequences, generated in code: each follows
-  ``t[i+1] = (a * t[i] + b) mod vocab`` with its own ``(a, b)`` from a small
-  set, so the model has to read the rule off the context."""
-  rng = np.random.default_rng(seed)
-  rules = [(1, 1), (3, 1), (5, 3), (7, 2)]
-  out = []
-  for _ in range(n):
-    a, b = rules[rng.integers(len(rules))]
-    t = np.empty(cfg.seq_len + 1, np.int64)
-    t[0] = rng.integers(cfg.vocab)
-    for i in range(cfg.seq_len):
-      t[i + 1] = (a * t[i] + b) % cfg.vocab
-    out.append({"tokens": t.astype(np.int32)})
-  return out
+  """The synthetic token sequences (``data.py``), written once as ArrayRecord
+  files and read back through the dataset index: a random-access source of
+  ``{"tokens": (seq_len + 1,) int32}`` samples for ``ElasticIterator``."""
+  import data as lm_data
+  return lm_data.source(cfg, n=n, seed=seed)
 
 
 def layout(phase, cfg, devices, *, search, global_batch):

@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
   """
   data = subparsers.add_parser("data", help="dataset index for the elastic iterator")
   sub = data.add_subparsers(dest="data_verb", required=True)
-  p = sub.add_parser("index", help="index .npy/.npz/.tpxr files by byte ranges")
+  p = sub.add_parser("index", help="index .npy/.npz/.tpxr files by byte ranges and"
+                     " .array_record files by record number")
   p.add_argument("--out", required=True, help="directory for index.npy and index.json")
   p.add_argument("--mixed", action="store_true",
                  help="allow samples of different shapes/dtypes (random"

@@ -2,7 +2,10 @@
 
 An index covers ``.npy`` files, ``.npz`` archives (every member stored
 uncompressed; each member is its own entry of the file table, named
-``path::member``) and record files (:mod:`tenplex_jax.data.records`). An
+``path::member``), record files (:mod:`tenplex_jax.data.records`) and
+ArrayRecord files (:mod:`tenplex_jax.data.arrayrecord`; their records sit in
+compressed chunks, so an entry is ``(file_id, record_index, byte_length)``
+and the reader fetches the record by its index). An
 array is split along axis 0: sample ``j`` of an array is its row ``j``, one
 contiguous byte range. Samples are numbered in the order files (and npz
 members) are given, rows in order.
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from tenplex_jax.data import arrayrecord as arrayrecord_lib
 from tenplex_jax.data import records as records_lib
 from tenplex_jax.errors import DataError
 
@@ -50,9 +54,10 @@ class FileEntry:
   Attributes:
     path: the file's absolute path.
     member: the npz member name (without ``.npy``), or None.
-    kind: ``"npy"``, ``"npz"`` or ``"records"``.
+    kind: ``"npy"``, ``"npz"``, ``"records"`` or ``"array_record"``.
     size: the file size in bytes when indexed.
-    dtype: the row dtype as ``numpy.lib.format.dtype_to_descr`` (None for records).
+    dtype: the row dtype as ``numpy.lib.format.dtype_to_descr`` (None for
+      records and ArrayRecord records).
     row_shape: the shape of one sample (row), ``()`` for records.
 
   Example:
@@ -217,8 +222,15 @@ def _index_file(path: str) -> list[tuple[FileEntry, np.ndarray]]:
     trip = np.zeros((ranges.shape[0], 3), dtype=np.int64)
     trip[:, 1:] = ranges
     out.append((FileEntry(path=path, member=None, kind="records", size=size), trip))
+  elif arrayrecord_lib.is_array_record(path):
+    lengths = arrayrecord_lib.scan_array_record(path)
+    trip = np.zeros((lengths.shape[0], 3), dtype=np.int64)
+    trip[:, 1] = np.arange(lengths.shape[0])
+    trip[:, 2] = lengths
+    out.append((FileEntry(path=path, member=None, kind="array_record", size=size), trip))
   else:
-    raise DataError(f"{path!r}: unknown file type; expected .npy, .npz or .tpxr (records)")
+    raise DataError(f"{path!r}: unknown file type; expected .npy, .npz, .tpxr (records) or "
+                    ".array_record (ArrayRecord, optionally with a -NNNNN-of-NNNNN suffix)")
   return out
 
 
@@ -230,7 +242,7 @@ def _triples(offsets: np.ndarray, row_bytes: int) -> np.ndarray:
 
 
 def _sample_kind(f: FileEntry) -> str:
-  if f.kind == "records":
+  if f.kind in ("records", "array_record"):
     return "a record (bytes)"
   dtype = np.lib.format.descr_to_dtype(f.dtype)
   return f"shape {tuple(f.row_shape)} dtype {dtype}"
@@ -268,10 +280,11 @@ def _check_uniform(files: Sequence[FileEntry], entries: np.ndarray) -> None:
 
 def build_index(paths: Sequence[str | os.PathLike], *,
                 mixed: bool = False) -> DatasetIndex:
-  """Builds the index of a list of ``.npy``, ``.npz`` and ``.tpxr`` files.
+  """Builds the index of a list of ``.npy``, ``.npz``, ``.tpxr`` and ArrayRecord files.
 
   Only headers (npy headers, zip local headers, record length prefixes) are
-  read, never whole arrays.
+  read, never whole arrays; an ArrayRecord file is read once (its records'
+  lengths are not stored apart from the compressed chunks).
 
   Args:
     paths: the data files, in sample order.
@@ -409,7 +422,8 @@ class DatasetReader:
   """Random access to the samples of an index: ``len(reader)``, ``reader[i]``.
 
   Each ``reader[i]`` does one ranged read (``os.pread``) of sample ``i``'s
-  bytes from its local file and decodes it: a row of a plain array is a numpy
+  bytes from its local file (an ArrayRecord record: one random-access read
+  of its record index) and decodes it: a row of a plain array is a numpy
   array of the row shape; a row of a structured array is a dict of its fields;
   a record is ``bytes`` (or ``decode_record(bytes)``).
 
@@ -449,6 +463,7 @@ class DatasetReader:
     self._entries = np.asarray(index.entries)
     self._row_shapes = [f.row_shape for f in index.files]
     self._fds: dict[int, int] = {}
+    self._ar_readers: dict[int, tuple[Any, threading.Lock]] = {}
     self._lock = threading.Lock()
     self.stats = {"local": 0, "fallback": [0] * len(self.fallbacks), "missing_local": 0}
 
@@ -500,8 +515,33 @@ class DatasetReader:
     i = self._check_id(i)
     return self._read(i)[1]
 
+  def _ar_reader(self, file_id: int) -> tuple[Any, threading.Lock]:
+    got = self._ar_readers.get(file_id)
+    if got is None:
+      with self._lock:
+        got = self._ar_readers.get(file_id)
+        if got is None:
+          got = (arrayrecord_lib.open_reader(self.index.files[file_id].path),
+                 threading.Lock())
+          self._ar_readers[file_id] = got
+    return got
+
+  def _read_array_record(self, i: int, file_id: int, record: int, length: int) -> bytes:
+    reader, lock = self._ar_reader(file_id)
+    with lock:
+      if record >= reader.num_records():
+        raise OSError(f"{self.index.files[file_id].path!r}: sample {i} is record {record}, "
+                      f"but the file has {reader.num_records()} records")
+      (data,) = reader.read([record])
+    if len(data) != length:
+      raise OSError(f"{self.index.files[file_id].path!r}: record {record} (sample {i}) has "
+                    f"{len(data)} bytes, but the index says {length}")
+    return data
+
   def _read(self, i: int) -> tuple[int, bytes]:
     file_id, offset, length = self._entries[i].tolist()
+    if self.index.files[file_id].kind == "array_record":
+      return file_id, self._read_array_record(i, file_id, offset, length)
     fd = self._fd(file_id)
     chunks = []
     got = 0
@@ -561,11 +601,15 @@ class DatasetReader:
     return self._decode(file_id, data)
 
   def close(self) -> None:
-    """Closes the cached file descriptors."""
+    """Closes the cached file descriptors and ArrayRecord readers."""
     with self._lock:
       for fd in self._fds.values():
         os.close(fd)
       self._fds.clear()
+      for reader, lock in self._ar_readers.values():
+        with lock:
+          reader.close()
+      self._ar_readers.clear()
 
   def __enter__(self) -> DatasetReader:
     return self
