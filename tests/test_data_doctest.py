@@ -9,7 +9,8 @@ import tenplex_jax.data as data
 
 MODULES = ["tenplex_jax.data.order", "tenplex_jax.data.index", "tenplex_jax.data.records",
            "tenplex_jax.data.iterator", "tenplex_jax.data.rng", "tenplex_jax.data.cli",
-           "tenplex_jax.data.packing", "tenplex_jax.data.arrayrecord"]
+           "tenplex_jax.data.packing", "tenplex_jax.data.arrayrecord",
+           "tenplex_jax.data.checkpoint"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -6,9 +6,19 @@
 * :mod:`~tenplex_jax.data.iterator`: :class:`ElasticIterator`;
 * :mod:`~tenplex_jax.data.packing`: :class:`PackedIterator` (filtering and
   sequence packing, exactly once under any shard count);
+* :mod:`~tenplex_jax.data.arrayrecord`: ArrayRecord files (write, scan, read);
+* :mod:`~tenplex_jax.data.checkpoint`: the iterator state in Orbax, in Grain's
+  layout, restorable under any process count; a Grain iterator wrapper;
 * :mod:`~tenplex_jax.data.rng`: per-sample PRNG keys.
 """
 
+from tenplex_jax.data.checkpoint import (
+    IteratorHandler,
+    IteratorRestore,
+    IteratorSave,
+    as_grain_iterator,
+    read_state,
+)
 from tenplex_jax.data.index import (
     DatasetIndex,
     DatasetReader,
@@ -41,7 +51,11 @@ __all__ = [
     "DatasetReader",
     "ElasticIterator",
     "FileEntry",
+    "IteratorHandler",
+    "IteratorRestore",
+    "IteratorSave",
     "PackedIterator",
+    "as_grain_iterator",
     "build_index",
     "epoch_permutation",
     "epoch_seed_sequence",
@@ -50,6 +64,7 @@ __all__ = [
     "load_index",
     "pack_rows",
     "read_records",
+    "read_state",
     "sample_key",
     "sample_key_data",
     "sample_keys",

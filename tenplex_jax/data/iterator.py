@@ -128,13 +128,7 @@ class ElasticIterator:
                num_epochs: int | None = None, shuffle: bool = True,
                prefetch: int = 2, read_threads: int = 1, auto_commit: bool = True,
                with_rng: bool = False, fingerprint: str | None = None):
-    try:
-      num_samples = len(source)
-    except TypeError:
-      raise DataError(
-          f"source must be random-access (len() and [i]), got {type(source).__name__}") from None
-    if num_samples == 0:
-      raise DataError("source is empty; expected at least one sample")
+    num_samples = order.source_length(source)
     self._steps = order.steps_per_epoch(num_samples, global_batch_size)
     order.shard_bounds(global_batch_size, shard_index, shard_count)  # validates
     if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 0):
@@ -228,6 +222,12 @@ class ElasticIterator:
     ids = self.shard_ids(epoch, step)
     mask = ids >= 0
     samples = self._read([int(i) for i in ids[mask]])
+    for i, sample in zip(ids[mask].tolist(), samples):
+      if sample is None:
+        raise DataError(
+            f"source returned None for sample {i} (epoch {epoch} step {step}): a filtered "
+            "Grain MapDataset? ElasticIterator needs every sample (its batches are fixed "
+            "positions); use PackedIterator, which skips None samples, for filtering")
     if samples:
       template = _as_array_template(samples[0])
       self._template = template

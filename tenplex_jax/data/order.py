@@ -33,6 +33,38 @@ def _check_pos_int(name: str, value: object) -> int:
   return value
 
 
+MAX_SAMPLES = 1 << 40
+"""The largest source an epoch order is built for (an epoch permutes all ids)."""
+
+
+def source_length(source: object) -> int:
+  """``len(source)`` of a random-access source, checked to be usable for epochs.
+
+  Raises:
+    DataError: the source has no ``len``/``[]``, is empty, or is too long for
+      an epoch order (a Grain ``MapDataset.repeat()`` without a count has
+      ``len == sys.maxsize``): the iterators make the epochs themselves.
+
+  Example:
+    >>> source_length([1, 2])
+    2
+  """
+  try:
+    n = len(source)
+    source.__getitem__  # noqa: B018 - random access is required
+  except (TypeError, AttributeError):
+    raise DataError(
+        f"source must be random-access (len() and [i]), got {type(source).__name__}") from None
+  if n == 0:
+    raise DataError("source is empty; expected at least one sample")
+  if n > MAX_SAMPLES:
+    raise DataError(
+        f"source has {n} samples, more than the {MAX_SAMPLES} an epoch order is built for "
+        "(an infinite Grain MapDataset, e.g. .repeat() without a count?): pass the finite "
+        "dataset and let the iterator's num_epochs repeat it")
+  return int(n)
+
+
 def epoch_seed_sequence(seed: int, epoch: int) -> np.random.SeedSequence:
   """The numpy seed sequence of one epoch: ``SeedSequence(seed, spawn_key=(epoch,))``.
 

@@ -199,13 +199,7 @@ class PackedIterator:
                max_open_rows: int | None = None, num_epochs: int | None = None,
                shuffle: bool = True, pad_id: int = 0, dtype: Any = np.int32,
                auto_commit: bool = True, fingerprint: str | None = None):
-    try:
-      num_samples = len(source)
-    except TypeError:
-      raise DataError(
-          f"source must be random-access (len() and [i]), got {type(source).__name__}") from None
-    if num_samples == 0:
-      raise DataError("source is empty; expected at least one sample")
+    num_samples = order.source_length(source)
     self._seq_len = order._check_pos_int("seq_len", seq_len)
     self._rows = order._check_pos_int("rows_per_batch", rows_per_batch)
     self._bounds = order.shard_bounds(self._rows, shard_index, shard_count)
