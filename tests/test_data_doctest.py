@@ -1,6 +1,7 @@
 """Runs the docstring examples of tenplex_jax.data and checks the public surface."""
 
 import doctest
+import os
 import importlib
 
 import pytest
@@ -26,3 +27,9 @@ def test_public_names_resolve_and_are_documented():
     obj = getattr(data, name)
     if callable(obj) and name != "DataError":
       assert obj.__doc__ and "Example" in obj.__doc__, name
+
+
+def test_the_data_doc_examples_run():
+  path = os.path.join(os.path.dirname(__file__), "..", "docs", "data.md")
+  result = doctest.testfile(path, module_relative=False, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
