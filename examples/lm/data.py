@@ -34,6 +34,7 @@ from tenplex_jax.data.arrayrecord import write_array_record
 
 RULES = [(1, 1), (3, 1), (5, 3), (7, 2)]
 INDEX_DIR = "index"
+VERSION = 1  # in the cache directory's name: bump when generate() changes
 
 
 def generate(vocab, seq_len, n=1024, seed=0, *, variable=False):
@@ -73,7 +74,7 @@ def decode(record):
 
 
 def _default_dir(cfg, n, seed, variable):
-  name = f"tenplex-lm-data-v{cfg.vocab}-s{cfg.seq_len}-n{n}-seed{seed}" + \
+  name = f"tenplex-lm-data{VERSION}-v{cfg.vocab}-s{cfg.seq_len}-n{n}-seed{seed}" + \
       ("-var" if variable else "")
   return os.path.join(tempfile.gettempdir(), name)
 

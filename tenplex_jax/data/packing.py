@@ -236,6 +236,19 @@ class PackedIterator:
         [{"epoch": 0, "position": 0, "step": 0, "open": [], "ready": []}])
     self.reads = 0
 
+  @classmethod
+  def for_process(cls, source: Any, **kwargs: Any) -> PackedIterator:
+    """An iterator whose shard is this JAX process: ``jax.process_index()`` of the count.
+
+    Example:
+      >>> it = PackedIterator.for_process([[1, 2]], seq_len=2, rows_per_batch=1, seed=0)
+      >>> (it.shard_index, it.shard_count)
+      (0, 1)
+    """
+    import jax  # noqa: PLC0415 - only this entry point needs jax's process info
+    return cls(source, shard_index=jax.process_index(), shard_count=jax.process_count(),
+               **kwargs)
+
   @property
   def shard_rows(self) -> tuple[int, int]:
     """The rows ``[start, stop)`` of each global batch that this shard reads."""
