@@ -1,7 +1,6 @@
 """ArrayRecord: the dataset index over sharded ArrayRecord files, random reads,
 fallbacks, the iterators on top, and the LM example's data module."""
 
-import json
 import os
 import sys
 from pathlib import Path
