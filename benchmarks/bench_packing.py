@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
       got = fn()
       times[name].append(time.perf_counter() - t0)
       out[name] = got
+  for name in ("pack: Grain FirstFitPackIterDataset (baseline)", "pack: PackedIterator, 1 shard",
+               "pack: PackedIterator, 1 shard, keep= filter"):
+    if out[name][0] != total:  # every token packed once, none cut
+      raise SystemExit(f"{name}: packed {out[name][0]} real tokens, expected {total}")
   results = {}
   for name, ts in times.items():
     med = statistics.median(ts)
