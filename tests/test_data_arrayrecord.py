@@ -142,3 +142,33 @@ def test_lm_source_is_array_record_with_the_generated_sequences(tmp_path, lm_dat
   assert np.array_equal(next(half)["tokens"], b["tokens"][2:])
   assert data.main(["--out", str(tmp_path / "cli"), "--samples", "9", "--shards", "2"]) == 0
   assert load_index(tmp_path / "cli" / "index").num_samples == 9
+
+
+def test_lm_packed_batch_on_meshes_of_any_shard_count(tmp_path, lm_data):
+  import jax
+  from jax.sharding import Mesh
+  data, config = lm_data
+  cfg = config.TINY
+  devs = np.array(jax.devices())
+
+  def mesh(d, f):
+    return Mesh(devs[:d * f].reshape(d, f, 1, 1), ("data", "fsdp", "tensor", "stage"))
+
+  kw = dict(seed=4, workdir=tmp_path / "var", n=60)
+  static, state = [], None
+  for _ in range(3):
+    b, state = data.packed_batch(cfg, mesh(1, 1), state, 8, **kw)
+    static.append(b)
+  b0, s = data.packed_batch(cfg, mesh(2, 2), None, 8, **kw)     # 4 shards
+  b1, s = data.packed_batch(cfg, mesh(1, 2), s, 8, **kw)        # 2 shards
+  b2, s = data.packed_batch(cfg, mesh(4, 2), s, 8, **kw)        # 8 shards
+  assert s == state
+  for want, got in zip(static, (b0, b1, b2)):
+    for k in ("tokens", "segment_ids", "positions", "weights"):
+      assert np.array_equal(np.asarray(want[k]), np.asarray(got[k])), k
+  assert b2["tokens"].shape == (8, cfg.seq_len + 1)
+  assert b2["tokens"].sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+  w = np.asarray(b0["weights"])
+  seg = np.asarray(b0["segment_ids"])
+  assert w.shape == (8, cfg.seq_len) and w.sum() == (seg > 0).sum() - len(
+      {(r, v) for r, row in enumerate(seg) for v in row if v > 0})

@@ -16,6 +16,7 @@ directory and returns the random-access source ``ElasticIterator`` reads;
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -116,6 +117,14 @@ def token_lengths(reader):
   return np.asarray(reader.index.entries[:, 2]) // np.dtype(np.int32).itemsize
 
 
+@functools.lru_cache(maxsize=8)
+def packed_reader(cfg, workdir=None, n=1024, data_seed=0):
+  """The reader over the variable-length sequences (written once), shared by calls."""
+  index_dir = prepare(cfg, workdir, n, data_seed, variable=True)
+  return DatasetReader(load_index(index_dir, data_root=os.path.dirname(index_dir)),
+                       decode_record=decode)
+
+
 def packed_iterator(cfg, workdir=None, *, rows_per_batch, seed, shard_index=0, shard_count=1,
                     n=1024, data_seed=0, keep=None, **kwargs):
   """Variable-length sequences packed into rows of ``seq_len + 1`` tokens.
@@ -127,12 +136,51 @@ def packed_iterator(cfg, workdir=None, *, rows_per_batch, seed, shard_index=0, s
   Without ``keep`` the plan uses the index's record lengths and a shard reads
   only its own rows' records.
   """
-  index_dir = prepare(cfg, workdir, n, data_seed, variable=True)
-  reader = DatasetReader(load_index(index_dir, data_root=os.path.dirname(index_dir)),
-                         decode_record=decode)
+  reader = packed_reader(cfg, None if workdir is None else os.fspath(workdir), n, data_seed)
   return PackedIterator(reader, seq_len=cfg.seq_len + 1, rows_per_batch=rows_per_batch,
                         seed=seed, shard_index=shard_index, shard_count=shard_count,
                         keep=keep, lengths=token_lengths(reader), **kwargs)
+
+
+def next_token_weights(segment_ids):
+  """Loss weights of next-token prediction on packed rows: ``(rows, L - 1)`` float32,
+  1 where the target ``tokens[:, 1:]`` is in the same piece as the input."""
+  seg = np.asarray(segment_ids)
+  return ((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)).astype(np.float32)
+
+
+def packed_batch(cfg, mesh, data_state, rows_per_batch, *, seed=0, workdir=None, n=1024,
+                 data_seed=0):
+  """One packed global batch on ``mesh``, the packed twin of ``train.batches``.
+
+  Each data shard (``data`` x ``fsdp``) reads its rows through its own
+  ``PackedIterator`` continuing from ``data_state`` (None: the start); the
+  rows are concatenated and put on the mesh along ``("data", "fsdp")``.
+  ``rows_per_batch`` must divide by that shard count.
+
+  Returns:
+    ``(batch, new_state)``: ``batch`` holds ``tokens``, ``segment_ids`` and
+    ``positions`` (``(rows, seq_len + 1)``) and ``weights``
+    (:func:`next_token_weights`), as jax arrays; ``new_state`` is the state
+    after this step (the same for every shard count).
+  """
+  import jax  # noqa: PLC0415 - only the mesh helper needs jax
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  its = [packed_iterator(cfg, workdir, rows_per_batch=rows_per_batch, seed=seed,
+                         shard_index=i, shard_count=shards, n=n, data_seed=data_seed)
+         for i in range(shards)]
+  if data_state is not None:
+    for it in its:
+      it.set_state(data_state)
+  parts = [next(it) for it in its]
+  new_state = its[0].get_state()
+  host = {k: np.concatenate([p[k] for p in parts])
+          for k in ("tokens", "segment_ids", "positions")}
+  host["weights"] = next_token_weights(host["segment_ids"])
+  spec = NamedSharding(mesh, P(("data", "fsdp")))
+  return {k: jax.device_put(v, spec) for k, v in host.items()}, new_state
 
 
 def main(argv=None):
