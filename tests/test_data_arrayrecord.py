@@ -101,7 +101,8 @@ def test_elastic_and_packed_iterators_over_array_record(tmp_path):
     got = np.concatenate([p[t]["tokens"] for p in parts])
     assert np.array_equal(got, w["tokens"])
   raw = DatasetReader(reader.index)  # variable-length bytes: an object array per batch
-  it = ElasticIterator(raw, global_batch_size=4, seed=0, num_epochs=1, prefetch=2)
+  it = ElasticIterator(raw, global_batch_size=4, seed=0, num_epochs=1, prefetch=2,
+                       read_threads=3)  # the per-file reader lock
   assert it.fingerprint == reader.fingerprint
   got = {i: d for b in it for i, d in zip(b["ids"].tolist(), b["data"].tolist()) if i >= 0}
   assert got == {i: s.tobytes() for i, s in enumerate(seqs)}
