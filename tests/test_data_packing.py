@@ -128,7 +128,9 @@ def cases(draw):
   filtered = mode in ("keep", "lengths+keep", "none")
   accepted = [i for i in range(n) if lengths[i] > 0 and not (filtered and rejected(i))]
   first_n = draw(st.integers(1, 8))
-  resizes = draw(st.dictionaries(st.integers(1, 3 * n), st.integers(1, 8), max_size=4))
+  steps = 2 * (sum(lengths) // (rows * seq_len) + 1)  # about the run's length
+  resizes = draw(st.dictionaries(st.integers(1, steps), st.integers(1, 8), min_size=1,
+                                 max_size=4))
   return src, cfg, accepted, lengths, first_n, resizes
 
 
