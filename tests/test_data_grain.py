@@ -138,3 +138,28 @@ def test_grain_handler_and_ours_read_each_others_files_at_one_process_count(tmp_
   from tenplex_jax.data import IteratorHandler
   IteratorHandler().restore(tmp_path, args=IteratorRestore(back))
   assert back.get_state() == it.get_state()
+
+
+def test_each_process_saves_its_own_file_and_any_count_restores(tmp_path, monkeypatch):
+  from tenplex_jax.data import IteratorHandler
+  from tenplex_jax.data import checkpoint as ckpt
+  toks = [np.arange(1 + i % 5, dtype=np.int32) for i in range(30)]
+  kw = dict(seq_len=4, rows_per_batch=6, seed=9, keep=lambda t: t.size != 3)
+  shards = [PackedIterator(toks, shard_index=i, shard_count=2, **kw) for i in range(2)]
+  for it in shards:
+    next(it), next(it)
+  for i, it in enumerate(shards):  # what processes 0 and 1 of 2 do in IteratorHandler.save
+    monkeypatch.setattr(ckpt, "_process_index_and_count", lambda i=i: (i, 2))
+    IteratorHandler().save(tmp_path, args=IteratorSave(it))
+  assert sorted(os.listdir(tmp_path)) == ["process_0-of-2.json", "process_1-of-2.json"]
+  static = PackedIterator(toks, **kw)
+  for _ in range(3):
+    want = next(static)
+  for count in (1, 3):  # restored on another process count
+    parts = []
+    for i in range(count):
+      monkeypatch.setattr(ckpt, "_process_index_and_count", lambda i=i: (i, count))
+      it = PackedIterator(toks, shard_index=i, shard_count=count, **kw)
+      IteratorHandler().restore(tmp_path, args=IteratorRestore(it))
+      parts.append(next(it)["tokens"])
+    assert np.array_equal(np.concatenate(parts), want["tokens"])
