@@ -12,13 +12,6 @@
 * :mod:`~tenplex_jax.data.rng`: per-sample PRNG keys.
 """
 
-from tenplex_jax.data.checkpoint import (
-    IteratorHandler,
-    IteratorRestore,
-    IteratorSave,
-    as_grain_iterator,
-    read_state,
-)
 from tenplex_jax.data.index import (
     DatasetIndex,
     DatasetReader,
@@ -75,3 +68,14 @@ __all__ = [
     "steps_per_epoch",
     "write_records",
 ]
+
+# The Orbax handler imports orbax.checkpoint (seconds): loaded on first use.
+_CHECKPOINT_NAMES = ("IteratorHandler", "IteratorRestore", "IteratorSave", "as_grain_iterator",
+                     "read_state")
+
+
+def __getattr__(name: str):
+  if name in _CHECKPOINT_NAMES:
+    from tenplex_jax.data import checkpoint  # noqa: PLC0415 - lazy, see above
+    return getattr(checkpoint, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
