@@ -197,5 +197,8 @@ def test_mismatched_or_malformed_states_are_refused():
     it.set_state(bad)
   with pytest.raises(DataError, match="lengths must be 2 ints"):
     PackedIterator(src, seq_len=4, rows_per_batch=2, seed=0, lengths=[1])
+  with pytest.raises(DataError, match=r"sample 1 has 3 tokens, but lengths\[1\] says 2"):
+    next(PackedIterator(src, seq_len=4, rows_per_batch=2, seed=0, shuffle=False,
+                        lengths=[3, 2]))
   with pytest.raises(DataError, match="sample 0 has keys"):
     next(PackedIterator([{"x": [1]}], seq_len=4, rows_per_batch=1, seed=0))

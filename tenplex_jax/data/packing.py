@@ -335,9 +335,10 @@ class PackedIterator:
               "filtered source (a Grain MapDataset after .filter) do not pass lengths= "
               "without keep=, so the plan reads each sample")
         toks = _tokens_of(sample, self.field, sid)
-        if first + n > toks.shape[0]:
+        if self.lengths is not None and toks.shape[0] != self.lengths[sid]:
           raise DataError(f"sample {sid} has {toks.shape[0]} tokens, but lengths[{sid}] "
-                          f"says at least {first + n}")
+                          f"says {int(self.lengths[sid])}; the plan would drop or invent "
+                          "tokens")
         tokens[r, col:col + n] = toks[first:first + n]
         seg[r, col:col + n] = s
         positions[r, col:col + n] = np.arange(n)
