@@ -40,9 +40,10 @@ from tenplex_jax._hostmem import host_empty
 from tenplex_jax._problems import raise_problems
 from tenplex_jax._targets import match_targets
 from tenplex_jax.errors import LayoutError, ReshardError
-from tenplex_jax.layout import (PTC, _dtype_info, box_volume, key_path_name,
+from tenplex_jax.layout import (PTC, _dtype_info, _placement_by_arithmetic,
+                                box_volume, intersect, key_path_name,
                                 placement_of, sharding_from_description)
-from tenplex_jax.planner import Plan, Template, fmt_bytes, plan
+from tenplex_jax.planner import Plan, Template, _plan_template, fmt_bytes, plan
 
 __all__ = ["ReshardReport", "reshard", "reshard_with_report", "resolve_targets"]
 
@@ -71,7 +72,9 @@ class ReshardReport:
       distinct new box that no old shard held exactly, once per process
       however many devices hold it; ``0`` on the ``kept`` path, ``None`` on
       the ``generic`` path (which copies per device).
-    plan: the plan that was executed; ``None`` on the ``kept`` path.
+    plan: the plan that was executed; ``None`` on the ``kept`` path. (On
+      the CPU path it is built when first read: the executor plans arrays
+      by class and does not need it.)
     cached: layouts, plan and per-array programs came from an earlier
       reshard between the same layouts (then ``seconds['plan']`` is 0).
   """
@@ -87,13 +90,21 @@ class ReshardReport:
   seconds: Mapping[str, float]
   aliased_shards: int = 0
   copied_bytes: int | None = None
-  plan: Plan | None = dataclasses.field(default=None, repr=False,
-                                        compare=False)
+  _plan: Plan | Callable[[], Plan] | None = dataclasses.field(
+      default=None, repr=False, compare=False)
   cached: bool = False
 
+  @property
+  def plan(self) -> Plan | None:
+    p = self._plan
+    if p is not None and not isinstance(p, Plan):
+      p = p()
+      object.__setattr__(self, "_plan", p)
+    return p
+
   def to_dict(self) -> dict:
-    d = dataclasses.asdict(self)
-    d.pop("plan")
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+         if f.name != "_plan"}
     d["seconds"] = dict(self.seconds)
     return d
 
@@ -290,6 +301,22 @@ try:  # one C++ call per array: reuses same-device shards, adopts host views
 except (ImportError, AttributeError):  # pragma: no cover - older/newer jax
   _batched = None
 
+_AVALS: dict = {}  # (dtype, sharding, rank) -> an aval on that sharding
+_AVALS_MAX = 4096
+
+
+def _aval_of(shape: tuple, dtype, s: Sharding):
+  """``_aval(shape, dtype, s)``, from an aval of the same (dtype, sharding,
+  rank) with its shape replaced: one aval built per array, not two."""
+  k = (dtype, s, len(shape))
+  t = _AVALS.get(k)
+  if t is None:
+    if len(_AVALS) >= _AVALS_MAX:
+      _AVALS.clear()
+    t = _AVALS[k] = _aval(shape, dtype, s)
+    return t
+  return t if t.shape == shape else t.update(shape=shape)
+
 
 def _make_array(shape: tuple, dtype, sharding: Sharding, xs: list,
                 devices: list) -> jax.Array:
@@ -304,7 +331,8 @@ def _make_array(shape: tuple, dtype, sharding: Sharding, xs: list,
   ``jax.device_put`` uses to place a sharded array).
   """
   if _batched is not None and sharding.is_fully_addressable:
-    return _batched(_aval(shape, dtype, sharding), sharding, xs, devices)
+    return _batched(_aval_of(tuple(shape), dtype, sharding), sharding, xs,
+                    devices)
   arrs = [x if isinstance(x, jax.Array) else
           jax.device_put(x, d, may_alias=True) for x, d in zip(xs, devices)]
   return jax.make_array_from_single_device_arrays(shape, sharding, arrs)
@@ -444,6 +472,19 @@ def _index(starts: tuple, limits: tuple) -> tuple:
   return tuple(map(slice, starts, limits)) + (Ellipsis,)
 
 
+def _host_view(a: jax.Array) -> np.ndarray:
+  """A single-device CPU array's buffer as an ndarray, without a copy.
+
+  ``np.asarray(a)`` ends in the same call after a few Python frames, which
+  cost more than the call itself when an array has many small shards.
+  """
+  try:
+    v, _ = a._single_device_array_to_np_array_did_copy()
+  except AttributeError:  # pragma: no cover - other jax versions
+    return np.asarray(a)
+  return v
+
+
 def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
   """The CPU executor for one array: every CPU device's buffer is host memory.
 
@@ -466,10 +507,10 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
   shards = _shards_of(x)
   views: dict[int, np.ndarray] = {}
 
-  def view(d: int) -> np.ndarray:  # zero-copy, read-only
+  def view(d: int) -> np.ndarray:  # zero-copy
     v = views.get(d)
     if v is None:
-      v = views[d] = np.asarray(shards[d])
+      v = views[d] = _host_view(shards[d])
     return v
 
   built: list = [None] * len(prog.boxes)
@@ -709,8 +750,8 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
   t2 = time.perf_counter()
   report = ReshardReport(
       n_tensors=tr.n_tensors, state_bytes=tr.state_bytes, moved_bytes=0,
-      lower_bound_bytes=0, local_bytes=tr.kept_bytes,
-      naive_bytes=tr.kept_bytes, reused_shards=reused,
+      lower_bound_bytes=0, local_bytes=tr.local_bytes,
+      naive_bytes=tr.local_bytes, reused_shards=reused,
       method=tr.method if tr.method != "auto" else "kept",
       seconds={"layout": t2 - t0, "plan": 0.0, "transfer": 0.0,
                "total": t2 - t0}, copied_bytes=0, cached=cached)
@@ -781,85 +822,280 @@ def _build_generic(batch: list, phys: list, tr) -> dict:
                       phys, tr)
 
 
+# -- transitions by class: one program per (old sharding, new sharding, rank) --
+
+
+def _dim_parts(s: NamedSharding, ndim: int) -> tuple[int, ...] | None:
+  """How many chunks a plain ``NamedSharding`` cuts each dimension into;
+  ``None`` for anything else (the caller takes the general path)."""
+  spec = s.spec
+  if len(spec) > ndim:
+    return None
+  sizes = s.mesh.shape
+  out = []
+  for e in spec:
+    if e is None:
+      out.append(1)
+      continue
+    axes = (e,) if isinstance(e, str) else e
+    if not isinstance(axes, tuple) or not all(
+        isinstance(a, str) and a in sizes for a in axes):
+      return None
+    out.append(math.prod(sizes[a] for a in axes))
+  return tuple(out) + (1,) * (ndim - len(spec))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _UnitClass:
+  """The move of every array of one rank between two plain NamedShardings.
+
+  Such a sharding cuts dimension ``d`` into equal chunks, so the boxes of an
+  array of shape ``n`` are those of an array of shape ``units`` (per
+  dimension, the least common multiple of the old and the new number of
+  chunks) scaled by ``n[d] // units[d]``. The class is planned once, in
+  units, for every array it covers whatever its shape: the random
+  transitions of ``benchmarks/bench_transitions.py`` have 1,657 arrays of
+  1,334 distinct (shape, dtype, shardings) but 94 classes.
+
+  Attributes:
+    units: the array shape the class is planned at.
+    prog: the CPU executor's :class:`_LeafProgram` at that shape.
+    kept: every device of the new sharding already holds its box.
+    local, lower: elements (at ``units``) that the new devices already
+      hold / do not hold, summed over the new devices.
+    table: per piece of ``prog`` (in order), its starts and limits in the
+      source shard and in the new box, ``(pieces, 4, rank)``.
+    box_units: per new box of ``prog``, its shape, ``(boxes, rank)``.
+  """
+
+  units: tuple[int, ...]
+  prog: _LeafProgram
+  kept: bool
+  local: int
+  lower: int
+  table: np.ndarray = dataclasses.field(repr=False, default=None)
+  box_units: np.ndarray = dataclasses.field(repr=False, default=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _unit_class(src: Sharding, dst: Sharding, ndim: int) -> _UnitClass | None:
+  """The class of arrays of rank ``ndim`` moving from ``src`` to ``dst``
+  (both fully addressable plain NamedShardings), or ``None``."""
+  if (type(src) is not NamedSharding or type(dst) is not NamedSharding
+      or not src.is_fully_addressable or not dst.is_fully_addressable):
+    return None
+  p, q = _dim_parts(src, ndim), _dim_parts(dst, ndim)
+  if p is None or q is None:
+    return None
+  units = tuple(math.lcm(a, b) for a, b in zip(p, q))
+  sp = _placement_by_arithmetic(src, units)
+  dp = _placement_by_arithmetic(dst, units)
+  if sp is None or dp is None:
+    return None
+  process_of = {d.id: d.process_index for d in (*src.device_set,
+                                                 *dst.device_set)}
+  tpl = _plan_template(units, 1, sp, dp, process_of, "?")
+  prog = _leaf_program("?", tpl, 0, sp, dp, dst, _addressable_ids(src),
+                       cpu=True)
+  src_of = sp.box_of_device
+  kept, local, lower = True, 0, 0
+  for box, devs in zip(dp.boxes, dp.holders):
+    vol = box_volume(box)
+    for d in devs:
+      j = src_of.get(d)
+      common = None if j is None else intersect(box, sp.boxes[j])
+      held = 0 if common is None else box_volume(common)
+      kept = kept and j is not None and sp.boxes[j] == box
+      local += held
+      lower += vol - held
+  rows = [(ss, sl, ds, tuple(d + b - a for d, a, b in zip(ds, ss, sl)))
+          for _, pieces in prog.boxes for _, _, _, (ss, sl), ds in pieces]
+  ndim = len(units)
+  table = np.array(rows, dtype=np.int64).reshape(len(rows), 4, ndim)
+  box_units = np.array([shape for shape, _ in prog.boxes],
+                       dtype=np.int64).reshape(len(prog.boxes), ndim)
+  return _UnitClass(units, prog, kept, local, lower, table, box_units)
+
+
+def _scale(c: _UnitClass, u: tuple[int, ...]) -> _LeafProgram:
+  """The CPU program of an array in class ``c``, ``u[d]`` times larger than
+  the class's units along dimension ``d``: every index scaled at once.
+
+  Its pieces carry no ``(starts, limits)`` (only the CPU executor runs it).
+  """
+  prog = c.prog
+  if not prog.boxes or not any(k != 1 for k in u):
+    return prog
+  uu = np.asarray(u, dtype=np.int64)
+  rows = (c.table * uu).tolist()
+  shapes = (c.box_units * uu).tolist()
+  boxes = []
+  r = 0
+  for (_, pieces), shape in zip(prog.boxes, shapes):
+    out = []
+    for piece in pieces:
+      ss, sl, ds, dl = rows[r]
+      r += 1
+      out.append((piece[0], (*map(slice, ss, sl), ...),
+                  (*map(slice, ds, dl), ...), None, None))
+    boxes.append((tuple(shape), tuple(out)))
+  return _LeafProgram(prog.devices, prog.outs, tuple(boxes), prog.reused,
+                      prog.alias)
+
+
+def _class_of(leaf: jax.Array, s: Sharding):
+  """``(class, scale)`` of an array moving to ``s``, or ``None`` (then the
+  general path plans it, and raises the errors that name it)."""
+  shape = leaf.shape
+  c = _unit_class(leaf.sharding, s, len(shape))
+  if c is None:
+    return None
+  u = []
+  for n, k in zip(shape, c.units):
+    if n <= 0 or n % k:
+      return None
+    u.append(n // k)
+  return c, tuple(u)
+
+
+@functools.lru_cache(maxsize=4096)
+def _platforms(s: Sharding) -> frozenset:
+  return frozenset(d.platform for d in s.device_set)
+
+
+def _sds(phys: list, src: bool) -> dict:
+  return {name: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                     sharding=leaf.sharding if src else s)
+          for name, leaf, s, _ in phys if s is not None}
+
+
 @dataclasses.dataclass
 class _Transition:
   """Everything a reshard between two layouts needs besides the data.
 
   Built on the first reshard of a (source layouts, target shardings) pair
-  and reused by the next ones: layouts, plan and per-array programs.
+  and reused by the next ones: per-array programs and the report's figures.
+  On the CPU path, arrays between plain NamedShardings are planned by class
+  (see :class:`_UnitClass`), the rest through layouts and :func:`plan`; the
+  whole state's :class:`Plan` is then built only when a report's ``plan`` is
+  read.
 
   Attributes:
     kept: every target device already holds its box (nothing moves).
     method: the executor, ``cpu`` or ``generic`` (``auto`` if kept).
     progs: per item, its :class:`_LeafProgram` (on the kept path, the
       target's addressable devices; ``None`` for non-arrays).
-    plan, src_ptc: the plan and source layout (``None`` if kept).
-    plan_seconds: time the plan took to build.
-    n_tensors, state_bytes, kept_bytes: report figures for the kept path.
+    plan_seconds: time the planning took.
+    n_tensors, state_bytes, moved_bytes, lower_bound_bytes, local_bytes:
+      the report's figures (on the kept path, ``local_bytes`` is all of it).
+    sig: per item, ``(path, shape, dtype, sharding, target)`` (``(path,)``
+      for a non-array): what the whole state's plan is built from when it
+      is first asked for; ``None`` once ``plan`` is set.
   """
 
   kept: bool
   method: str
   progs: list
-  plan: Plan | None = None
-  src_ptc: PTC | None = None
   plan_seconds: float = 0.0
   n_tensors: int = 0
   state_bytes: int = 0
-  kept_bytes: int = 0
+  moved_bytes: int = 0
+  lower_bound_bytes: int = 0
+  local_bytes: int = 0
+  plan: Plan | None = None
+  sig: tuple | None = dataclasses.field(default=None, repr=False)
+
+  def full_plan(self) -> Plan | None:
+    """The plan of the whole state (built on first use, then kept)."""
+    if self.plan is None and not self.kept and self.sig is not None:
+      src, dst = {}, {}
+      for item in self.sig:
+        if len(item) > 1:
+          name, shape, dtype, s_src, s_dst = item
+          src[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=s_src)
+          dst[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=s_dst)
+      self.plan = plan(PTC.from_tree(src), PTC.from_tree(dst))
+      self.sig = None
+    return self.plan
 
   @classmethod
-  def build(cls, phys: list, method: str) -> "_Transition":
-    if _every_box_stays(phys):
-      progs, n, state_bytes, kept_bytes = [], 0, 0, 0
-      for name, leaf, s, _ in phys:
+  def build(cls, phys: list, method: str, sig: tuple) -> "_Transition":
+    t0 = time.perf_counter()
+    resolved = method
+    if method == "auto":
+      platforms = set()
+      for _, leaf, s, _ in phys:
+        if s is not None:
+          platforms |= _platforms(leaf.sharding) | _platforms(s)
+      resolved = "cpu" if platforms <= {"cpu"} else "generic"
+    arrays = [p for p in phys if p[2] is not None]
+    classes: list = [None] * len(phys)
+    if resolved == "cpu" and len({p[0] for p in arrays}) == len(arrays):
+      classes = [None if s is None else _class_of(leaf, s)
+                 for _, leaf, s, _ in phys]
+    slow = [p if c is None else (p[0], p[1], None, p[3])
+            for p, c in zip(phys, classes)]
+    n = state_bytes = 0
+    for _, leaf, _, _ in arrays:
+      n += 1
+      state_bytes += leaf.size * leaf.dtype.itemsize
+    if (all(c is None or c[0].kept for c in classes)
+        and _every_box_stays(slow)):
+      kept_bytes = 0
+      progs = []
+      for (name, leaf, s, _), c in zip(phys, classes):
         if s is None:
           progs.append(None)
           continue
         progs.append(_device_order(s))
+        if c is not None:
+          kept_bytes += (c[0].local * math.prod(c[1])
+                         * leaf.dtype.itemsize)
+          continue
         dst = placement_of(s, leaf.shape, name)
-        itemsize = leaf.dtype.itemsize
-        n += 1
-        state_bytes += leaf.size * itemsize
         kept_bytes += sum(len(h) * box_volume(b) for b, h
-                          in zip(dst.boxes, dst.holders)) * itemsize
+                          in zip(dst.boxes, dst.holders)) * leaf.dtype.itemsize
       return cls(True, method, progs, n_tensors=n, state_bytes=state_bytes,
-                 kept_bytes=kept_bytes)
-    src_sds, dst_sds = {}, {}
-    for name, leaf, s, _ in phys:
-      if s is not None:
-        src_sds[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                             sharding=leaf.sharding)
-        placement_of(s, leaf.shape, name)  # raises LayoutError naming it
-        dst_sds[name] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                             sharding=s)
-    src_ptc = PTC.from_tree(src_sds)
-    dst_ptc = PTC.from_tree(dst_sds)
-    t0 = time.perf_counter()
-    the_plan = plan(src_ptc, dst_ptc)
-    plan_seconds = time.perf_counter() - t0
-    if method == "auto":
-      platforms = {d.platform for _, leaf, s, _ in phys if s is not None
-                   for d in (*leaf.sharding.device_set, *s.device_set)}
-      method = "cpu" if platforms <= {"cpu"} else "generic"
-    progs, memo = [], {}
-    for name, leaf, s, _ in phys:
-      if s is None:
-        progs.append(None)
-        continue
-      tpl, rot = the_plan.template(name)
-      src_place = src_ptc[name].placement
-      dst_place = dst_ptc[name].placement
-      # On CPU devices any replica is as near as another: arrays of one
-      # template share one program whatever their replica rotation.
-      k = (id(tpl), rot if method == "generic" else 0, leaf.sharding, s)
-      if k not in memo:
-        have = _addressable_ids(leaf.sharding)
-        memo[k] = _leaf_program(name, tpl, k[1], src_place, dst_place, s,
-                                have, cpu=method == "cpu")
-      progs.append(memo[k])
-    return cls(False, method, progs, plan=the_plan, src_ptc=src_ptc,
-               plan_seconds=plan_seconds)
+                 local_bytes=kept_bytes)
+    moved = local = 0
+    progs: list = [None] * len(phys)
+    scaled: dict = {}
+    for i, ((_, leaf, _, _), c) in enumerate(zip(phys, classes)):
+      if c is not None:
+        k = math.prod(c[1]) * leaf.dtype.itemsize
+        moved += c[0].lower * k
+        local += c[0].local * k
+        k = (c[0], c[1])  # arrays of one signature share one program
+        if k not in scaled:
+          scaled[k] = _scale(*k)
+        progs[i] = scaled[k]
+    the_plan = None
+    if any(p[2] is not None for p in slow):
+      src_ptc = PTC.from_tree(_sds(slow, True))
+      dst_ptc = PTC.from_tree(_sds(slow, False))
+      sub = plan(src_ptc, dst_ptc)
+      moved += sub.moved_bytes
+      local += sub.local_bytes
+      if len(src_ptc) == n:
+        the_plan = sub
+      memo = {}
+      for i, (name, leaf, s, _) in enumerate(slow):
+        if s is None:
+          continue
+        tpl, rot = sub.template(name)
+        # On CPU devices any replica is as near as another: arrays of one
+        # template share one program whatever their replica rotation.
+        k = (id(tpl), rot if resolved == "generic" else 0, leaf.sharding, s)
+        if k not in memo:
+          memo[k] = _leaf_program(
+              name, tpl, k[1], src_ptc[name].placement,
+              dst_ptc[name].placement, s, _addressable_ids(leaf.sharding),
+              cpu=resolved == "cpu")
+        progs[i] = memo[k]
+    return cls(False, resolved, progs, plan_seconds=time.perf_counter() - t0,
+               n_tensors=n, state_bytes=state_bytes, moved_bytes=moved,
+               lower_bound_bytes=moved, local_bytes=local, plan=the_plan,
+               sig=None if the_plan is not None else sig)
 
 
 _TRANSITIONS: collections.OrderedDict = collections.OrderedDict()
@@ -946,7 +1182,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
   tr = _cached_transition(key)
   cached = tr is not None
   if tr is None:
-    tr = _Transition.build(phys, method)
+    tr = _Transition.build(phys, method, key[1])
     _remember_transition(key, tr)
   t1 = time.perf_counter()
   if tr.kept:
@@ -999,17 +1235,17 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
   new_leaves = [orig if s is None else built[first[id(orig), target]]
                 for (_, orig, target), (_, _, s, _) in zip(items, phys)]
   t2 = time.perf_counter()
-  the_plan = tr.plan
   report = ReshardReport(
-      n_tensors=len(tr.src_ptc), state_bytes=tr.src_ptc.nbytes,
-      moved_bytes=the_plan.moved_bytes,
-      lower_bound_bytes=the_plan.lower_bound_bytes,
-      local_bytes=the_plan.local_bytes, naive_bytes=the_plan.naive_bytes,
+      n_tensors=tr.n_tensors, state_bytes=tr.state_bytes,
+      moved_bytes=tr.moved_bytes, lower_bound_bytes=tr.lower_bound_bytes,
+      local_bytes=tr.local_bytes,
+      naive_bytes=tr.moved_bytes + tr.local_bytes,
       reused_shards=reused, method=tr.method,
       seconds={"layout": (t1 - t0) - (0 if cached else tr.plan_seconds),
                "plan": 0.0 if cached else tr.plan_seconds,
                "transfer": t2 - t1, "total": t2 - t0},
-      aliased_shards=aliased, copied_bytes=copied, plan=the_plan,
+      aliased_shards=aliased, copied_bytes=copied,
+      _plan=tr.plan if tr.plan is not None else tr.full_plan,
       cached=cached)
   return rebuild(new_leaves), report
 
