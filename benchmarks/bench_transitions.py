@@ -26,7 +26,11 @@ Run (about 10 minutes, < 6 GiB)::
 
   python benchmarks/bench_transitions.py --seed 0
 
-and ``--suite random|lm1b`` for one suite.
+and ``--suite random|lm1b`` for one suite, ``--cases r0.16 2,4,1->1,8,1``
+for some cases only (with ``--out`` elsewhere, to keep the full run's
+results). Each process also records its CPU time (``cold_cpu_seconds``,
+``warm_cpu_seconds``, all threads), which other work on a shared machine
+disturbs less than wall time.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -178,6 +183,13 @@ def _check(jax, new, targets, hosts) -> str:
   return "ok" if not bad else "; ".join(bad[:3])
 
 
+def _cpu_seconds() -> float:
+  """CPU time of this process, all threads (less sensitive than wall time
+  to other work on a shared machine)."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
 def worker(args) -> None:
   jax = _jax()
   res = {"stage": "start", "ok": False}
@@ -203,30 +215,35 @@ def worker(args) -> None:
   mem.reset()
   res["stage"] = "cold"
   dump()
+  c0 = _cpu_seconds()
   t0 = time.perf_counter()
   new = jax.block_until_ready(call(state))
   res["cold_seconds"] = time.perf_counter() - t0
+  res["cold_cpu_seconds"] = _cpu_seconds() - c0
   res["cold_peak_bytes"] = mem.peak_above_base()
   if method != "device_put":
     res["check"] = _check(jax, new, targets, hosts)
   res["stage"] = "warm"
   dump()
   del new
-  warm, peaks = [], []
+  warm, peaks, warm_cpu = [], [], []
   for _ in range(3):
     fresh = _fresh_copy(jax, state)
     jax.block_until_ready(fresh)
     gc.collect()
     mem.reset()
+    c0 = _cpu_seconds()
     t0 = time.perf_counter()
     new = jax.block_until_ready(call(fresh))
     warm.append(time.perf_counter() - t0)
+    warm_cpu.append(_cpu_seconds() - c0)
     peaks.append(mem.peak_above_base())
     del new, fresh
     if warm[0] >= SHORT:
       break
   res["warm_calls"] = warm
   res["warm_seconds"] = statistics.median(warm)
+  res["warm_cpu_seconds"] = statistics.median(warm_cpu)
   res["warm_peak_bytes"] = max(peaks)
   res["ok"] = True
   res["stage"] = "done"
@@ -384,8 +401,11 @@ def run_suite(name: str, cases: list, methods: list, args,
                   "ratio": ratio})
       if partial is not None:
         partial(name, out)
-      msg = " ".join(f"{m}={results[m].get('cold_seconds', float('nan')):.3f}"
-                     f"/{results[m].get('warm_seconds', float('nan')):.3f}"
+      nan = float("nan")
+      msg = " ".join(f"{m}={results[m].get('cold_seconds', nan):.3f}"
+                     f"/{results[m].get('warm_seconds', nan):.3f}"
+                     f" (cpu {results[m].get('cold_cpu_seconds', nan):.3f}"
+                     f"/{results[m].get('warm_cpu_seconds', nan):.3f})"
                      for m in methods)
       prog.console.print(f"{case}: {what}: cold/warm s {msg}"
                          + "".join(f" [{m}: {results[m].get('failure')}]"
@@ -401,6 +421,9 @@ def main(argv=None) -> int:
   ap.add_argument("--suite", default="all", choices=("all", "random", "lm1b"))
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--n", type=int, default=30, help="random transitions")
+  ap.add_argument("--cases", nargs="*", default=None,
+                  help="run only these cases, by their names in the table"
+                  " (e.g. --cases r0.16 r0.08 2,4,1->1,8,1); default all")
   ap.add_argument("--lm1b-size", default="LARGE", choices=("SMALL", "LARGE"))
   ap.add_argument("--timeout", type=float, default=120.0,
                   help="seconds per process before it counts as stalled")
@@ -435,17 +458,23 @@ def main(argv=None) -> int:
     with open(args.out + ".partial", "w") as f:
       json.dump({**doc, "partial_suite": name, "partial_cases": cases}, f)
 
-  if args.suite in ("all", "random"):
-    cases = []
-    for i in range(args.n):
-      t = rt.make_transition(args.seed, i)
-      cases.append((t.name, t.describe(), ["random", str(i)], args.timeout))
-    doc["suites"]["random"] = run_suite("random", cases,
+  picked = lambda name: args.cases is None or name in args.cases
+  random_cases = []
+  for i in range(args.n):
+    t = rt.make_transition(args.seed, i)
+    if picked(t.name):
+      random_cases.append((t.name, t.describe(), ["random", str(i)],
+                           args.timeout))
+  lm1b_cases = [(a, b) for a, b in LM1B_CASES if picked(f"{a}->{b}")]
+  if args.suite in ("all", "random") and random_cases:
+    doc["suites"]["random"] = run_suite("random", random_cases,
                                         ["reshard", "device_put"], args,
                                         partial)
     doc["suites"]["random"]["label"] = (
-        f"seed {args.seed}, {args.n} transitions, 8 CPU devices")
-  if args.suite in ("all", "lm1b"):
+        f"seed {args.seed}, {args.n} transitions, 8 CPU devices"
+        + ("" if args.cases is None else
+           f", only {len(random_cases)} of them"))
+  if args.suite in ("all", "lm1b") and lm1b_cases:
     d = tempfile.mkdtemp(prefix="tenplex_lm1b_", dir="/dev/shm"
                          if os.path.isdir("/dev/shm") else None)
     try:
@@ -458,7 +487,7 @@ def main(argv=None) -> int:
                      env=env, check=True, timeout=600)
       cases = [(f"{a}->{b}", f"lm1b {args.lm1b_size} (data,fsdp,tensor)"
                 f" ({a}) -> ({b})", ["lm1b", a, b], args.timeout)
-               for a, b in LM1B_CASES]
+               for a, b in lm1b_cases]
       doc["suites"]["lm1b"] = run_suite(
           "lm1b", cases, ["reshard", "remesh", "device_put"], args, partial)
       doc["suites"]["lm1b"]["label"] = (

@@ -1,16 +1,18 @@
-"""Host buffers for new CPU-device shards: aligned, huge-page backed, recycled.
+"""Host buffers for new CPU-device shards: aligned, recycled.
 
 A CPU device's buffer is host memory, so the CPU executor of
 :func:`tenplex_jax.reshard` fills a host buffer and hands it to the device
 without a copy (``jax.device_put(buf, dev, may_alias=True)``, which XLA's CPU
 client honours for 64-byte aligned buffers). Writing into freshly mapped
-memory costs a page fault per 4 KiB page, which on virtual machines costs as
-much as the copy itself, so large buffers are
+memory costs a page fault per page, which on virtual machines costs as much
+as the copy itself, so large buffers are
 
-* mapped anonymously with ``MADV_HUGEPAGE`` (2 MiB pages where the kernel's
-  transparent huge pages allow it, for the aligned 2 MiB stretches inside
-  the mapping: 512x fewer faults there; sizes are only rounded up to 4 KiB,
-  so nothing is wasted), and
+* mapped anonymously (sizes rounded up to 4 KiB), with 4 KiB pages unless
+  ``TENPLEX_JAX_HUGEPAGES=1`` advises ``MADV_HUGEPAGE``: on the benchmark VM
+  first touch of 512 MiB in huge pages took 1.3-4.2 s wall and 0.4-1.6 s of
+  kernel time against 1.35-1.65 s and 0.3 s in 4 KiB pages (3 alternated
+  rounds, load 17-21; huge pages had been the faster ones earlier in the
+  VM's life, so this is the host's state, not a law), and
 * recycled: when jax frees a device buffer built on one, the mapping (pages
   already faulted in) goes back to a free list that the next reshard reuses,
   up to a cap (``TENPLEX_JAX_HOST_POOL_GIB``, default 4 GiB of idle memory;
@@ -36,7 +38,7 @@ __all__ = ["host_empty", "host_pool_stats", "release_host_pool"]
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
 _PAGE = mmap.PAGESIZE  # mappings are rounded up to whole (small) pages
 _MIN_MAPPED = 1 << 20  # smaller buffers come from numpy's allocator
-_HUGE = os.environ.get("TENPLEX_JAX_HUGEPAGES", "1") != "0"
+_HUGE = os.environ.get("TENPLEX_JAX_HUGEPAGES", "0") == "1"
 
 
 def _cap_bytes() -> int:
@@ -130,9 +132,9 @@ def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     dtype: any numpy dtype (``ml_dtypes`` ones included).
 
   Returns:
-    A writable array. At 1 MiB and above it lives in its own huge-page
-    advised mapping, which returns to the pool when the array (and any jax
-    buffer aliasing it) is gone.
+    A writable array. At 1 MiB and above it lives in its own mapping, which
+    returns to the pool when the array (and any jax buffer aliasing it) is
+    gone.
 
   Example:
     >>> b = host_empty((4, 3), np.float32)

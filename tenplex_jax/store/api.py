@@ -878,7 +878,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
         tasks[key] = cands
   t3 = time.perf_counter()
   # One aligned host buffer per distinct new box (storage dtype; large ones
-  # huge-page backed and recycled, see tenplex_jax._hostmem): pieces are
+  # recycled, see tenplex_jax._hostmem): pieces are
   # read straight into their place in it, and it becomes the device buffer
   # without another copy (CPU devices alias aligned host memory).
   bufs: dict[tuple[str, Box], np.ndarray] = {}
