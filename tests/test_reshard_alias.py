@@ -98,11 +98,13 @@ def test_host_pool_off_and_bad_setting(monkeypatch):
   assert _hostmem.host_pool_stats()["idle_bytes"] == 0
 
 
-@pytest.mark.parametrize("threads", ["1", "3"])
-def test_threaded_copies_are_bitwise(monkeypatch, threads):
+@pytest.mark.parametrize("threads,small", [("1", 0), ("3", 0), ("3", 1024)])
+def test_threaded_copies_are_bitwise(monkeypatch, threads, small):
   R = sys.modules["tenplex_jax.reshard"]
   monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", threads)
   monkeypatch.setattr(R, "_THREADED_MIN_BYTES", 0)  # thread even tiny copies
+  # small > 0: pieces under it are copied by the calling thread meanwhile.
+  monkeypatch.setattr(R, "_SMALL_PIECE_BYTES", small)
   devs = np.array(jax.devices()[:8])
   a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
   b = Mesh(devs[::-1].reshape(2, 4), ("data", "tensor"))
@@ -138,6 +140,7 @@ def test_copy_threads_work_in_a_forked_child(monkeypatch):
   R = sys.modules["tenplex_jax.reshard"]
   monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", "2")
   monkeypatch.setattr(R, "_THREADED_MIN_BYTES", 0)
+  monkeypatch.setattr(R, "_SMALL_PIECE_BYTES", 0)
   src = np.arange(4096, dtype=np.float32).reshape(64, 64)
   a = np.empty_like(src)
   R._copy_all([(a, (), src[:, :]), (a[:1], (), src[:1])])  # pool started here
