@@ -64,6 +64,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 try:
   import ray as _ray  # the real ray (absolute import; this is tenplex_jax.ray)
@@ -82,7 +83,8 @@ from tenplex_jax.store.launch import (
     save_snapshot,
 )
 
-__all__ = ["Job", "ResizeExit", "cleanup_stores", "initialize", "resize_due",
+__all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
+           "initialize", "resize_due",
            "restore_or_init", "run", "save_and_exit", "save_snapshot",
            "stop_store", "store_actor_name"]
 
@@ -249,10 +251,12 @@ class Job:
   """An elastic job on the connected Ray cluster (see :func:`run`)."""
 
   def __init__(self, train: str | Callable, args: Sequence[str] = (), *,
-               num_workers: int, devices_per_worker: int = 1,
+               num_workers: int | tuple[int, int],
+               devices_per_worker: int = 1,
                schedule: Mapping[int, int] | None = None,
                max_restarts: int = 3, replicas: int = 0,
-               checkpoint: str | None = None, store_root: str = "/dev/shm",
+               checkpoint: str | None = None, run_config: Any = None,
+               store_root: str = "/dev/shm",
                job: str | None = None, keep_stores: bool = False,
                start_timeout: float = 120.0,
                env: Mapping[str, str] | None = None,
@@ -260,14 +264,20 @@ class Job:
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
-    if num_workers < 1:
-      raise UsageError(f"num_workers must be >= 1, got {num_workers}")
+    self.auto = isinstance(num_workers, (tuple, list))
+    lo, hi = num_workers if self.auto else (num_workers, num_workers)
+    if not 1 <= int(lo) <= int(hi):
+      raise UsageError(f"num_workers must be n >= 1 or (min, max) with"
+                       f" 1 <= min <= max, got {num_workers!r}")
+    self.bounds = (int(lo), int(hi))
     self.train, self.args = train, list(args)
-    self.n, self.devices = int(num_workers), int(devices_per_worker)
+    self.n, self.devices = int(lo), int(devices_per_worker)
     self.schedule = dict(schedule or {})
     self.max_restarts, self.replicas = max_restarts, replicas
-    self.checkpoint, self.store_root = checkpoint, store_root
     self.job = job or f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    if checkpoint is None and run_config is not None:
+      checkpoint = checkpoint_dir(run_config, self.job)
+    self.checkpoint, self.store_root = checkpoint, store_root
     self.keep_stores, self.start_timeout = keep_stores, start_timeout
     self.token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
     self.env = dict(env or {})
@@ -283,8 +293,33 @@ class Job:
 
   def request_resize(self, procs: int) -> int:
     """Asks the running group to resize to ``procs`` workers; returns the
-    step at which it will (a few steps past the furthest worker)."""
+    step at which it will (a few steps past the furthest worker). With
+    ``num_workers=(min, max)``, ``procs`` also becomes the new maximum (the
+    job no longer grows past it with the cluster)."""
+    if self.auto:
+      self.bounds = (min(self.bounds[0], int(procs)), int(procs))
     return _ray.get(self.ctrl.request_resize.remote(int(procs)))
+
+  def capacity(self) -> int:
+    """Workers the cluster has room for now: the CPUs (whole, one per
+    worker) of the alive nodes that have not stopped answering."""
+    return sum(int(n["Resources"].get("CPU", 0)) for n in _ray.nodes()
+               if n["Alive"] and n["NodeID"] not in self.excluded)
+
+  def _target(self) -> int:
+    lo, hi = self.bounds
+    return max(lo, min(hi, self.capacity()))
+
+  def _autoscale(self, n: int) -> None:
+    """With ``num_workers=(min, max)``: resizes the running group of ``n``
+    workers to the cluster's capacity within the bounds, once per group."""
+    if not self.auto or self.current.get("auto_request"):
+      return
+    m = self._target()
+    st = _ray.get(self.ctrl.state.remote())
+    if m != n and st["request"] is None and st["progress"]:
+      at = _ray.get(self.ctrl.request_resize.remote(m))
+      self.current["auto_request"] = {"workers": m, "step": at}
 
   def _stores(self) -> dict[str, dict]:
     """One store actor per alive node (existing ones found by name)."""
@@ -318,7 +353,11 @@ class Job:
     nodes = list(stores)
     if not nodes:
       raise StoreError("no alive Ray node with a CPU for the workers")
-    placement = [nodes[i % len(nodes)] for i in range(n)]
+    cpus = {x["NodeID"]: int(x["Resources"].get("CPU", 0))
+            for x in _ray.nodes() if x["Alive"]}
+    slots = [x for r in range(max(cpus.get(x, 1) for x in nodes))
+             for x in nodes if cpus.get(x, 1) > r]  # round robin over CPUs
+    placement = [slots[i % len(slots)] for i in range(n)]
     workers = [_Worker.options(
         runtime_env={"env_vars": {TOKEN_ENV: self.token, "XLA_FLAGS": ""}},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
@@ -359,6 +398,7 @@ class Job:
       while pending:
         done, pending = _ray.wait(pending, num_returns=1, timeout=0.5)
         if not done:
+          self._autoscale(n)
           if self.on_progress is not None:
             st = _ray.get(self.ctrl.state.remote())
             self.on_progress(self, max(st["progress"].values(),
@@ -403,6 +443,8 @@ class Job:
   def run(self) -> dict:
     """Runs generations until the script finishes; returns the record."""
     n, start, failed, restarts = self.n, 0, None, 0
+    if self.auto:
+      n = self._target()
     try:
       while True:
         rec = self._generation(n, start, failed)
@@ -419,12 +461,35 @@ class Job:
         failed = rec["progress"]
         start = 0  # the restore decides the step
         self.excluded |= {x for x in set(rec["nodes"]) if not _responds(x)}
-        n = min(n, len(set(_alive_cpu_nodes()) - self.excluded)) or 1
+        n = (self._target() if self.auto else
+             min(n, len(set(_alive_cpu_nodes()) - self.excluded)) or 1)
       return {"job": self.job, "generations": self.generations}
     finally:
       _ray.kill(self.ctrl)
       if not self.keep_stores:
         cleanup_stores(self.job)
+
+
+def checkpoint_dir(run_config: Any, job: str) -> str:
+  """The persistent checkpoint directory of a Ray ``RunConfig``:
+  ``<storage_path>/<name>`` (Ray's defaults: ``~/ray_results`` and the job's
+  name), where the script's ``store.save_checkpoint(info["checkpoint"],
+  state, step)`` writes Orbax checkpoints and the last restore fallback
+  reads them.
+
+  Example:
+    >>> from ray.train import RunConfig
+    >>> checkpoint_dir(RunConfig(storage_path="/mnt/ckpt", name="lm"), "j")
+    '/mnt/ckpt/lm'
+  """
+  path = getattr(run_config, "storage_path", None) or "~/ray_results"
+  if "://" in str(path):
+    raise UsageError(f"run_config.storage_path {path!r}: tenplex_jax.ray"
+                     " writes its checkpoint fallback with Orbax to a"
+                     " directory every node mounts; give a local or shared"
+                     " file system path")
+  return os.path.join(os.path.expanduser(str(path)),
+                      getattr(run_config, "name", None) or job)
 
 
 def stop_store(job: str, node: str) -> bool:

@@ -10,7 +10,10 @@ checks that the restored state is bitwise what a static run has at that
 step. Each process appends the sample ids its devices read to
 ``LOG_DIR/ids_<generation>_<process>.jsonl``; process 0 writes
 ``LOG_DIR/final.json`` at the end. ``TRAIN_SLEEP=s`` sleeps s seconds
-per step, ``TRAIN_SNAPSHOT_EVERY=k`` calls ``save_snapshot`` every k steps.
+per step, ``TRAIN_SNAPSHOT_EVERY=k`` calls ``save_snapshot`` every k steps,
+``TRAIN_CHECKPOINT_EVERY=k`` writes an Orbax checkpoint to the job's
+checkpoint directory (``--checkpoint``, or the Ray ``RunConfig`` storage)
+every k steps.
 """
 
 import json
@@ -85,6 +88,9 @@ while step < total:
   every = int(os.environ.get("TRAIN_SNAPSHOT_EVERY", "0"))
   if every and step % every == 0:
     store.save_snapshot(state, step)
+  every = int(os.environ.get("TRAIN_CHECKPOINT_EVERY", "0"))
+  if every and step % every == 0 and info["checkpoint"]:
+    store.save_checkpoint(info["checkpoint"], state, step)
   if store.resize_due(step):
     store.save_and_exit(state, step)
 want = expected_w(step)
