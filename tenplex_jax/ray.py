@@ -109,11 +109,15 @@ _ctrl: dict = {}
 
 def _resize_due(step: int) -> int | None:
   """``resize_due`` under :func:`run`: asks the job's controller actor."""
+  restored = None
   if "handle" not in _ctrl:
     _ctrl["handle"] = _ray.get_actor(os.environ["TENPLEX_RAY_CONTROLLER"],
                                      namespace=NAMESPACE)
+    # What this group restored, known to the driver even if it fails later.
+    restored = dict(importlib.import_module(
+        "tenplex_jax.store.launch").last_restore)
   return _ray.get(_ctrl["handle"].poll.remote(
-      int(os.environ["TENPLEX_PROC_ID"]), int(step)))
+      int(os.environ["TENPLEX_PROC_ID"]), int(step), restored))
 
 
 def store_actor_name(job: str, node_id: str) -> str:
@@ -160,10 +164,14 @@ class _Controller:
     self.schedule = {int(k): int(v) for k, v in schedule.items()}
     self.request = None
     self.first_poll = None
+    self.restored: dict = {}
 
-  def poll(self, rank: int, step: int) -> int | None:
+  def poll(self, rank: int, step: int, restored: dict | None = None
+           ) -> int | None:
     if self.first_poll is None:
       self.first_poll = time.time()
+    if restored is not None:
+      self.restored[rank] = restored
     self.progress[rank] = max(step, self.progress.get(rank, 0))
     m = self.schedule.get(step)
     if m is not None and step > self.start and m != self.n:
@@ -180,7 +188,7 @@ class _Controller:
 
   def state(self) -> dict:
     return {"progress": dict(self.progress), "first_poll": self.first_poll,
-            "request": self.request}
+            "request": self.request, "restored": self.restored.get(0)}
 
 
 @_ray.remote(num_cpus=1)
@@ -418,6 +426,10 @@ class Job:
         lines = [x for x in str(error).splitlines() if x.strip()]
         rec.update(outcome="failed", error=f"{type(error).__name__}:"
                    f" {lines[-1] if lines else ''}")
+        if st["restored"] is not None:  # worker 0 reported it at its step
+          rec["restored"] = st["restored"]
+          if failed is not None and rec["restored"]:
+            rec["start_step"] = rec["restored"]["step"]
       else:
         rec["results"] = results
         kinds = {r["outcome"] for r in results}

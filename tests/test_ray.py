@@ -18,7 +18,6 @@ from tenplex_jax.data.order import global_batch_ids  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ray_train.py")
 N, B = 48, 12
-TOTAL = 14
 
 
 def _pids(cluster):
@@ -77,20 +76,22 @@ def _read_ids(log_dir):
 
 @pytest.mark.slow
 def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
-  """2 workers on 2 nodes; a third node joins and the job grows to 3 workers
-  (one per node), then shrinks to 1 and ends at step TOTAL. Each group
-  restores at the step the previous one saved, bitwise (the script checks
-  every shard against a static run), with no steps lost; each step's global
-  batch is read exactly once; the store actors and their directories are
-  gone at the end."""
+  """A (1, 3)-worker job starts 2 workers on 2 one-CPU nodes; a third node
+  joins while they start and the job, told no step, grows to 3 workers (one
+  per node) by itself; asked to shrink to 1, it does and ends at step
+  20. Each group restores at the step the previous one saved, bitwise (the
+  script checks every shard against a static run), with no steps lost; each
+  step's global batch is read exactly once; the store actors and their
+  directories are gone at the end."""
   _nodes(cluster, 2)
+  total = 20  # room for the resizes under load
   try:
     log_dir = str(tmp_path)
     events = {}
 
     def driver(job, step):  # in the driver, between its polls
       gen = len(job.generations)  # the running group
-      if gen == 0 and step >= 1 and "added" not in events:
+      if gen == 0 and "added" not in events:  # while the group starts
         events["added"] = step  # the job notices the node by itself
         cluster.add_node(num_cpus=1)  # (blocks until it is up)
         cluster.pids += _pids(cluster)
@@ -99,17 +100,17 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
         events["shrink"] = job.request_resize(1)
 
     t0 = time.time()
-    result = tray.run(SCRIPT, [str(TOTAL), log_dir], num_workers=(1, 3),
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=(1, 3),
                       job="test-grow", on_progress=driver,
                       env={"TRAIN_SLEEP": "0.2"})
     print(f"tenplex_jax.ray job: {time.time() - t0:.1f} s")
     gens = result["generations"]
     # (1, 3) workers on 2 one-CPU nodes: 2; the added node: 3, at the step
     # the driver chose by itself; request_resize(1) caps it at 1.
-    assert gens[0]["auto_request"]["workers"] == 3
+    assert gens[0].get("auto_request", {}).get("workers") == 3, gens
     grow, shrink = gens[0]["auto_request"]["step"], events["shrink"]
-    assert grow > events["added"]
-    assert 1 < grow < shrink < TOTAL, events
+    assert grow > events["added"] == 0
+    assert 1 < grow < shrink < total, events
     assert [(g["workers"], g["start_step"], g["outcome"]) for g in gens] == [
         (2, 0, "resize"), (3, grow, "resize"), (1, shrink, "done")], gens
     assert [g.get("step") for g in gens[:2]] == [grow, shrink]
@@ -131,10 +132,10 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
     assert (last["local_bytes"], last["network_bytes"]) == (16, 32)
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
-    assert final["step"] == TOTAL and final["procs"] == 1
-    assert final["data"] == {"epoch": TOTAL * B // N, "index": TOTAL % (N // B)}
+    assert final["step"] == total and final["procs"] == 1
+    assert final["data"] == {"epoch": total * B // N, "index": total % (N // B)}
     seen = _read_ids(log_dir)
-    assert sorted(seen) == list(range(TOTAL))
+    assert sorted(seen) == list(range(total))
     for step, pieces in seen.items():  # each sample of the batch exactly once
       got = np.full(B, -2)
       for lo, ids in pieces:
@@ -186,7 +187,8 @@ def test_nodes_killed_recover_from_replicas_then_checkpoint(cluster, tmp_path):
     def driver(job, step):
       gen = len(job.generations)
       if len(killed) == gen and step >= (5 if gen == 0 else
-                                         job.current["start_step"] + 5):
+                                         killed[0] + 6):  # a checkpoint
+        # of the second group is complete by then
         victim = [n for n in cluster.worker_nodes
                   if n.node_id in job.current["nodes"]]
         if victim:
@@ -214,8 +216,15 @@ def test_nodes_killed_recover_from_replicas_then_checkpoint(cluster, tmp_path):
       assert restored["source"] == source, restored
       assert restored["failed_step"] == failed
       assert restored["step"] % every == 0
-      assert failed - 2 * every <= restored["step"] <= failed
-      assert restored["report"]["steps_lost"] == failed - restored["step"]
+      # (a worker may complete the round of the step after its last
+      # progress report before the node dies)
+      assert failed - 2 * every <= restored["step"] <= failed + 1
+      # The report counts from the newest round in the stores, which a
+      # worker may have saved after its last progress report.
+      lost = restored["report"]["steps_lost"]
+      assert max(0, failed - restored["step"]) <= lost <= (
+          failed + 1 - restored["step"])
+      assert g["start_step"] == restored["step"]
     # The checkpoint is the one in the RunConfig's storage path.
     assert gens[2]["restored"]["step"] in [int(d.split("_")[1]) for d in (
         os.listdir(tmp_path / "storage" / "kill-run"))]
