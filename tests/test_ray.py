@@ -13,8 +13,13 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+import jax  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
 from tenplex_jax import ray as tray  # noqa: E402
 from tenplex_jax.data.order import global_batch_ids  # noqa: E402
+from tenplex_jax.search import best_mesh_for, transformer_spec  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ray_train.py")
 N, B = 48, 12
@@ -79,7 +84,8 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
   """A (1, 3)-worker job starts 2 workers on 2 one-CPU nodes; a third node
   joins while they start and the job, told no step, grows to 3 workers (one
   per node) by itself; asked to shrink to 1, it does and ends at step
-  20. Each group restores at the step the previous one saved, bitwise (the
+  20. Each group lays the state out as the configuration search chooses
+  for its worker count, and restores at the step the previous one saved, bitwise (the
   script checks every shard against a static run), with no steps lost; each
   step's global batch is read exactly once; the store actors and their
   directories are gone at the end."""
@@ -102,7 +108,7 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
     t0 = time.time()
     result = tray.run(SCRIPT, [str(total), log_dir], num_workers=(1, 3),
                       job="test-grow", on_progress=driver,
-                      env={"TRAIN_SLEEP": "0.2"})
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_LAYOUT": "search"})
     print(f"tenplex_jax.ray job: {time.time() - t0:.1f} s")
     gens = result["generations"]
     # (1, 3) workers on 2 one-CPU nodes: 2; the added node: 3, at the step
@@ -115,6 +121,18 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
         (2, 0, "resize"), (3, grow, "resize"), (1, shrink, "done")], gens
     assert [g.get("step") for g in gens[:2]] == [grow, shrink]
     assert len(set(gens[1]["nodes"])) == 3  # grew onto the added node
+    # Each group's layout is the configuration search's for its devices.
+    spec = transformer_spec(name="tiny", layers=2, hidden=48, heads=4,
+                            vocab=96, seq_len=16)
+    for g in gens:
+      best = best_mesh_for(spec, jax.devices()[:g["workers"]], global_batch=B,
+                           seq_len=16, devices_per_host=1,
+                           restrict={"pipeline": (1,)}, max_microbatches=1,
+                           remat=("none",))
+      want = nn.logical_to_mesh_sharding(P("embed"), best.mesh, best.rules)
+      with open(os.path.join(log_dir, f"layout_{g['generation']}.json")) as f:
+        assert json.load(f) == {"mesh": dict(want.mesh.shape),
+                                "spec": list(want.spec)}, g
     assert gens[0]["restored"] == {}  # the first group initialises
     for g, step in ((gens[1], grow), (gens[2], shrink)):
       assert g["restored"]["step"] == step
