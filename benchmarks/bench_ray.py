@@ -79,7 +79,7 @@ def transitions(rows: list[dict]) -> list[dict]:
     rep = [r["restored"] for r in new if r["restored"]]
     out.append({
         "mode": save[0]["mode"], "from": save[0]["procs"],
-        "to": new[0]["procs"], "step": save[0]["step"],
+        "to": new[0]["procs"], "at_step": save[0]["step"],
         "save": saved - signal_t, "start": r0 - saved, "restore": r1 - r0,
         "compile": c1 - r1, "step": f1 - c1, "total": f1 - signal_t,
         "steady_step_s": max(r["step_s"] for r in save),
@@ -149,15 +149,17 @@ def plot(summary: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 3))
+  fig, ax = plt.subplots(figsize=(6, 3.2))
   modes = list(summary)
   left = [0.0] * len(modes)
   for ph in PHASES:
     vals = [summary[m][ph] for m in modes]
     ax.barh(modes, vals, left=left, label=ph)
     left = [a + b for a, b in zip(left, vals)]
-  ax.set_xlabel("seconds from the resize signal to the first step (median)")
-  ax.legend(ncol=5, fontsize=7, loc="lower right")
+  ax.set_xlabel("seconds from the resize signal to the first step"
+                " (median of each phase)")
+  ax.legend(ncol=5, fontsize=7, loc="upper center",
+            bbox_to_anchor=(0.5, -0.35))
   fig.tight_layout()
   fig.savefig(path, dpi=100)
 

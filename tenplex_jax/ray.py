@@ -17,28 +17,40 @@ What :func:`run` does on a Ray cluster:
 * a worker group of N Ray actors (one CPU each, spread round robin over the
   alive nodes), fresh processes for every group, running
   ``jax.distributed`` on gloo (the coordinator on worker 0's node);
-* a resize is decided by the driver (``schedule={step: workers}`` or
-  :meth:`Job.request_resize`) through a controller actor that every
+* a resize is decided by the driver through a controller actor that every
   worker's :func:`resize_due` asks each step, so all workers stop at the
-  same step; :func:`save_and_exit` writes each worker's shards to its
-  node's store and ends the group; the next group (N' workers) restores
-  with :func:`restore_or_init` from the stores: its own node's directory
-  first, then the peers' store servers (``tenplex_jax.store.restore``);
-  the step and every non-array leaf (e.g. the data iterator's position)
-  travel in the snapshot;
+  same step: with ``num_workers=(min, max)`` (like Ray Train's
+  ``ScalingConfig(num_workers=(min, max))``) the driver follows Ray's node
+  table, one worker per CPU of the alive nodes within the bounds (a node
+  joins: the job grows onto it), else by ``schedule={step: workers}`` or
+  :meth:`Job.request_resize`; :func:`save_and_exit` writes each worker's
+  shards to its node's store and ends the group; the next group (N'
+  workers) restores with :func:`restore_or_init` from the stores: its own
+  node's directory first, then the peers' store servers
+  (``tenplex_jax.store.restore``) onto the layout the script builds for N'
+  workers (its rules, or ``tenplex_jax.search.best_mesh_for``); the step
+  and every non-array leaf (e.g. the data iterator's position) travel in
+  the snapshot;
 * a worker that fails (an exception, its process or node gone) ends the
-  group; the next one restores the newest complete :func:`save_snapshot`
-  (or the Orbax ``checkpoint``), reporting the steps lost.
+  group; the next one (on the nodes that still answer, within the bounds)
+  restores the newest complete :func:`save_snapshot` (the lost node's
+  shards from store replicas), else the newest Orbax checkpoint in the
+  user's Ray storage (``run_config=RunConfig(storage_path, name)``, written
+  by the script with ``store.save_checkpoint(info["checkpoint"], ...)``),
+  reporting the steps lost.
 
 The job token (``TENPLEX_JAX_STORE_TOKEN``: the driver's value, else a new
 secret) is passed to the store actors and the workers in their
 environment.
 
-Example (a local 2-node cluster, a 2-worker job that grows to 3 at step 4;
-``train.py`` is a script written for ``tenplex-jax launch``)::
+Example (a local 3-node cluster, a 2-worker job that grows to 3 at step 4;
+then a (1, 4)-worker job that follows the cluster and falls back to the
+checkpoints in its Ray storage; ``train.py`` is a script written for
+``tenplex-jax launch``, e.g. ``tests/ray_train.py``)::
 
   import ray
   from ray.cluster_utils import Cluster
+  from ray.train import RunConfig
   from tenplex_jax import ray as tray
 
   cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -47,6 +59,9 @@ Example (a local 2-node cluster, a 2-worker job that grows to 3 at step 4;
   ray.init(address=cluster.address)
   result = tray.run("train.py", ["10"], num_workers=2, schedule={4: 3})
   print([g["workers"] for g in result["generations"]])   # [2, 3]
+  result = tray.run("train.py", ["10"], num_workers=(1, 4), replicas=1,
+                    run_config=RunConfig(storage_path="/tmp/ray", name="lm"))
+  print([g["workers"] for g in result["generations"]])   # [3]
   ray.shutdown(); cluster.shutdown()
 """
 
@@ -535,11 +550,18 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
     train: the training script (written for ``tenplex-jax launch``'s script
       API) or function; a path must exist on every node.
     args: its command line arguments.
-    **kwargs: :class:`Job`'s: ``num_workers`` (required),
+    **kwargs: :class:`Job`'s: ``num_workers`` (required: a count, or
+      ``(min, max)``: start with one worker per CPU of the alive nodes
+      within the bounds, grow when nodes join, restart within the bounds
+      after a loss; :meth:`Job.request_resize` then also sets the maximum),
       ``devices_per_worker`` (JAX CPU devices per worker, 1),
       ``schedule`` (``{step: workers}``), ``max_restarts`` (3),
-      ``replicas`` (store replicas of :func:`save_snapshot`, 0),
-      ``checkpoint`` (an Orbax directory for the last fallback),
+      ``replicas`` (store replicas of :func:`save_snapshot`, 0; the driver
+      may change ``job.replicas`` for the next group),
+      ``checkpoint`` (an Orbax directory for the last fallback, in the
+      workers' ``TENPLEX_CHECKPOINT`` and ``initialize()["checkpoint"]``),
+      ``run_config`` (a Ray ``RunConfig``: ``checkpoint`` defaults to its
+      :func:`checkpoint_dir`),
       ``store_root`` (``/dev/shm``), ``job`` (a name), ``keep_stores``,
       ``start_timeout`` (seconds for a group's actors to start, 120),
       ``env`` (more environment for the workers), ``on_progress``
@@ -550,7 +572,11 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,
     ``start_step``, ``outcome`` (``done``, ``resize``, ``failed``), the step
-    it resized at, what it ``restored`` (step, source, the restore report),
+    it resized at, what it ``restored`` (step, source ``stores`` or
+    ``checkpoint``, ``failed_step``, the restore report with
+    ``steps_lost``; also for a group that failed after its first step),
+    ``auto_request`` (the ``workers`` and ``step`` of a resize it chose
+    from the node table),
     and seconds: ``started_s`` (actors up), ``first_step_s`` (to the first
     :func:`resize_due`), ``end_s``, ``teardown_s``.
 

@@ -121,7 +121,6 @@ def train(total: int, snapshot_every: int, log_dir: str, how: str,
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
   from tenplex_jax.data import global_batch_ids
