@@ -288,8 +288,9 @@ class Job:
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
     self.auto = isinstance(num_workers, (tuple, list))
-    lo, hi = num_workers if self.auto else (num_workers, num_workers)
-    if not 1 <= int(lo) <= int(hi):
+    lo, hi = (tuple(num_workers) + (0, 0))[:2] if self.auto else (
+        num_workers, num_workers)
+    if self.auto and len(num_workers) != 2 or not 1 <= int(lo) <= int(hi):
       raise UsageError(f"num_workers must be n >= 1 or (min, max) with"
                        f" 1 <= min <= max, got {num_workers!r}")
     self.bounds = (int(lo), int(hi))

@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                  help="save_snapshot every k steps (for failures)")
   p.add_argument("--replicas", type=int, default=1,
                  help="store replicas of each snapshot on other nodes")
-  p.add_argument("--checkpoint-every", type=int, default=0,
+  p.add_argument("--checkpoint-every", type=int, default=10,
                  help="an Orbax checkpoint to the Ray storage path every k"
                  " steps (the fallback when no store holds a snapshot);"
                  " 0: never")
