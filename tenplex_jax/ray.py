@@ -17,28 +17,40 @@ What :func:`run` does on a Ray cluster:
 * a worker group of N Ray actors (one CPU each, spread round robin over the
   alive nodes), fresh processes for every group, running
   ``jax.distributed`` on gloo (the coordinator on worker 0's node);
-* a resize is decided by the driver (``schedule={step: workers}`` or
-  :meth:`Job.request_resize`) through a controller actor that every
+* a resize is decided by the driver through a controller actor that every
   worker's :func:`resize_due` asks each step, so all workers stop at the
-  same step; :func:`save_and_exit` writes each worker's shards to its
-  node's store and ends the group; the next group (N' workers) restores
-  with :func:`restore_or_init` from the stores: its own node's directory
-  first, then the peers' store servers (``tenplex_jax.store.restore``);
-  the step and every non-array leaf (e.g. the data iterator's position)
-  travel in the snapshot;
+  same step: with ``num_workers=(min, max)`` (like Ray Train's
+  ``ScalingConfig(num_workers=(min, max))``) the driver follows Ray's node
+  table, one worker per CPU of the alive nodes within the bounds (a node
+  joins: the job grows onto it), else by ``schedule={step: workers}`` or
+  :meth:`Job.request_resize`; :func:`save_and_exit` writes each worker's
+  shards to its node's store and ends the group; the next group (N'
+  workers) restores with :func:`restore_or_init` from the stores: its own
+  node's directory first, then the peers' store servers
+  (``tenplex_jax.store.restore``) onto the layout the script builds for N'
+  workers (its rules, or ``tenplex_jax.search.best_mesh_for``); the step
+  and every non-array leaf (e.g. the data iterator's position) travel in
+  the snapshot;
 * a worker that fails (an exception, its process or node gone) ends the
-  group; the next one restores the newest complete :func:`save_snapshot`
-  (or the Orbax ``checkpoint``), reporting the steps lost.
+  group; the next one (on the nodes that still answer, within the bounds)
+  restores the newest complete :func:`save_snapshot` (the lost node's
+  shards from store replicas), else the newest Orbax checkpoint in the
+  user's Ray storage (``run_config=RunConfig(storage_path, name)``, written
+  by the script with ``store.save_checkpoint(info["checkpoint"], ...)``),
+  reporting the steps lost.
 
 The job token (``TENPLEX_JAX_STORE_TOKEN``: the driver's value, else a new
 secret) is passed to the store actors and the workers in their
 environment.
 
-Example (a local 2-node cluster, a 2-worker job that grows to 3 at step 4;
-``train.py`` is a script written for ``tenplex-jax launch``)::
+Example (a local 3-node cluster, a 2-worker job that grows to 3 at step 4;
+then a (1, 4)-worker job that follows the cluster and falls back to the
+checkpoints in its Ray storage; ``train.py`` is a script written for
+``tenplex-jax launch``, e.g. ``tests/ray_train.py``)::
 
   import ray
   from ray.cluster_utils import Cluster
+  from ray.train import RunConfig
   from tenplex_jax import ray as tray
 
   cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -47,6 +59,9 @@ Example (a local 2-node cluster, a 2-worker job that grows to 3 at step 4;
   ray.init(address=cluster.address)
   result = tray.run("train.py", ["10"], num_workers=2, schedule={4: 3})
   print([g["workers"] for g in result["generations"]])   # [2, 3]
+  result = tray.run("train.py", ["10"], num_workers=(1, 4), replicas=1,
+                    run_config=RunConfig(storage_path="/tmp/ray", name="lm"))
+  print([g["workers"] for g in result["generations"]])   # [3]
   ray.shutdown(); cluster.shutdown()
 """
 
@@ -64,6 +79,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 try:
   import ray as _ray  # the real ray (absolute import; this is tenplex_jax.ray)
@@ -82,7 +98,8 @@ from tenplex_jax.store.launch import (
     save_snapshot,
 )
 
-__all__ = ["Job", "ResizeExit", "cleanup_stores", "initialize", "resize_due",
+__all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
+           "initialize", "resize_due",
            "restore_or_init", "run", "save_and_exit", "save_snapshot",
            "stop_store", "store_actor_name"]
 
@@ -107,11 +124,15 @@ _ctrl: dict = {}
 
 def _resize_due(step: int) -> int | None:
   """``resize_due`` under :func:`run`: asks the job's controller actor."""
+  restored = None
   if "handle" not in _ctrl:
     _ctrl["handle"] = _ray.get_actor(os.environ["TENPLEX_RAY_CONTROLLER"],
                                      namespace=NAMESPACE)
+    # What this group restored, known to the driver even if it fails later.
+    restored = dict(importlib.import_module(
+        "tenplex_jax.store.launch").last_restore)
   return _ray.get(_ctrl["handle"].poll.remote(
-      int(os.environ["TENPLEX_PROC_ID"]), int(step)))
+      int(os.environ["TENPLEX_PROC_ID"]), int(step), restored))
 
 
 def store_actor_name(job: str, node_id: str) -> str:
@@ -158,10 +179,14 @@ class _Controller:
     self.schedule = {int(k): int(v) for k, v in schedule.items()}
     self.request = None
     self.first_poll = None
+    self.restored: dict = {}
 
-  def poll(self, rank: int, step: int) -> int | None:
+  def poll(self, rank: int, step: int, restored: dict | None = None
+           ) -> int | None:
     if self.first_poll is None:
       self.first_poll = time.time()
+    if restored is not None:
+      self.restored[rank] = restored
     self.progress[rank] = max(step, self.progress.get(rank, 0))
     m = self.schedule.get(step)
     if m is not None and step > self.start and m != self.n:
@@ -178,7 +203,7 @@ class _Controller:
 
   def state(self) -> dict:
     return {"progress": dict(self.progress), "first_poll": self.first_poll,
-            "request": self.request}
+            "request": self.request, "restored": self.restored.get(0)}
 
 
 @_ray.remote(num_cpus=1)
@@ -249,10 +274,12 @@ class Job:
   """An elastic job on the connected Ray cluster (see :func:`run`)."""
 
   def __init__(self, train: str | Callable, args: Sequence[str] = (), *,
-               num_workers: int, devices_per_worker: int = 1,
+               num_workers: int | tuple[int, int],
+               devices_per_worker: int = 1,
                schedule: Mapping[int, int] | None = None,
                max_restarts: int = 3, replicas: int = 0,
-               checkpoint: str | None = None, store_root: str = "/dev/shm",
+               checkpoint: str | None = None, run_config: Any = None,
+               store_root: str = "/dev/shm",
                job: str | None = None, keep_stores: bool = False,
                start_timeout: float = 120.0,
                env: Mapping[str, str] | None = None,
@@ -260,14 +287,21 @@ class Job:
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
-    if num_workers < 1:
-      raise UsageError(f"num_workers must be >= 1, got {num_workers}")
+    self.auto = isinstance(num_workers, (tuple, list))
+    lo, hi = (tuple(num_workers) + (0, 0))[:2] if self.auto else (
+        num_workers, num_workers)
+    if self.auto and len(num_workers) != 2 or not 1 <= int(lo) <= int(hi):
+      raise UsageError(f"num_workers must be n >= 1 or (min, max) with"
+                       f" 1 <= min <= max, got {num_workers!r}")
+    self.bounds = (int(lo), int(hi))
     self.train, self.args = train, list(args)
-    self.n, self.devices = int(num_workers), int(devices_per_worker)
+    self.n, self.devices = int(lo), int(devices_per_worker)
     self.schedule = dict(schedule or {})
     self.max_restarts, self.replicas = max_restarts, replicas
-    self.checkpoint, self.store_root = checkpoint, store_root
     self.job = job or f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    if checkpoint is None and run_config is not None:
+      checkpoint = checkpoint_dir(run_config, self.job)
+    self.checkpoint, self.store_root = checkpoint, store_root
     self.keep_stores, self.start_timeout = keep_stores, start_timeout
     self.token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
     self.env = dict(env or {})
@@ -283,8 +317,33 @@ class Job:
 
   def request_resize(self, procs: int) -> int:
     """Asks the running group to resize to ``procs`` workers; returns the
-    step at which it will (a few steps past the furthest worker)."""
+    step at which it will (a few steps past the furthest worker). With
+    ``num_workers=(min, max)``, ``procs`` also becomes the new maximum (the
+    job no longer grows past it with the cluster)."""
+    if self.auto:
+      self.bounds = (min(self.bounds[0], int(procs)), int(procs))
     return _ray.get(self.ctrl.request_resize.remote(int(procs)))
+
+  def capacity(self) -> int:
+    """Workers the cluster has room for now: the CPUs (whole, one per
+    worker) of the alive nodes that have not stopped answering."""
+    return sum(int(n["Resources"].get("CPU", 0)) for n in _ray.nodes()
+               if n["Alive"] and n["NodeID"] not in self.excluded)
+
+  def _target(self) -> int:
+    lo, hi = self.bounds
+    return max(lo, min(hi, self.capacity()))
+
+  def _autoscale(self, n: int) -> None:
+    """With ``num_workers=(min, max)``: resizes the running group of ``n``
+    workers to the cluster's capacity within the bounds, once per group."""
+    if not self.auto or self.current.get("auto_request"):
+      return
+    m = self._target()
+    st = _ray.get(self.ctrl.state.remote())
+    if m != n and st["request"] is None and st["progress"]:
+      at = _ray.get(self.ctrl.request_resize.remote(m))
+      self.current["auto_request"] = {"workers": m, "step": at}
 
   def _stores(self) -> dict[str, dict]:
     """One store actor per alive node (existing ones found by name)."""
@@ -318,7 +377,11 @@ class Job:
     nodes = list(stores)
     if not nodes:
       raise StoreError("no alive Ray node with a CPU for the workers")
-    placement = [nodes[i % len(nodes)] for i in range(n)]
+    cpus = {x["NodeID"]: int(x["Resources"].get("CPU", 0))
+            for x in _ray.nodes() if x["Alive"]}
+    slots = [x for r in range(max(cpus.get(x, 1) for x in nodes))
+             for x in nodes if cpus.get(x, 1) > r]  # round robin over CPUs
+    placement = [slots[i % len(slots)] for i in range(n)]
     workers = [_Worker.options(
         runtime_env={"env_vars": {TOKEN_ENV: self.token, "XLA_FLAGS": ""}},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
@@ -359,6 +422,7 @@ class Job:
       while pending:
         done, pending = _ray.wait(pending, num_returns=1, timeout=0.5)
         if not done:
+          self._autoscale(n)
           if self.on_progress is not None:
             st = _ray.get(self.ctrl.state.remote())
             self.on_progress(self, max(st["progress"].values(),
@@ -378,6 +442,10 @@ class Job:
         lines = [x for x in str(error).splitlines() if x.strip()]
         rec.update(outcome="failed", error=f"{type(error).__name__}:"
                    f" {lines[-1] if lines else ''}")
+        if st["restored"] is not None:  # worker 0 reported it at its step
+          rec["restored"] = st["restored"]
+          if failed is not None and rec["restored"]:
+            rec["start_step"] = rec["restored"]["step"]
       else:
         rec["results"] = results
         kinds = {r["outcome"] for r in results}
@@ -403,6 +471,8 @@ class Job:
   def run(self) -> dict:
     """Runs generations until the script finishes; returns the record."""
     n, start, failed, restarts = self.n, 0, None, 0
+    if self.auto:
+      n = self._target()
     try:
       while True:
         rec = self._generation(n, start, failed)
@@ -419,12 +489,35 @@ class Job:
         failed = rec["progress"]
         start = 0  # the restore decides the step
         self.excluded |= {x for x in set(rec["nodes"]) if not _responds(x)}
-        n = min(n, len(set(_alive_cpu_nodes()) - self.excluded)) or 1
+        n = (self._target() if self.auto else
+             min(n, len(set(_alive_cpu_nodes()) - self.excluded)) or 1)
       return {"job": self.job, "generations": self.generations}
     finally:
       _ray.kill(self.ctrl)
       if not self.keep_stores:
         cleanup_stores(self.job)
+
+
+def checkpoint_dir(run_config: Any, job: str) -> str:
+  """The persistent checkpoint directory of a Ray ``RunConfig``:
+  ``<storage_path>/<name>`` (Ray's defaults: ``~/ray_results`` and the job's
+  name), where the script's ``store.save_checkpoint(info["checkpoint"],
+  state, step)`` writes Orbax checkpoints and the last restore fallback
+  reads them.
+
+  Example:
+    >>> from ray.train import RunConfig
+    >>> checkpoint_dir(RunConfig(storage_path="/mnt/ckpt", name="lm"), "j")
+    '/mnt/ckpt/lm'
+  """
+  path = getattr(run_config, "storage_path", None) or "~/ray_results"
+  if "://" in str(path):
+    raise UsageError(f"run_config.storage_path {path!r}: tenplex_jax.ray"
+                     " writes its checkpoint fallback with Orbax to a"
+                     " directory every node mounts; give a local or shared"
+                     " file system path")
+  return os.path.join(os.path.expanduser(str(path)),
+                      getattr(run_config, "name", None) or job)
 
 
 def stop_store(job: str, node: str) -> bool:
@@ -458,11 +551,18 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
     train: the training script (written for ``tenplex-jax launch``'s script
       API) or function; a path must exist on every node.
     args: its command line arguments.
-    **kwargs: :class:`Job`'s: ``num_workers`` (required),
+    **kwargs: :class:`Job`'s: ``num_workers`` (required: a count, or
+      ``(min, max)``: start with one worker per CPU of the alive nodes
+      within the bounds, grow when nodes join, restart within the bounds
+      after a loss; :meth:`Job.request_resize` then also sets the maximum),
       ``devices_per_worker`` (JAX CPU devices per worker, 1),
       ``schedule`` (``{step: workers}``), ``max_restarts`` (3),
-      ``replicas`` (store replicas of :func:`save_snapshot`, 0),
-      ``checkpoint`` (an Orbax directory for the last fallback),
+      ``replicas`` (store replicas of :func:`save_snapshot`, 0; the driver
+      may change ``job.replicas`` for the next group),
+      ``checkpoint`` (an Orbax directory for the last fallback, in the
+      workers' ``TENPLEX_CHECKPOINT`` and ``initialize()["checkpoint"]``),
+      ``run_config`` (a Ray ``RunConfig``: ``checkpoint`` defaults to its
+      :func:`checkpoint_dir`),
       ``store_root`` (``/dev/shm``), ``job`` (a name), ``keep_stores``,
       ``start_timeout`` (seconds for a group's actors to start, 120),
       ``env`` (more environment for the workers), ``on_progress``
@@ -473,7 +573,11 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,
     ``start_step``, ``outcome`` (``done``, ``resize``, ``failed``), the step
-    it resized at, what it ``restored`` (step, source, the restore report),
+    it resized at, what it ``restored`` (step, source ``stores`` or
+    ``checkpoint``, ``failed_step``, the restore report with
+    ``steps_lost``; also for a group that failed after its first step),
+    ``auto_request`` (the ``workers`` and ``step`` of a resize it chose
+    from the node table),
     and seconds: ``started_s`` (actors up), ``first_step_s`` (to the first
     :func:`resize_due`), ``end_s``, ``teardown_s``.
 

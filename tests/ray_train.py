@@ -10,7 +10,13 @@ checks that the restored state is bitwise what a static run has at that
 step. Each process appends the sample ids its devices read to
 ``LOG_DIR/ids_<generation>_<process>.jsonl``; process 0 writes
 ``LOG_DIR/final.json`` at the end. ``TRAIN_SLEEP=s`` sleeps s seconds
-per step, ``TRAIN_SNAPSHOT_EVERY=k`` calls ``save_snapshot`` every k steps.
+per step, ``TRAIN_SNAPSHOT_EVERY=k`` calls ``save_snapshot`` every k steps,
+``TRAIN_CHECKPOINT_EVERY=k`` writes an Orbax checkpoint to the job's
+checkpoint directory (``--checkpoint``, or the Ray ``RunConfig`` storage)
+every k steps; ``TRAIN_LAYOUT=search`` lays ``w`` out as the configuration
+search chooses for the job's devices (``w`` as a small transformer's
+``embed`` axis) instead of over a 1-D ``data`` mesh. Process 0 writes its
+layout to ``LOG_DIR/layout_<generation>.json``.
 """
 
 import json
@@ -31,6 +37,18 @@ from tenplex_jax.data.order import global_batch_ids  # noqa: E402
 N, B, SEED, n = 48, 12, 0, 12
 mesh = Mesh(np.array(jax.devices()), ("data",))
 sh = NamedSharding(mesh, P("data"))
+if os.environ.get("TRAIN_LAYOUT") == "search":
+  # w is the 'embed' axis of a small transformer: its layout on this
+  # group's devices is the configuration search's choice.
+  from flax import linen as nn
+
+  from tenplex_jax.search import best_mesh_for, transformer_spec
+  SPEC = transformer_spec(name="tiny", layers=2, hidden=48, heads=4,
+                          vocab=96, seq_len=16)
+  best = best_mesh_for(SPEC, jax.devices(), global_batch=B, seq_len=16,
+                       restrict={"pipeline": (1,)}, max_microbatches=1,
+                       remat=("none",))
+  sh = nn.logical_to_mesh_sharding(P("embed"), best.mesh, best.rules)
 
 
 def ids_at(step):
@@ -61,6 +79,9 @@ for s in state["w"].addressable_shards:  # bitwise what was saved
   assert np.asarray(s.data).tobytes() == want[s.index].tobytes(), (step, s.index)
 total, log_dir = int(sys.argv[1]), sys.argv[2]
 gen, proc = info["generation"], info["process_id"]
+if proc == 0:  # this group's layout
+  with open(os.path.join(log_dir, f"layout_{gen}.json"), "w") as f:
+    json.dump({"mesh": dict(sh.mesh.shape), "spec": list(sh.spec)}, f)
 log = open(os.path.join(log_dir, f"ids_{gen}_{proc}.jsonl"), "a")
 add = jax.jit(lambda w, x: w + x, out_shardings=sh)
 total_sum = jax.jit(jnp.sum)  # an all-reduce: the processes in lockstep
@@ -85,6 +106,9 @@ while step < total:
   every = int(os.environ.get("TRAIN_SNAPSHOT_EVERY", "0"))
   if every and step % every == 0:
     store.save_snapshot(state, step)
+  every = int(os.environ.get("TRAIN_CHECKPOINT_EVERY", "0"))
+  if every and step % every == 0 and info["checkpoint"]:
+    store.save_checkpoint(info["checkpoint"], state, step)
   if store.resize_due(step):
     store.save_and_exit(state, step)
 want = expected_w(step)

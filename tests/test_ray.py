@@ -13,12 +13,16 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+import jax  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
 from tenplex_jax import ray as tray  # noqa: E402
 from tenplex_jax.data.order import global_batch_ids  # noqa: E402
+from tenplex_jax.search import best_mesh_for, transformer_spec  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ray_train.py")
 N, B = 48, 12
-TOTAL = 14
 
 
 def _pids(cluster):
@@ -77,38 +81,58 @@ def _read_ids(log_dir):
 
 @pytest.mark.slow
 def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
-  """2 workers on 2 nodes; a third node joins and the job grows to 3 workers
-  (one per node), then shrinks to 1 and ends at step TOTAL. Each group
-  restores at the step the previous one saved, bitwise (the script checks
-  every shard against a static run), with no steps lost; each step's global
-  batch is read exactly once; the store actors and their directories are
-  gone at the end."""
+  """A (1, 3)-worker job starts 2 workers on 2 one-CPU nodes; a third node
+  joins while they start and the job, told no step, grows to 3 workers (one
+  per node) by itself; asked to shrink to 1, it does and ends at step
+  20. Each group lays the state out as the configuration search chooses
+  for its worker count, and restores at the step the previous one saved, bitwise (the
+  script checks every shard against a static run), with no steps lost; each
+  step's global batch is read exactly once; the store actors and their
+  directories are gone at the end."""
   _nodes(cluster, 2)
+  total = 20  # room for the resizes under load
   try:
     log_dir = str(tmp_path)
     events = {}
 
     def driver(job, step):  # in the driver, between its polls
       gen = len(job.generations)  # the running group
-      if gen == 0 and step >= 1 and "grow" not in events:
-        events["grow"] = job.request_resize(3)  # a node is joining
+      if gen == 0 and "added" not in events:  # while the group starts
+        events["added"] = step  # the job notices the node by itself
         cluster.add_node(num_cpus=1)  # (blocks until it is up)
         cluster.pids += _pids(cluster)
-      if gen == 1 and step >= events["grow"] + 1 and "shrink" not in events:
+      if (gen == 1 and step >= job.current["start_step"] + 1
+          and "shrink" not in events):
         events["shrink"] = job.request_resize(1)
 
     t0 = time.time()
-    result = tray.run(SCRIPT, [str(TOTAL), log_dir], num_workers=2,
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=(1, 3),
                       job="test-grow", on_progress=driver,
-                      env={"TRAIN_SLEEP": "0.2"})
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_LAYOUT": "search"})
     print(f"tenplex_jax.ray job: {time.time() - t0:.1f} s")
     gens = result["generations"]
-    grow, shrink = events["grow"], events["shrink"]
-    assert 1 < grow < shrink < TOTAL, events
+    # (1, 3) workers on 2 one-CPU nodes: 2; the added node: 3, at the step
+    # the driver chose by itself; request_resize(1) caps it at 1.
+    assert gens[0].get("auto_request", {}).get("workers") == 3, gens
+    grow, shrink = gens[0]["auto_request"]["step"], events["shrink"]
+    assert grow > events["added"] == 0
+    assert 1 < grow < shrink < total, events
     assert [(g["workers"], g["start_step"], g["outcome"]) for g in gens] == [
         (2, 0, "resize"), (3, grow, "resize"), (1, shrink, "done")], gens
     assert [g.get("step") for g in gens[:2]] == [grow, shrink]
     assert len(set(gens[1]["nodes"])) == 3  # grew onto the added node
+    # Each group's layout is the configuration search's for its devices.
+    spec = transformer_spec(name="tiny", layers=2, hidden=48, heads=4,
+                            vocab=96, seq_len=16)
+    for g in gens:
+      best = best_mesh_for(spec, jax.devices()[:g["workers"]], global_batch=B,
+                           seq_len=16, devices_per_host=1,
+                           restrict={"pipeline": (1,)}, max_microbatches=1,
+                           remat=("none",))
+      want = nn.logical_to_mesh_sharding(P("embed"), best.mesh, best.rules)
+      with open(os.path.join(log_dir, f"layout_{g['generation']}.json")) as f:
+        assert json.load(f) == {"mesh": dict(want.mesh.shape),
+                                "spec": list(want.spec)}, g
     assert gens[0]["restored"] == {}  # the first group initialises
     for g, step in ((gens[1], grow), (gens[2], shrink)):
       assert g["restored"]["step"] == step
@@ -126,10 +150,10 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
     assert (last["local_bytes"], last["network_bytes"]) == (16, 32)
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
-    assert final["step"] == TOTAL and final["procs"] == 1
-    assert final["data"] == {"epoch": TOTAL * B // N, "index": TOTAL % (N // B)}
+    assert final["step"] == total and final["procs"] == 1
+    assert final["data"] == {"epoch": total * B // N, "index": total % (N // B)}
     seen = _read_ids(log_dir)
-    assert sorted(seen) == list(range(TOTAL))
+    assert sorted(seen) == list(range(total))
     for step, pieces in seen.items():  # each sample of the batch exactly once
       got = np.full(B, -2)
       for lo, ids in pieces:
@@ -160,43 +184,73 @@ def _final_trajectory(log_dir):
 
 
 @pytest.mark.slow
-def test_node_killed_recovers_from_replicas(cluster, tmp_path):
-  """3 workers on 3 nodes snapshot every 2 steps with one store replica; a
-  worker node is killed without warning. The job restarts on the 2 nodes
-  left, restores the newest snapshot (the lost node's shards from their
-  replicas), reports the steps lost, and finishes with every step's batch
-  exactly once in the surviving trajectory."""
+def test_nodes_killed_recover_from_replicas_then_checkpoint(cluster, tmp_path):
+  """A (1, 3)-worker job on 3 nodes snapshots every 2 steps (one store
+  replica) and writes an Orbax checkpoint every 4 steps to its Ray
+  ``RunConfig`` storage. A worker node is killed without warning: the job
+  shrinks by itself to the 2 nodes left and restores the newest snapshot
+  (the lost node's shards from their replicas). The driver then turns
+  replicas off and kills the other worker node: no store holds that node's
+  shards, so the last worker restores the newest checkpoint from the
+  storage path. Each restore reports the steps lost; the job finishes with
+  every step's batch exactly once in the surviving trajectory."""
+  from ray.train import RunConfig
   _nodes(cluster, 3)
+  total = 22
   try:
-    log_dir = str(tmp_path)
-    killed = {}
+    log_dir = str(tmp_path / "logs")
+    os.makedirs(log_dir)
+    killed = []
 
     def driver(job, step):
-      if not job.generations and step >= 5 and not killed:
-        victim = next(n for n in cluster.worker_nodes
-                      if n.node_id in job.current["nodes"])
-        killed["step"] = step
-        cluster.remove_node(victim, allow_graceful=False)
+      gen = len(job.generations)
+      if len(killed) == gen and step >= (5 if gen == 0 else
+                                         killed[0] + 6):  # a checkpoint
+        # of the second group is complete by then
+        victim = [n for n in cluster.worker_nodes
+                  if n.node_id in job.current["nodes"]]
+        if victim:
+          killed.append(step)
+          job.replicas = 0  # the next group's snapshots have no replica
+          cluster.remove_node(victim[0], allow_graceful=False)
 
-    result = tray.run(SCRIPT, [str(TOTAL), log_dir], num_workers=3,
+    config = RunConfig(storage_path=str(tmp_path / "storage"),
+                       name="kill-run")
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=(1, 3),
                       job="test-kill", on_progress=driver, replicas=1,
-                      env={"TRAIN_SLEEP": "0.2", "TRAIN_SNAPSHOT_EVERY": "2"})
+                      run_config=config,
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_SNAPSHOT_EVERY": "2",
+                           "TRAIN_CHECKPOINT_EVERY": "4"})
     gens = result["generations"]
-    print(f"killed at step {killed['step']}:", {k: gens[1][k] for k in (
-        "failed_step", "restored", "started_s", "first_step_s")})
+    print(f"killed at steps {killed}:", [{k: g.get(k) for k in (
+        "failed_step", "restored", "started_s", "first_step_s")}
+        for g in gens[1:]])
     assert [(g["workers"], g["outcome"]) for g in gens] == [
-        (3, "failed"), (2, "done")], gens
-    failed = gens[1]["failed_step"]
-    restored = gens[1]["restored"]
-    assert failed >= killed["step"] >= 5
-    assert restored["source"] == "stores"
-    assert restored["step"] % 2 == 0 and failed - 2 <= restored["step"] <= failed
-    assert restored["failed_step"] == failed
+        (3, "failed"), (2, "failed"), (1, "done")], gens
+    for g, k, source, every in ((gens[1], killed[0], "stores", 2),
+                                (gens[2], killed[1], "checkpoint", 4)):
+      failed, restored = g["failed_step"], g["restored"]
+      assert failed >= k
+      assert restored["source"] == source, restored
+      assert restored["failed_step"] == failed
+      assert restored["step"] % every == 0
+      # (a worker may complete the round of the step after its last
+      # progress report before the node dies)
+      assert failed - 2 * every <= restored["step"] <= failed + 1
+      # The report counts from the newest round in the stores (steps after
+      # it were never saved; a worker may have saved the round of the step
+      # after its last progress report).
+      lost = restored["report"]["steps_lost"]
+      assert 0 <= lost <= failed + 1 - restored["step"]
+      assert g["start_step"] == restored["step"]
+    # The checkpoint is the one in the RunConfig's storage path.
+    assert gens[2]["restored"]["step"] in [int(d.split("_")[1]) for d in (
+        os.listdir(tmp_path / "storage" / "kill-run"))]
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
-    assert final["step"] == TOTAL and final["procs"] == 2
+    assert final["step"] == total and final["procs"] == 1
     seen = _final_trajectory(log_dir)
-    assert sorted(seen) == list(range(TOTAL))
+    assert sorted(seen) == list(range(total))
     for step, pieces in seen.items():
       got = np.full(B, -2)
       for lo, ids in pieces:

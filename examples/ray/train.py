@@ -1,108 +1,276 @@
-"""An elastic JAX job on a Ray cluster with tenplex_jax.ray: grow, shrink, a node killed.
+"""An elastic decoder LM on a Ray cluster with tenplex_jax.ray: grow, shrink, a node killed.
 
   python examples/ray/train.py --local-nodes 3          # a local 3-node cluster
-  python examples/ray/train.py --address auto --workers 2 --grow-at 10
+  python examples/ray/train.py --address auto --max-workers 4 --grow-at 0 --kill-at 0
 
 The same file is the driver (run by you) and the training script (run by
 every Ray worker, as ``__main__``, with ``TENPLEX_RAY_JOB`` set). The
-training script uses only the launcher's script API, so it also runs under
-``tenplex-jax launch --procs 2 --devices-per-proc 1 -- python
-examples/ray/train.py --worker STEPS``.
+training script uses only the launcher's script API (``initialize``,
+``restore_or_init``, ``resize_due``, ``save_and_exit``, ``save_snapshot``),
+so it also runs under ``tenplex-jax launch --procs 2 -- python
+examples/ray/train.py --worker STEPS SNAPSHOT_EVERY LOG_DIR search 0``.
 
-The model is a 2-layer MLP regression (its weights sharded over the
-``data`` axis of all workers' devices, optax Adam); each step's global batch
-comes from ``tenplex_jax.data.order`` (a fixed order, independent of the
-worker count), and the data position is part of the saved state. On a
-local cluster (``--local-nodes N``) the driver starts N nodes (1 CPU each),
-runs the job on N - 1 workers, and at ``--grow-at`` adds a node and grows
-to N workers, at ``--shrink-at`` shrinks to N - 2 and removes the idle
-node, and at ``--kill-at`` kills a node that runs a worker without warning
-(the job recovers from the stores' snapshots and their replicas).
+The model is the decoder-only LM of examples/lm/model.py (4 layers, the
+layer stack as a scan) with AdamW. Each worker group lays its parameters and
+optimizer state out on all of its devices as the configuration search
+(``tenplex_jax.search.best_mesh_for``) chooses for that device count
+(``--layout search``), or with the model's logical axis rules and every
+device on ``data`` (``--layout rules``); a restore reshards the saved state
+onto that layout. Each step's global batch comes from
+``tenplex_jax.data.global_batch_ids`` (a fixed order, independent of the
+worker count), and the data position travels in the saved state.
+
+The job follows the cluster: ``num_workers=(1, max)``, one worker per CPU
+of the alive nodes. On a local cluster (``--local-nodes N``, 1 CPU per
+node) it starts on N - 1 nodes; at ``--grow-at`` a node joins and the job
+grows onto it by itself; at ``--shrink-at`` the driver asks it to shrink by
+one worker and then removes the idle node; at ``--kill-at`` a node running
+a worker is killed without warning (the job restarts on the nodes left from
+the newest snapshot, the lost node's shards from their store replicas, or
+from the Orbax checkpoint in the Ray ``RunConfig`` storage when no store
+copy survives). At the end the driver checks that every restored state's
+digest equals the one saved at that step and that the surviving trajectory
+read each step's global batch exactly once; it exits 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import time
 
-N_SAMPLES, BATCH, DIM, HIDDEN = 96, 24, 8, 24
+LM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "lm")
+N_SAMPLES, BATCH, SEED, LR = 96, 12, 0, 3e-3
 
 
-def train(total: int, snapshot_every: int) -> None:
-  """The training script (every worker)."""
-  from tenplex_jax import store
-  info = store.initialize()
+def lm_config():
+  """The decoder LM (examples/lm/model.py) at a size for 2 CPU cores; the
+  layer stack runs as a scan (no pipeline across workers)."""
+  sys.path.insert(0, LM_DIR)
+  from model import Config
+  return Config(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=4,
+                pipeline=False)
+
+
+def dataset(cfg):
+  """Synthetic sequences ``t[i+1] = (a t[i] + b) mod vocab``, one (a, b)
+  rule of four per sequence, made in code (the same in every process)."""
+  import numpy as np
+  rng = np.random.default_rng(SEED)
+  rules = [(1, 1), (3, 1), (5, 3), (7, 2)]
+  out = np.empty((N_SAMPLES, cfg.seq_len + 1), np.int32)
+  for i in range(N_SAMPLES):
+    a, b = rules[rng.integers(len(rules))]
+    out[i, 0] = rng.integers(cfg.vocab)
+    for j in range(cfg.seq_len):
+      out[i, j + 1] = (a * out[i, j] + b) % cfg.vocab
+  return out
+
+
+def layout(cfg, how: str):
+  """(mesh, rules) on all of this job's devices: the model's logical axis
+  rules with every device on ``data`` (``rules``), or the configuration
+  search's choice for this device count (``search``)."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+  from model import RULES, abstract_params, make_mesh
+  devices = jax.devices()
+  if how == "rules":
+    return make_mesh(devices, data=len(devices)), RULES
+  from tenplex_jax.search import best_mesh_for
+  best = best_mesh_for(abstract_params(cfg), devices, global_batch=BATCH,
+                       seq_len=cfg.seq_len, restrict={"pipeline": (1,)},
+                       remat=("none",), max_microbatches=1)
+  names = tuple("stage" if a == "pipeline" else a
+                for a in best.mesh.axis_names)
+  rules = tuple((k, "stage" if v == "pipeline" else v)
+                for k, v in best.rules)
+  return Mesh(np.asarray(best.mesh.devices), names), rules
+
+
+def digest(tree):
+  """A layout-independent fingerprint of every array leaf's bits (a
+  position-weighted sum of the 32-bit words, mod 2**32): equal digests at
+  a step mean the state crossed the resize bitwise (with overwhelming
+  probability)."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from tenplex_jax.data.order import global_batch_ids
 
-  mesh = Mesh(np.array(jax.devices()), ("data",))
+  def one(x):
+    w = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    pos = jnp.arange(w.size, dtype=jnp.uint32).reshape(w.shape)
+    return jnp.sum(w * (pos * jnp.uint32(2654435761) + jnp.uint32(1)),
+                   dtype=jnp.uint32)
+  leaves = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
+  total = jax.jit(lambda xs: sum(one(x) * jnp.uint32(2 * i + 1)
+                                 for i, x in enumerate(xs)))(leaves)
+  return int(total)
+
+
+def train(total: int, snapshot_every: int, log_dir: str, how: str,
+          checkpoint_every: int) -> None:
+  """The training script (every worker): a decoder LM, sharded params,
+  AdamW, the global batches in a fixed order."""
+  from tenplex_jax import store
+  info = store.initialize()
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from tenplex_jax.data import global_batch_ids
+
+  cfg = lm_config()
+  from model import LM, abstract_params
+  mesh, rules = layout(cfg, how)
+  model, tx = LM(cfg), optax.adamw(LR, weight_decay=1e-2)
   rep = NamedSharding(mesh, P())
-  sh = NamedSharding(mesh, P(None, "data"))
-  rng = np.random.default_rng(0)
-  xs = rng.normal(size=(N_SAMPLES, DIM)).astype(np.float32)
-  ys = np.sin(xs.sum(axis=1, keepdims=True)).astype(np.float32)
-  opt = optax.adam(1e-2)
+  param_sh = nn.logical_to_mesh_sharding(
+      nn.get_partition_spec(abstract_params(cfg)), mesh, rules)
+  batch_axes = dict(rules).get("batch")
+  batch_sh = NamedSharding(mesh, P(batch_axes))
+  tokens_all = dataset(cfg)
+  per_epoch = N_SAMPLES // BATCH
+
+  def init_arrays():
+    params = nn.unbox(model.init(jax.random.key(SEED),
+                                 jnp.zeros((1, cfg.seq_len), jnp.int32))
+                      ["params"])
+    return {"params": params, "opt": tx.init(params)}
+
+  shapes = jax.eval_shape(init_arrays)
+  shardings = {"params": param_sh, "opt": optax.tree_map_params(
+      tx, lambda _, s: s, shapes["opt"], param_sh,
+      transform_non_params=lambda _: rep)}
 
   def init():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    params = {"w1": jax.device_put(jax.random.normal(k1, (DIM, HIDDEN)) * 0.3,
-                                   sh),
-              "w2": jax.device_put(jax.random.normal(k2, (HIDDEN, 1)) * 0.3,
-                                   rep)}
-    return {"params": params, "opt": jax.jit(opt.init)(params), "step": 0,
-            "data": {"epoch": 0, "index": 0}}
+    arrays = jax.jit(init_arrays, out_shardings=shardings)()
+    return {**arrays, "step": 0, "data": {"epoch": 0, "index": 0}}
+
+  target = {**jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(
+      a.shape, a.dtype, sharding=s), shapes, shardings),
+      "step": 0, "data": {"epoch": 0, "index": 0}}  # the data position
+  state, step = store.restore_or_init(init, target)
+  gen, me = info["generation"], info["process_id"]
+  sums = os.path.join(log_dir, "digests.jsonl")
+  arrays = {"params": state["params"], "opt": state["opt"]}
+  if step and me == 0:  # what the previous group saved at this step
+    with open(sums, "a") as f:
+      f.write(json.dumps({"gen": gen, "restored": step,
+                          "digest": digest(arrays)}) + "\n")
+  elif step:
+    digest(arrays)  # a collective: every process takes part
 
   @jax.jit
-  def step_fn(state_arrays, x, y):
-    params, opt_state = state_arrays
-
+  def train_step(params, opt_state, tokens):
     def loss_fn(p):
-      return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
-    loss, g = jax.value_and_grad(loss_fn)(params)
-    upd, opt_state = opt.update(g, opt_state, params)
-    return (optax.apply_updates(params, upd), opt_state), loss
+      logits = model.apply({"params": p}, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens[:, 1:]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    upd, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, upd), opt_state, loss
 
-  def with_sharding(a):  # w1 and its Adam moments sharded, the rest replicated
-    if not hasattr(a, "shape"):
-      return a
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh if a.shape == (
-        DIM, HIDDEN) else rep)
-  shapes = jax.eval_shape(init)
-  target = {"params": jax.tree.map(with_sharding, shapes["params"]),
-            "opt": jax.tree.map(with_sharding, shapes["opt"]),
-            "step": 0, "data": {"epoch": 0, "index": 0}}  # saved as ints
-  state, step = store.restore_or_init(init, target)
-  per_epoch = N_SAMPLES // BATCH
+  def save(kind, fn):
+    arrays = {"params": state["params"], "opt": state["opt"]}
+    d = digest(arrays)
+    if me == 0:
+      with open(sums, "a") as f:
+        f.write(json.dumps({"gen": gen, kind: step, "digest": d}) + "\n")
+    fn(state, step)
+
+  mesh_desc = {a: int(n) for a, n in mesh.shape.items() if n > 1}
   while step < total:
     d = state["data"]
-    ids = global_batch_ids(0, d["epoch"], d["index"], N_SAMPLES, BATCH)
-    x, y = jax.device_put(xs[ids], rep), jax.device_put(ys[ids], rep)
-    (params, opt_state), loss = step_fn((state["params"], state["opt"]), x, y)
+    ids = global_batch_ids(SEED, d["epoch"], d["index"], N_SAMPLES, BATCH)
+    x = jax.make_array_from_callback(  # each process its own devices' rows
+        (BATCH, cfg.seq_len + 1), batch_sh, lambda idx: tokens_all[ids][idx])
+    params, opt_state, loss = train_step(state["params"], state["opt"], x)
+    loss = float(loss)
+    if me == 0:
+      with open(os.path.join(log_dir, "batches.jsonl"), "a") as f:
+        f.write(json.dumps({"gen": gen, "step": step,
+                            "ids": ids.tolist()}) + "\n")
+      print(f"step {step + 1} workers {info['num_processes']} mesh"
+            f" {mesh_desc or {'data': 1}} loss {loss:.4f}", flush=True)
     step += 1
     nxt = d["index"] + 1
     state = {"params": params, "opt": opt_state, "step": step,
              "data": {"epoch": d["epoch"] + nxt // per_epoch,
                       "index": nxt % per_epoch}}
-    if info["process_id"] == 0:
-      print(f"step {step} workers {info['num_processes']} loss"
-            f" {float(loss):.5f}", flush=True)
-    time.sleep(float(os.environ.get("EXAMPLE_SLEEP", "0.3")))
+    time.sleep(float(os.environ.get("EXAMPLE_SLEEP", "0.2")))
     if snapshot_every and step % snapshot_every == 0:
-      store.save_snapshot(state, step)
+      save("snapshot", store.save_snapshot)
+    if checkpoint_every and step % checkpoint_every == 0 and info[
+        "checkpoint"]:
+      save("checkpoint", lambda st, s: store.save_checkpoint(
+          info["checkpoint"], st, s))
     if store.resize_due(step):
-      store.save_and_exit(state, step)
+      save("saved", store.save_and_exit)
+  if me == 0:
+    with open(os.path.join(log_dir, "final.json"), "w") as f:
+      json.dump({"step": step, "workers": info["num_processes"]}, f)
+
+
+def check(log_dir: str, total: int) -> list[str]:
+  """What the run proves: every restore's state digest equals the one saved
+  at that step, the job ended at ``total``, and the surviving trajectory
+  read every step's global batch exactly once (each sample once per
+  epoch)."""
+  import numpy as np
+  from tenplex_jax.data import global_batch_ids
+  problems = []
+  with open(os.path.join(log_dir, "digests.jsonl")) as f:
+    rows = [json.loads(x) for x in f]
+  saved = {}
+  for r in rows:
+    for kind in ("saved", "snapshot", "checkpoint"):
+      if kind in r:
+        saved.setdefault(r[kind], set()).add(r["digest"])
+  restores = [r for r in rows if "restored" in r]
+  for r in restores:
+    if saved.get(r["restored"]) != {r["digest"]}:
+      problems.append(f"group {r['gen']}: the state restored at step"
+                      f" {r['restored']} differs from the one saved")
+  with open(os.path.join(log_dir, "final.json")) as f:
+    final = json.load(f)
+  if final["step"] != total:
+    problems.append(f"the job ended at step {final['step']}, not {total}")
+  newest = {}
+  with open(os.path.join(log_dir, "batches.jsonl")) as f:
+    for line in f:
+      r = json.loads(line)
+      if r["gen"] >= newest.get(r["step"], (-1, None))[0]:
+        newest[r["step"]] = (r["gen"], r["ids"])
+  if sorted(newest) != list(range(total)):
+    problems.append(f"steps run: {sorted(newest)}")
+  per_epoch = N_SAMPLES // BATCH
+  for step, (_, ids) in newest.items():
+    want = global_batch_ids(SEED, step // per_epoch, step % per_epoch,
+                            N_SAMPLES, BATCH)
+    if not np.array_equal(ids, want):
+      problems.append(f"step {step} read {ids}, the fixed order has {want}")
+  for e in range(total // per_epoch):
+    got = sorted(i for s in range(e * per_epoch, (e + 1) * per_epoch)
+                 for i in newest[s][1])
+    if got != list(range(N_SAMPLES)):
+      problems.append(f"epoch {e} did not read every sample exactly once")
+  print(f"check: {len(restores)} restores, each bitwise the saved state"
+        f" (digests); {total} steps, each global batch exactly once"
+        if not problems else "check FAILED:\n  " + "\n  ".join(problems))
+  return problems
 
 
 def drive(args: argparse.Namespace) -> int:
-  """The driver: a Ray cluster, the job, the elastic events."""
+  """The driver: a Ray cluster, the job, the elastic events, the check."""
+  import tempfile
   import ray
+  from ray.train import RunConfig
   from tenplex_jax import ray as tray
   cluster, events = None, {}
   if args.local_nodes:
@@ -111,24 +279,27 @@ def drive(args: argparse.Namespace) -> int:
         "num_cpus": 1, "include_dashboard": False})
     for _ in range(args.local_nodes - 2):  # one more joins at --grow-at
       cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address)
+    ray.init(address=cluster.address, log_to_driver=True)
   else:
     ray.init(address=args.address)
-  workers = args.workers or max(1, len(ray.nodes()))
+  hi = args.max_workers or (args.local_nodes or 8)
+  workers = args.workers or (1, hi)  # (min, max): follows the cluster
 
   def on_progress(job, step):
     gen, n = len(job.generations), job.current["workers"]
-    if args.grow_at and step >= args.grow_at and "grow" not in events:
-      events["grow"] = job.request_resize(n + 1)
-      print(f"driver: growing to {n + 1} workers at step {events['grow']}")
-      if cluster is not None:
-        events["node"] = cluster.add_node(num_cpus=1)
+    if (cluster is not None and args.grow_at and step >= args.grow_at
+        and "grow" not in events):
+      events["grow"] = step
+      print(f"driver: adding a node at step {step}", flush=True)
+      cluster.add_node(num_cpus=1)
+      if not job.auto:
+        job.request_resize(n + 1)
     if (args.shrink_at and step >= args.shrink_at and "grow" in events
         and "shrink" not in events and gen > 0):
       events["shrink"] = job.request_resize(max(1, n - 1))
       events["shrink_gen"] = gen + 1
       print(f"driver: shrinking to {max(1, n - 1)} workers at step"
-            f" {events['shrink']}")
+            f" {events['shrink']}", flush=True)
     if (cluster is not None and "shrink_gen" in events and gen >=
         events["shrink_gen"] and "removed" not in events):
       idle = [x for x in cluster.worker_nodes
@@ -137,22 +308,29 @@ def drive(args: argparse.Namespace) -> int:
         tray.stop_store(job.job, idle[-1].node_id)
         cluster.remove_node(idle[-1])
         events["removed"] = step
-        print(f"driver: removed an idle node at step {step}")
+        print(f"driver: removed an idle node at step {step}", flush=True)
     if (cluster is not None and args.kill_at and step >= args.kill_at
         and "killed" not in events):
       victim = [x for x in cluster.worker_nodes
                 if x.node_id in job.current["nodes"]]
       if victim:
         events["killed"] = step
-        print(f"driver: killing a node at step {step}")
+        print(f"driver: killing a node at step {step}", flush=True)
         cluster.remove_node(victim[-1], allow_graceful=False)
 
   job = f"example-{os.getpid()}"
+  tmp = tempfile.mkdtemp(prefix="tenplex-ray-example-")
+  log_dir = args.log_dir or os.path.join(tmp, "logs")
+  os.makedirs(log_dir, exist_ok=True)
+  storage = args.storage_path or os.path.join(tmp, "ray_results")
   try:
     result = tray.run(os.path.abspath(__file__),
-                      ["--worker", str(args.steps), str(args.snapshot_every)],
+                      ["--worker", str(args.steps), str(args.snapshot_every),
+                       log_dir, args.layout, str(args.checkpoint_every)],
                       num_workers=workers, replicas=args.replicas,
-                      on_progress=on_progress, job=job)
+                      on_progress=on_progress, job=job,
+                      run_config=RunConfig(storage_path=storage, name=job),
+                      env={"EXAMPLE_SLEEP": str(args.sleep)})
     for g in result["generations"]:
       r = g.get("restored") or {}
       if g["outcome"] == "failed":
@@ -169,39 +347,50 @@ def drive(args: argparse.Namespace) -> int:
             f" {g['start_step']}..{g.get('step', g['progress'])}, {how};"
             + (f" first step {first:.1f} s after the group's start"
                if first is not None else " no step"))
-    return 0
+    return 1 if check(log_dir, args.steps) else 0
   finally:
     ray.shutdown()
     if cluster is not None:
       cluster.shutdown()
       # A killed node's store directory (all local nodes share /dev/shm).
       shutil.rmtree(f"/dev/shm/tenplex-ray-{job}", ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if argv[:1] == ["--worker"]:
-    train(int(argv[1]), int(argv[2]) if len(argv) > 2 else 0)
+    train(int(argv[1]), int(argv[2]), argv[3], argv[4], int(argv[5]))
     return 0
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              epilog=__doc__.split("\n\n", 1)[1],
                               formatter_class=argparse.RawTextHelpFormatter)
   where = p.add_mutually_exclusive_group(required=True)
   where.add_argument("--address", help="an existing Ray cluster's address"
                      " (e.g. 'auto' or 'ray://host:10001'); the script must"
-                     " exist at the same path on every node")
+                     " exist at the same path on every node, and"
+                     " --storage-path and --log-dir must be on a file system"
+                     " every node mounts")
   where.add_argument("--local-nodes", type=int, metavar="N",
                      help="start a local cluster of N nodes (1 CPU each,"
-                     " N >= 3), torn down at the end")
+                     " N >= 3; N - 1 at first, one joins at --grow-at),"
+                     " torn down at the end")
   p.add_argument("--workers", type=int, default=0,
-                 help="initial workers (default: N - 1 locally, else the"
-                 " number of nodes)")
+                 help="a fixed worker count (default: follow the cluster,"
+                 " 1 to --max-workers workers, one per CPU)")
+  p.add_argument("--max-workers", type=int, default=0,
+                 help="the most workers (default: N locally, else 8)")
+  p.add_argument("--layout", choices=("rules", "search"), default="search",
+                 help="each worker group's mesh: the model's logical axis"
+                 " rules with all devices on 'data', or the configuration"
+                 " search's choice for its device count (default)")
   p.add_argument("--steps", type=int, default=40)
   p.add_argument("--grow-at", type=int, default=8,
-                 help="step at which to grow by one worker (a local node"
-                 " is added); 0: never")
+                 help="step at which a local node joins (the job grows onto"
+                 " it by itself); 0: never")
   p.add_argument("--shrink-at", type=int, default=16,
-                 help="step at which to shrink by one worker (then an idle"
-                 " local node is removed); 0: never")
+                 help="step at which the job is asked to shrink by one worker"
+                 " (then an idle local node is removed); 0: never")
   p.add_argument("--kill-at", type=int, default=26,
                  help="step at which a local node running a worker is"
                  " killed without warning; 0: never")
@@ -209,11 +398,19 @@ def main(argv: list[str] | None = None) -> int:
                  help="save_snapshot every k steps (for failures)")
   p.add_argument("--replicas", type=int, default=1,
                  help="store replicas of each snapshot on other nodes")
+  p.add_argument("--checkpoint-every", type=int, default=10,
+                 help="an Orbax checkpoint to the Ray storage path every k"
+                 " steps (the fallback when no store holds a snapshot);"
+                 " 0: never")
+  p.add_argument("--storage-path", help="Ray RunConfig storage_path for the"
+                 " checkpoints (default: a temporary directory)")
+  p.add_argument("--log-dir", help="where the workers log state digests and"
+                 " batches for the final check (default: temporary)")
+  p.add_argument("--sleep", type=float, default=0.2,
+                 help="seconds each step sleeps (to watch the events)")
   args = p.parse_args(argv)
   if args.local_nodes is not None and args.local_nodes < 3:
     p.error("--local-nodes needs N >= 3 (one joins and one is removed)")
-  if args.local_nodes and not args.workers:
-    args.workers = args.local_nodes - 1
   return drive(args)
 
 
