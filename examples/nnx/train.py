@@ -1,0 +1,246 @@
+"""Train an nnx LM while the job is resized, and compare with a static run.
+
+The model (``model.py``) is a Flax nnx decoder whose parameters carry logical
+names (``nnx.with_partitioning``) and whose blocks are stacked on a ``layers``
+axis by ``nnx.vmap``; the stack runs as a GPipe pipeline over the mesh's
+``stage`` axis (``tenplex_jax.pipeline``). The train state is what flax's
+performance guide jits: ``graphdef, state = nnx.split((model, optimizer))``
+with an ``nnx.Optimizer(model, optax.adamw(...), wrt=nnx.Param)``; the step
+merges, takes ``nnx.value_and_grad`` and ``optimizer.update``, and returns
+``nnx.state((model, optimizer))``.
+
+At each phase of the schedule the job moves to another device set and other
+(data, fsdp, tensor, stage) degrees in this process: ``tenplex_jax.remesh``
+moves the whole ``nnx.State`` (params and the optimizer's moments and step)
+onto the shardings its variables' names give under the rules (the
+configuration search's rules and mesh with ``--search``); the data iterator
+continues from its state and the step is compiled for the new mesh. Then the
+same number of steps runs on the first phase's layout without resizes, and
+the losses are compared: the global batches do not depend on the device
+count (``tenplex_jax.data.ElasticIterator``), so the curves agree up to the
+order of float reductions.
+
+  python examples/nnx/train.py                       # 8 -> 4 -> 2 -> 8 devices
+  python examples/nnx/train.py --search --schedule "0:8 8:4 16:2 24:8"
+  python examples/nnx/train.py --json nnx.json --plot nnx.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LM_DIR = os.path.join(os.path.dirname(HERE), "lm")
+
+
+def _load_lm():
+  """``examples/lm/train.py``, whose synthetic data, batches, schedule parser
+  and plot this example shares. Both examples have a ``model.py``, so lm's
+  modules are imported under their own names and taken out of
+  ``sys.modules`` again (and this example's put back)."""
+  names = ("model", "config", "train")
+  saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+  path = list(sys.path)
+  sys.path.insert(0, LM_DIR)
+  try:
+    import train as lm_train
+  finally:
+    for n in names:
+      sys.modules.pop(n, None)
+    sys.modules.update(saved)
+    sys.path[:] = path
+  return lm_train
+
+
+import jax  # noqa: E402
+
+if __name__ == "__main__":
+  jax.config.update("jax_num_cpu_devices", 8)
+
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import tenplex_jax as tj  # noqa: E402
+
+lm = _load_lm()
+sys.path.insert(0, HERE)
+from model import LM, RULES, Config, create_model  # noqa: E402
+
+# Sizes: small enough for 2 CPU cores.
+CONFIGS = {"tiny": Config(vocab=64, seq_len=16, embed=32, heads=4, mlp=64, layers=8),
+           "small": Config(vocab=256, seq_len=64, embed=128, heads=8, mlp=512, layers=8)}
+GLOBAL_BATCH = lm.configs.GLOBAL_BATCH
+LEARNING_RATE = lm.configs.LEARNING_RATE
+MICROBATCHES = 4
+SEED = 0
+# 8 -> 4 -> 2 -> 8 devices; every degree changes, the stage count too (2, 2, 1, 4).
+DEFAULT_SCHEDULE = lm.configs.DEFAULT_SCHEDULE
+parse_schedule = lm.configs.parse
+
+
+def degrees_of(mesh: Mesh) -> dict:
+  return {a: int(mesh.shape[a]) for a in ("data", "fsdp", "tensor", "stage")}
+
+
+@functools.cache
+def abstract_params(cfg: Config) -> nnx.State:
+  """The model's abstract ``nnx.Param`` state, names included (for the search)."""
+  with nnx.use_eager_sharding(False):
+    return nnx.state(nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(SEED))), nnx.Param)
+
+
+def layout(phase, cfg, devices, *, search, global_batch):
+  """(mesh, rules, microbatches) for a schedule phase."""
+  devs = devices[:phase.devices]
+  if search:
+    best = tj.search.best_mesh_for(abstract_params(cfg), devs, global_batch=global_batch,
+                                   seq_len=cfg.seq_len)
+    names = tuple("stage" if a == "pipeline" else a for a in best.mesh.axis_names)
+    rules = tuple((k, "stage" if v == "pipeline" else v) for k, v in best.rules)
+    return Mesh(best.mesh.devices, names), rules, best.candidate.microbatches
+  degrees = dict(phase.degrees) if phase.degrees is not None else {"data": phase.devices}
+  return lm.make_mesh(devs, **degrees), RULES, phase.microbatches or MICROBATCHES
+
+
+@functools.cache
+def _tx(lr):
+  # One instance: the optimizer's graphdef holds it, so the elastic and the
+  # static run share graphdefs and compiled steps.
+  return optax.adamw(lr)
+
+
+def create_state(cfg, mesh, rules, lr):
+  """``nnx.split((model, optimizer))``, created sharded on ``mesh``."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    model = create_model(cfg, seed=SEED)
+    optimizer = nnx.Optimizer(model, _tx(lr), wrt=nnx.Param)
+  return nnx.split((model, optimizer))
+
+
+def target_shardings(state, mesh, rules):
+  """Where every array of ``state`` belongs on ``mesh``: nnx's own reading of
+  the variables' logical names under ``rules``."""
+  with nnx.logical_axis_rules(rules):
+    return nnx.get_named_sharding(state, mesh)
+
+
+def make_step(graphdef, mesh, microbatches, shardings):
+  """The jitted train step on ``mesh``: the stack is pipelined over ``stage``."""
+
+  def train_step(state, tokens, mask):
+    model, optimizer = nnx.merge(graphdef, state)
+
+    def loss_fn(model):
+      logits = model(tokens[:, :-1], mesh=mesh, microbatches=microbatches)
+      per_seq = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
+      return (per_seq * mask).sum() / mask.sum()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  return jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, None))
+
+
+# Compiled steps by (graphdef, mesh, rules, microbatches): the static run
+# reuses the elastic run's first-phase executable.
+_COMPILED = {}
+
+
+def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEARNING_RATE,
+          log=print, devices=None, on_resize=None):
+  """Runs ``steps`` steps through ``phases``; returns one record per step.
+
+  ``on_resize(step, state, mesh, rules)``, if given, sees the state right
+  after each re-mesh.
+  """
+  devices = list(devices or jax.devices())
+  source = lm.dataset(cfg)
+  starts = {p.step: p for p in phases}
+  mesh, rules, mb = layout(phases[0], cfg, devices, search=search, global_batch=global_batch)
+  graphdef, state = create_state(cfg, mesh, rules, lr)
+  data_state, records = None, []
+  for t in range(steps):
+    rec = {"step": t, "reconfig_s": 0.0, "reconfig_bytes": 0, "compile_s": 0.0}
+    if t in starts and t > 0:
+      old = degrees_of(mesh)
+      mesh, rules, mb = layout(starts[t], cfg, devices, search=search,
+                               global_batch=global_batch)
+      state, report = tj.remesh(state, mesh, rules=rules, donate=True)
+      jax.block_until_ready(state)
+      rec["reconfig_s"] = report.seconds["total"]
+      rec["reconfig_bytes"] = int(report.moved_bytes)
+      rec["resized_from"] = old
+      log(f"step {t}: {old} -> {degrees_of(mesh)} (microbatches {mb}): {report}")
+      if on_resize is not None:
+        on_resize(t, state, mesh, rules)
+    tokens, mask, data_state = lm.batches(source, mesh, data_state, global_batch)
+    key = (graphdef, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb)
+    if key not in _COMPILED:
+      t0 = time.perf_counter()
+      shardings = jax.tree.map(lambda a: a.sharding, state)
+      _COMPILED[key] = make_step(graphdef, mesh, mb, shardings).lower(
+          state, tokens, mask).compile()
+      rec["compile_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state, loss = _COMPILED[key](state, tokens, mask)
+    loss = float(loss)
+    rec.update(loss=loss, step_s=time.perf_counter() - t0, devices=int(mesh.devices.size),
+               mesh=degrees_of(mesh), microbatches=mb)
+    records.append(rec)
+    log(f"step {t:3d}  devices {mesh.devices.size}  {degrees_of(mesh)} mb {mb}"
+        f"  loss {loss:.4f}  step {rec['step_s'] * 1e3:.1f} ms")
+  return records
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--schedule", default=DEFAULT_SCHEDULE,
+                  help="resize schedule: phases STEP:AXIS=N,... (axes data, fsdp, tensor, stage;"
+                  " mb=N microbatches) or STEP:DEVICES, separated by spaces or ';'."
+                  f" Default: {DEFAULT_SCHEDULE!r}")
+  ap.add_argument("--steps", type=int, default=32, help="training steps (default 32)")
+  ap.add_argument("--search", action="store_true",
+                  help="let tenplex_jax.search choose (data, fsdp, tensor, stage) and the"
+                  " microbatch count for each phase's device count")
+  ap.add_argument("--json", metavar="PATH",
+                  help="write the per-step log (loss, devices, mesh degrees, step time,"
+                  " reconfiguration time and bytes) of both runs as JSON")
+  ap.add_argument("--plot", metavar="PATH", help="save the loss curves (PNG) here")
+  ap.add_argument("--config", choices=sorted(CONFIGS), default="tiny",
+                  help="model size (default tiny)")
+  ap.add_argument("--remat", action="store_true", help="recompute layer activations in backward")
+  args = ap.parse_args(argv)
+  cfg = dataclasses.replace(CONFIGS[args.config], remat=args.remat)
+  phases = parse_schedule(args.schedule)
+  need = max(p.devices for p in phases)
+  if need > len(jax.devices()):
+    ap.error(f"the schedule needs {need} devices, {len(jax.devices())} available")
+  elastic = train(phases, args.steps, cfg, search=args.search)
+  static = train(phases[:1], args.steps, cfg, search=args.search, log=lambda *_: None)
+  diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(elastic, static))
+  resizes = [r for r in elastic if "resized_from" in r]
+  print(f"final loss {elastic[-1]['loss']:.4f} (first {elastic[0]['loss']:.4f});"
+        f" {len(resizes)} resizes, reconfiguration"
+        f" {sum(r['reconfig_s'] for r in resizes) * 1e3:.0f} ms in total;"
+        f" max |elastic - static| = {diff:.2e}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"config": dataclasses.asdict(cfg), "schedule": args.schedule,
+                 "search": args.search, "elastic": elastic, "static": static,
+                 "max_abs_loss_diff": diff}, f, indent=1)
+  if args.plot:
+    lm.plot(elastic, static, args.plot)
+  return diff
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,96 @@
+"""examples/nnx: the nnx LM trainer resizes mid-run and stays on the static curve."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _import_example():
+  """examples/nnx/train.py as a module. examples/lm has modules of the same
+  names (``model``, ``train``) that other tests import, so they are set
+  aside while this example's are imported, and put back."""
+  names = ("model", "config", "train")
+  saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+  path = list(sys.path)
+  sys.path.insert(0, str(ROOT / "examples" / "nnx"))
+  try:
+    import train as nnx_train
+  finally:
+    for n in names:
+      sys.modules.pop(n, None)
+    sys.modules.update(saved)
+    sys.path[:] = path
+  return nnx_train
+
+
+train = _import_example()
+# 8 devices (data 2, tensor 2, stage 2) -> 4 devices (stage 4, 2 microbatches):
+# the layers regroup from 2 to 4 stages and every other degree changes.
+SCHEDULE = "0:data=2,tensor=2,stage=2 2:stage=4,mb=2"
+
+
+def test_help_documents_the_contract_flags(capsys):
+  with pytest.raises(SystemExit) as e:
+    train.main(["--help"])
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  for flag in ("--schedule", "--steps", "--search", "--json", "--plot"):
+    assert flag in out
+
+
+def test_resize_with_stage_change_follows_static_run(tmp_path, capsys):
+  out_json, out_png = tmp_path / "nnx.json", tmp_path / "nnx.png"
+  diff = train.main(["--steps", "4", "--schedule", SCHEDULE, "--json", str(out_json),
+                     "--plot", str(out_png)])
+  log = json.loads(out_json.read_text())
+  el, st = log["elastic"], log["static"]
+  assert [r["devices"] for r in el] == [8, 8, 4, 4]
+  assert [r["mesh"] for r in el[1:3]] == [
+      {"data": 2, "fsdp": 1, "tensor": 2, "stage": 2},
+      {"data": 1, "fsdp": 1, "tensor": 1, "stage": 4}]
+  assert [r["microbatches"] for r in el] == [4, 4, 2, 2]
+  assert all(r["devices"] == 8 and r["mesh"]["stage"] == 2 for r in st)
+  resized = [r for r in el if "resized_from" in r]
+  assert [r["step"] for r in resized] == [2]
+  assert resized[0]["reconfig_bytes"] > 0 and resized[0]["reconfig_s"] > 0
+  assert all(r["step_s"] > 0 for r in el + st)
+  # Same global batches, same init: equal up to the order of float sums.
+  np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
+  assert el[-1]["loss"] < el[0]["loss"]
+  assert diff == log["max_abs_loss_diff"] < 1e-4
+  assert "max |elastic - static|" in capsys.readouterr().out
+  assert out_png.stat().st_size > 10_000
+
+
+def test_resize_moves_params_and_optimizer_state_to_nnx_targets():
+  """After the re-mesh every array of ``nnx.state((model, optimizer))`` has the
+  sharding nnx itself derives from the variable's names and the rules on the
+  new mesh: the stacked layers over 4 stages, the Adam moments with them."""
+  seen = []
+
+  def check(step, state, mesh, rules):
+    with nnx.logical_axis_rules(rules):
+      want = nnx.get_named_sharding(state, mesh)
+    got = [a.sharding for a in jax.tree.leaves(state)]
+    assert got == jax.tree.leaves(want)
+    assert all(isinstance(s, NamedSharding) and s.mesh == mesh for s in got)
+    model_state, opt_state = state[0], state[1]
+    kernel = model_state["blocks"]["mlp_in"]["kernel"]
+    assert isinstance(kernel, nnx.Param)
+    assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
+    assert kernel[...].sharding.spec[0] == "stage"
+    mu = opt_state["opt_state"][0]["mu"]["blocks"]["mlp_in"]["kernel"]
+    assert mu[...].sharding == kernel[...].sharding
+    seen.append((step, dict(mesh.shape)))
+
+  train.train(train.parse_schedule(SCHEDULE), 3, train.CONFIGS["tiny"], log=lambda *_: None,
+              on_resize=check)
+  assert seen == [(2, {"data": 1, "fsdp": 1, "stage": 4, "tensor": 1})]
