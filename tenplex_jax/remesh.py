@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -338,13 +339,28 @@ def target_shardings(state: Any, mesh: Mesh, *, rules=None,
   return items, treedef, fallbacks
 
 
+def _nnx_params(state: Any) -> list[bool] | None:
+  """Per leaf of ``state`` (flatten order), whether it is the value of an
+  ``nnx.Param``; None if the state holds no ``nnx.Param``."""
+  nnx = sys.modules.get("flax.nnx")  # no nnx variables unless it is loaded
+  if nnx is None:
+    return None
+  mask = []
+  for node in jax.tree_util.tree_leaves(state, is_leaf=is_box):
+    count = len(jax.tree_util.tree_leaves(node)) if is_box(node) else 1
+    mask += [isinstance(node, nnx.Param)] * count
+  return mask if any(mask) else None
+
+
 def _search_mesh(state, logical_axes, devices, *, global_batch, seq_len,
                  hardware):
   """The configuration search's mesh and rules for ``state`` on ``devices``.
 
-  The search reads the parameters (leaves under ``params/`` of a linen
-  TrainState, ``model/`` of an nnx optimizer state, else every leaf) with
-  their logical names, from boxes or ``logical_axes``.
+  The search reads the parameters with their logical names, from boxes or
+  ``logical_axes``: the arrays of ``nnx.Param`` variables if the state has
+  any (``nnx.state((model, optimizer))`` also holds the optimizer's moments,
+  which are not parameters), else the leaves under ``params/`` of a linen
+  TrainState (``model/`` of an older nnx optimizer state), else every leaf.
   """
   import flax.linen as nn
 
@@ -356,11 +372,13 @@ def _search_mesh(state, logical_axes, devices, *, global_batch, seq_len,
   anns = _annotations(state, logical_axes)
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   names = [key_path_name(p) for p, _ in flat]
+  is_param = _nnx_params(state)
   prefix = next((p for p in ("params/", "model/")
                  if any(n.startswith(p) for n in names)), "")
   abstract = []
-  for n, (_, leaf), ann in zip(names, flat, anns):
-    if not n.startswith(prefix) or not isinstance(leaf, jax.Array):
+  for i, (n, (_, leaf), ann) in enumerate(zip(names, flat, anns)):
+    wanted = is_param[i] if is_param is not None else n.startswith(prefix)
+    if not wanted or not isinstance(leaf, jax.Array):
       continue
     sds = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     logical = _logical_names(ann)

@@ -355,6 +355,41 @@ def test_nnx_model_and_optimizer_remesh():
       x.sharding for x in jax.tree.leaves(state)]
 
 
+
+def test_nnx_search_reads_params_not_optimizer_moments(monkeypatch):
+  """remesh(devices=) on nnx.state((model, optimizer)) searches with the
+  model's nnx.Param arrays only: Adam's moments carry the same logical names
+  but are not parameters (counting them tripled the model)."""
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.lecun_normal()
+      self.up = nnx.Linear(16, 64, rngs=rngs, kernel_init=nnx.with_partitioning(
+          init, ("embed", "mlp")), bias_init=nnx.with_partitioning(
+              nnx.initializers.zeros, ("mlp",)))
+      self.down = nnx.Param(init(rngs.params(), (64, 16)), out_sharding=("mlp", "embed"))
+
+  rules = (("embed", "data"), ("mlp", "model"))
+  m1 = Mesh(np.array(DEVS).reshape(2, 4), ("data", "model"))
+  with jax.set_mesh(m1), nnx.logical_axis_rules(rules):
+    model = Mlp(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+  state = nnx.state((model, opt))
+  seen = []
+  real = tj.search.best_mesh_for
+
+  def spy(abstract, devices, **kw):
+    seen.append(tj.search.from_abstract_params(abstract))
+    return real(abstract, devices, **kw)
+
+  monkeypatch.setattr(tj.search, "best_mesh_for", spy)
+  new, report = tj.remesh(state, devices=DEVS[:4], global_batch=8)
+  assert [s.param_count for s in seen] == [16 * 64 + 64 + 64 * 16]
+  assert seen[0].dims("mlp") == (64,) and seen[0].dims("embed") == (16,)
+  assert bits(new) == bits(state) and report.mesh.size == 4
+  with nnx.logical_axis_rules(report.rules):
+    expected = nnx.get_named_sharding(state, report.mesh)
+  assert [x.sharding for x in jax.tree.leaves(new)] == jax.tree.leaves(expected)
+
 def test_repeated_leaf_gets_each_target():
   m = mesh_of((2, 4), axes=("data", "model"))
   x = jax.device_put(np.arange(64.0, dtype=np.float32).reshape(8, 8),
