@@ -68,6 +68,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import tenplex_jax as tj  # noqa: E402
+from tenplex_jax import determinism  # noqa: E402
 
 lm = _load_lm()
 sys.path.insert(0, HERE)
@@ -131,22 +132,53 @@ def target_shardings(state, mesh, rules):
     return nnx.get_named_sharding(state, mesh)
 
 
-def make_step(graphdef, mesh, microbatches, shardings):
-  """The jitted train step on ``mesh``: the stack is pipelined over ``stage``."""
+def make_step(graphdef, mesh, microbatches, shardings, deterministic=None):
+  """The jitted train step on ``mesh``: the stack is pipelined over ``stage``.
+
+  With ``deterministic=V`` the gradient is
+  ``tenplex_jax.determinism.value_and_grad`` over ``V`` virtual workers (the
+  same bits on every mesh whose data x fsdp degree divides ``V``). Its
+  workers run inside a ``shard_map`` that is manual over every mesh axis, in
+  which the pipeline's own ``shard_map`` over ``stage`` cannot nest, so each
+  worker runs the stack layer after layer; the params stay sharded over
+  ``stage`` (and the other axes) between steps.
+  """
+
+  def seq_loss(logits, tokens):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
 
   def train_step(state, tokens, mask):
     model, optimizer = nnx.merge(graphdef, state)
 
     def loss_fn(model):
-      logits = model(tokens[:, :-1], mesh=mesh, microbatches=microbatches)
-      per_seq = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
+      per_seq = seq_loss(model(tokens[:, :-1], mesh=mesh, microbatches=microbatches), tokens)
       return (per_seq * mask).sum() / mask.sum()
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
-  return jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, None))
+  if deterministic is None:
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, None))
+
+  def deterministic_step(state, tokens, mask):
+    model, optimizer = nnx.merge(graphdef, state)
+    model_def, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def worker_loss(params, batch, rest):
+      # One virtual worker's slice; all slices have the same number of rows,
+      # so the mean of the workers' means is the global batch's mean.
+      worker_model = nnx.merge(model_def, params, rest)
+      per_seq = seq_loss(worker_model(batch["tokens"][:, :-1]), batch["tokens"])
+      return (per_seq * batch["mask"]).mean()
+
+    grad_fn = determinism.value_and_grad(worker_loss, virtual_workers=deterministic,
+                                         mesh=mesh, batch_axis=("data", "fsdp"))
+    loss, grads = grad_fn(params, {"tokens": tokens, "mask": mask}, rest)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), loss
+
+  return determinism.jit(deterministic_step, donate_argnums=0, out_shardings=(shardings, None))
 
 
 # Compiled steps by (graphdef, mesh, rules, microbatches): the static run
@@ -155,8 +187,12 @@ _COMPILED = {}
 
 
 def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEARNING_RATE,
-          log=print, devices=None, on_resize=None):
-  """Runs ``steps`` steps through ``phases``; returns one record per step.
+          log=print, devices=None, on_resize=None, deterministic=None, return_state=False):
+  """Runs ``steps`` steps through ``phases``; returns one record per step
+  (and the final ``(graphdef, state)`` with ``return_state``).
+
+  ``deterministic=V``: gradients by ``tenplex_jax.determinism`` over ``V``
+  virtual workers (see :func:`make_step`).
 
   ``on_resize(step, state, mesh, rules)``, if given, sees the state right
   after each re-mesh.
@@ -182,11 +218,16 @@ def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEA
       if on_resize is not None:
         on_resize(t, state, mesh, rules)
     tokens, mask, data_state = lm.batches(source, mesh, data_state, global_batch)
-    key = (graphdef, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb)
+    key = (graphdef, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb,
+           deterministic)
     if key not in _COMPILED:
+      if deterministic is not None and deterministic % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        raise ValueError(f"--deterministic {deterministic}: the batch degree data x fsdp ="
+                         f" {mesh.shape['data'] * mesh.shape['fsdp']} of {degrees_of(mesh)}"
+                         " does not divide it")
       t0 = time.perf_counter()
       shardings = jax.tree.map(lambda a: a.sharding, state)
-      _COMPILED[key] = make_step(graphdef, mesh, mb, shardings).lower(
+      _COMPILED[key] = make_step(graphdef, mesh, mb, shardings, deterministic).lower(
           state, tokens, mask).compile()
       rec["compile_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -197,7 +238,7 @@ def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEA
     records.append(rec)
     log(f"step {t:3d}  devices {mesh.devices.size}  {degrees_of(mesh)} mb {mb}"
         f"  loss {loss:.4f}  step {rec['step_s'] * 1e3:.1f} ms")
-  return records
+  return (records, (graphdef, state)) if return_state else records
 
 
 def main(argv=None):
@@ -218,14 +259,19 @@ def main(argv=None):
   ap.add_argument("--config", choices=sorted(CONFIGS), default="tiny",
                   help="model size (default tiny)")
   ap.add_argument("--remat", action="store_true", help="recompute layer activations in backward")
+  ap.add_argument("--deterministic", type=int, metavar="V",
+                  help="gradients bitwise independent of the mesh (tenplex_jax.determinism,"
+                  " V virtual workers; every phase's data x fsdp degree must divide V); the"
+                  " layers then run in order inside each worker instead of as a pipeline")
   args = ap.parse_args(argv)
   cfg = dataclasses.replace(CONFIGS[args.config], remat=args.remat)
   phases = parse_schedule(args.schedule)
   need = max(p.devices for p in phases)
   if need > len(jax.devices()):
     ap.error(f"the schedule needs {need} devices, {len(jax.devices())} available")
-  elastic = train(phases, args.steps, cfg, search=args.search)
-  static = train(phases[:1], args.steps, cfg, search=args.search, log=lambda *_: None)
+  elastic = train(phases, args.steps, cfg, search=args.search, deterministic=args.deterministic)
+  static = train(phases[:1], args.steps, cfg, search=args.search, log=lambda *_: None,
+                 deterministic=args.deterministic)
   diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(elastic, static))
   resizes = [r for r in elastic if "resized_from" in r]
   print(f"final loss {elastic[-1]['loss']:.4f} (first {elastic[0]['loss']:.4f});"
@@ -235,7 +281,8 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"config": dataclasses.asdict(cfg), "schedule": args.schedule,
-                 "search": args.search, "elastic": elastic, "static": static,
+                 "search": args.search, "deterministic": args.deterministic,
+                 "elastic": elastic, "static": static,
                  "max_abs_loss_diff": diff}, f, indent=1)
   if args.plot:
     lm.plot(elastic, static, args.plot)
