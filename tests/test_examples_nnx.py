@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -68,6 +69,19 @@ def test_resize_with_stage_change_follows_static_run(tmp_path, capsys):
   assert diff == log["max_abs_loss_diff"] < 1e-4
   assert "max |elastic - static|" in capsys.readouterr().out
   assert out_png.stat().st_size > 10_000
+  # Each compiled step pipelines the nnx stack: activations move between
+  # stages, and no all-gather produces a whole stacked block parameter.
+  stacked = {tuple(v.shape) for v in jax.tree.leaves(
+      train.abstract_params(train.CONFIGS["tiny"])["blocks"])}
+  # Keys: (graphdef, mesh shape, device ids, rules, microbatches, deterministic).
+  steps = {k[1]: f for k, f in train._COMPILED.items() if k[5] is None}
+  assert {(2, 1, 2, 2), (1, 1, 4, 1)} <= set(steps)  # (data, fsdp, stage, tensor)
+  for shape in [(2, 1, 2, 2), (1, 1, 4, 1)]:
+    hlo = steps[shape].as_text()
+    assert "collective-permute" in hlo
+    gathered = [tuple(int(d) for d in m.group(1).split(",") if d) for m in re.finditer(
+        r"= \(?[a-z0-9]+\[([0-9,]*)\][^\n]* all-gather(?:-start)?\(", hlo)]
+    assert not stacked & set(gathered), (shape, gathered)
 
 
 def test_resize_moves_params_and_optimizer_state_to_nnx_targets():
