@@ -175,6 +175,9 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None):
     grad_fn = determinism.value_and_grad(worker_loss, virtual_workers=deterministic,
                                          mesh=mesh, batch_axis=("data", "fsdp"))
     loss, grads = grad_fn(params, {"tokens": tokens, "mask": mask}, rest)
+    # Without the barrier XLA fuses the gradient's last steps into adamw's
+    # update, differently for differently sharded params: 1-ulp drifts.
+    grads = jax.lax.optimization_barrier(grads)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
