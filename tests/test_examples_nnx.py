@@ -19,7 +19,7 @@ def _import_example():
   """examples/nnx/train.py as a module. examples/lm has modules of the same
   names (``model``, ``train``) that other tests import, so they are set
   aside while this example's are imported, and put back."""
-  names = ("model", "config", "train")
+  names = ("model", "config", "train", "data")
   saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
   path = list(sys.path)
   sys.path.insert(0, str(ROOT / "examples" / "nnx"))

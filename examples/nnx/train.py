@@ -40,22 +40,24 @@ LM_DIR = os.path.join(os.path.dirname(HERE), "lm")
 
 
 def _load_lm():
-  """``examples/lm/train.py``, whose synthetic data, batches, schedule parser
-  and plot this example shares. Both examples have a ``model.py``, so lm's
-  modules are imported under their own names and taken out of
-  ``sys.modules`` again (and this example's put back)."""
-  names = ("model", "config", "train")
+  """``examples/lm/train.py`` and ``data.py``, whose data (the synthetic
+  sequences as ArrayRecord files), batches, schedule parser and plot this
+  example shares. Both examples have a ``model.py``, so lm's modules are
+  imported under their own names and taken out of ``sys.modules`` again (and
+  this example's put back)."""
+  names = ("model", "config", "train", "data")
   saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
   path = list(sys.path)
   sys.path.insert(0, LM_DIR)
   try:
+    import data as lm_data
     import train as lm_train
   finally:
     for n in names:
       sys.modules.pop(n, None)
     sys.modules.update(saved)
     sys.path[:] = path
-  return lm_train
+  return lm_train, lm_data
 
 
 import jax  # noqa: E402
@@ -70,7 +72,7 @@ from jax.sharding import Mesh  # noqa: E402
 import tenplex_jax as tj  # noqa: E402
 from tenplex_jax import determinism  # noqa: E402
 
-lm = _load_lm()
+lm, lm_data = _load_lm()
 sys.path.insert(0, HERE)
 from model import LM, RULES, Config, create_model  # noqa: E402
 
@@ -201,7 +203,7 @@ def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEA
   after each re-mesh.
   """
   devices = list(devices or jax.devices())
-  source = lm.dataset(cfg)
+  source = lm_data.source(cfg)  # ArrayRecord files, read through the dataset index
   starts = {p.step: p for p in phases}
   mesh, rules, mb = layout(phases[0], cfg, devices, search=search, global_batch=global_batch)
   graphdef, state = create_state(cfg, mesh, rules, lr)
