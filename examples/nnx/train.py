@@ -127,13 +127,6 @@ def create_state(cfg, mesh, rules, lr):
   return nnx.split((model, optimizer))
 
 
-def target_shardings(state, mesh, rules):
-  """Where every array of ``state`` belongs on ``mesh``: nnx's own reading of
-  the variables' logical names under ``rules``."""
-  with nnx.logical_axis_rules(rules):
-    return nnx.get_named_sharding(state, mesh)
-
-
 def make_step(graphdef, mesh, microbatches, shardings, deterministic=None):
   """The jitted train step on ``mesh``: the stack is pipelined over ``stage``.
 
