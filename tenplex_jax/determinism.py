@@ -74,7 +74,16 @@ __all__ = ["COMPILER_OPTIONS", "GPU_DETERMINISM_FLAGS", "DeterminismReport",
 # algebraic simplifier then rewrites some divisions differently (for example
 # in a softmax's gradient), so the same per-worker code gives other bits on
 # 1 device than on 2+. Disabling that clean-up makes both pipelines agree.
-COMPILER_OPTIONS = (("xla_disable_hlo_passes", "spmd-cleanup"),)
+# XLA:CPU has two code generators for fused elementwise loops (the MLIR
+# "fusion emitters" and the older elemental IR emitter) and picks one per
+# fusion; both let LLVM contract ``a * b + c * d`` into a fused multiply-add,
+# but on different products (``fma(a, b, c * d)`` vs ``fma(c, d, a * b)``).
+# An optax adamw moment update ``b1 * mu + (1 - b1) * g`` on an FSDP shard
+# (its fusion slices the gathered gradient) and on a whole array went
+# through different generators and differed in the last bit. With the
+# fusion emitters off every fusion goes through the same generator.
+COMPILER_OPTIONS = (("xla_disable_hlo_passes", "spmd-cleanup"),
+                    ("xla_cpu_use_fusion_emitters", False))
 
 GPU_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops=true",
                          "--xla_gpu_exclude_nondeterministic_ops=true")
