@@ -3,6 +3,8 @@
 Every comparison is on raw bits (float32 viewed as uint32), never allclose.
 """
 
+import json
+import os
 import sys
 
 import flax.linen as nn
@@ -17,7 +19,11 @@ import tenplex_jax as tj
 from tenplex_jax import determinism as det
 from tenplex_jax.errors import UsageError
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import det_train  # noqa: E402
+import procs  # noqa: E402
 from fixtures import lm1b_models, lm1b_state  # noqa: E402
 
 
@@ -157,101 +163,104 @@ def test_plain_psum_step_differs_across_meshes():
 # -------------------------------------------------------- D0 and D1
 
 
-class Net(nn.Module):
-  """A small Flax model with dropout (so per-worker keys matter)."""
-
-  @nn.compact
-  def __call__(self, x, *, train):
-    x = nn.gelu(nn.Dense(48)(x))
-    x = nn.Dropout(0.2, deterministic=not train)(x)
-    x = nn.LayerNorm()(x)
-    x = nn.gelu(nn.Dense(48)(x))
-    return nn.Dense(8)(x)
-
-
-NET = Net()
-TX = optax.adamw(3e-3, weight_decay=0.01)
-STEPS = 20
-
-
-def net_loss(params, batch, key):
-  logits = NET.apply({"params": params}, batch["x"], train=True,
-                     rngs={"dropout": key})
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def dataset(global_batch):
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(STEPS, global_batch, 12)).astype(np.float32)
-  y = (np.abs(x[..., :8]).argmax(-1)).astype(np.int32)
-  return x, y
-
-
-def state_shardings(state, mesh):
-  # Replicated: an adamw update on FSDP shards of other shapes is not
-  # bitwise that on whole arrays on XLA:CPU (docs/determinism.md, gaps).
-  return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), state)
-
-
 _STEPS_CACHE = {}
 
 
 def train_step_for(mesh, v):
   key = (tuple(d.id for d in mesh.devices.flat), v)
   if key not in _STEPS_CACHE:
-    grad = det.value_and_grad(net_loss, virtual_workers=v, mesh=mesh,
-                              rng_argnums=(0,))
-
-    def step(state, batch, t):
-      k = jax.random.fold_in(jax.random.key(42), t)  # (seed, step)
-      loss, grads = grad(state["params"], batch, k)
-      updates, opt = TX.update(grads, state["opt"], state["params"])
-      return {"params": optax.apply_updates(state["params"], updates),
-              "opt": opt}, loss
-
-    _STEPS_CACHE[key] = det.jit(step, donate_argnums=0)
+    _STEPS_CACHE[key] = det_train.make_step(mesh, v)
   return _STEPS_CACHE[key]
 
 
-def train(schedule, v, *, store_dir=None):
-  """``schedule``: ((first step, devices), ...); resizes with remesh."""
-  x, y = dataset(2 * v)
-  params = NET.init(jax.random.key(0), jnp.ones((1, 12)), train=False)["params"]
-  state = {"params": params, "opt": TX.init(params)}
+def train(schedule, v, *, fsdp=False, store_dir=None):
+  """``schedule``: ((first step, devices), ...); resizes with remesh.
+
+  ``fsdp``: params and adamw moments ZeRO-3 sharded over ``data`` (their
+  shard shapes change with every resize), else replicated."""
+  x, y = det_train.dataset(2 * v)
+  state = det_train.init_state()
   starts = dict(schedule)
   mesh = None
-  for t in range(STEPS):
+  for t in range(det_train.STEPS):
     if t in starts:
       new = mesh1d(starts[t])
+      target = det_train.shardings(state, new, fsdp)
       if mesh is None:
-        state = tj.reshard(state, state_shardings(state, new))
+        state = tj.reshard(state, target)
       elif store_dir is not None and t == schedule[1][0]:
         # This resize goes through the host store (save, restore elsewhere).
         tj.store.save(state, str(store_dir), step=t)
-        target = jax.tree_util.tree_map(
+        state = tj.store.restore(str(store_dir), jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            state, state_shardings(state, new))
-        state = tj.store.restore(str(store_dir), target)
+            state, target))
       else:
-        state, _ = tj.remesh(state, new)
+        state, _ = tj.remesh(state, shardings=target)
+      for a, s in zip(jax.tree_util.tree_leaves(state),
+                      jax.tree_util.tree_leaves(target)):
+        assert a.sharding.is_equivalent_to(s, a.ndim)
       mesh = new
     batch = jax.device_put({"x": x[t], "y": y[t]}, NamedSharding(mesh, P("data")))
     state, _ = train_step_for(mesh, v)(state, batch, t)
   return state
 
 
+_STATIC = {}
+
+
+def static_run(v):
+  """The job on 8 devices from start to end, params replicated."""
+  if v not in _STATIC:
+    _STATIC[v] = train(((0, 8),), v)
+  return _STATIC[v]
+
+
 def test_d0_d1_training_v8_resizes_8_4_2_8(tmp_path):
-  static = train(((0, 8),), 8)
+  static = static_run(8)
   assert_bitwise(static, train(((0, 8),), 8))                     # D0
   assert_bitwise(static, train(((0, 1),), 8))                     # 1 device
-  # D1; the 8 -> 4 resize goes through the host store (save, restore).
+  # D1, replicated state; the 8 -> 4 resize goes through the host store.
   assert_bitwise(static, train(((0, 8), (5, 4), (10, 2), (15, 8)), 8,
                                store_dir=tmp_path))
+  # D1, ZeRO-3 state: every resize changes the shard shapes of the params
+  # and of adamw's moments, which the update runs on.
+  assert_bitwise(static, train(((0, 8), (5, 4), (10, 2), (15, 8)), 8,
+                               fsdp=True))
 
 
 def test_d1_training_v24_resizes_8_3_6():
-  static = train(((0, 8),), 24)
+  static = static_run(24)
+  assert_bitwise(static, train(((0, 1),), 24))                    # 1 device
   assert_bitwise(static, train(((0, 8), (7, 3), (14, 6)), 24))
+  assert_bitwise(static, train(((0, 8), (7, 3), (14, 6)), 24, fsdp=True))
+
+
+@pytest.mark.slow
+def test_d1_across_processes_through_the_store(tmp):
+  """``tenplex-jax launch``: 2 processes x 4 devices -> 1 x 4 -> 2 x 4, the
+  state (ZeRO-3) saved to the processes' stores and restored by the next
+  generation at each resize: the bits of the static in-process run."""
+  sched = os.path.join(tmp, "schedule.txt")
+  with open(sched, "w") as f:
+    f.write("step 7 procs 1\nstep 14 procs 2\n")
+  job = os.path.join(tmp, "job")
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "",
+         "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  [r] = procs.run_all(
+      [[sys.executable, "-m", "tenplex_jax", "launch", "--procs", "2",
+        "--devices-per-proc", "4", "--schedule", sched, "--job-dir", job,
+        "--timeout", "200", "--", sys.executable,
+        os.path.join(HERE, "det_train.py"), str(det_train.STEPS), "8",
+        "fsdp"]], timeout=230, env=env)
+  assert r.returncode == 0, r.stdout[-5000:]
+  with open(os.path.join(job, "final.json")) as f:
+    final = json.load(f)
+  assert final == {"procs": 2, "step": det_train.STEPS, "generation": 2,
+                   "devices": 8}, final
+  with np.load(os.path.join(job, "final.npz")) as z:
+    got = [z[f"arr_{i}"] for i in range(len(z.files))]
+  assert_bitwise(static_run(8), got)
 
 
 def test_demo_deterministic_says_bitwise_identical(capsys):
