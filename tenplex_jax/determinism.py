@@ -248,18 +248,18 @@ def _groups(leaves: Sequence[Any], loss_dtype: Any, n: int) -> _Groups:
 
 def _flatten(groups: _Groups, leaves: Sequence[jax.Array],
              loss: jax.Array) -> list[jax.Array]:
-  parts: list[list[jax.Array]] = [[] for _ in groups.dtypes]
-  for (g, _, _, _), leaf in zip(groups.slots, leaves):
-    parts[g].append(jnp.ravel(leaf))
-  parts[groups.loss_slot[0]].append(
-      jnp.reshape(loss, (1,)).astype(groups.dtypes[groups.loss_slot[0]]))
-  out = []
-  for g, dt in enumerate(groups.dtypes):
-    items = parts[g]
-    pad = groups.lengths[g] - sum(x.shape[0] for x in items)
-    if pad:
-      items.append(jnp.zeros((pad,), dt))
-    out.append(jnp.concatenate(items) if len(items) > 1 else items[0])
+  # Each leaf is written into a zero buffer at its offset (in-place dynamic
+  # update slices: a copy each). A concatenate does the same but XLA:CPU's
+  # elemental emitter (COMPILER_OPTIONS) selects the source operand per
+  # element, about 4x slower on this machine.
+  out = [jnp.zeros((length,), dt)
+         for length, dt in zip(groups.lengths, groups.dtypes)]
+  for (g, off, size, _), leaf in zip(groups.slots, leaves):
+    if size:
+      out[g] = lax.dynamic_update_slice(out[g], jnp.ravel(leaf), (off,))
+  g, off = groups.loss_slot
+  out[g] = lax.dynamic_update_slice(
+      out[g], jnp.reshape(loss, (1,)).astype(groups.dtypes[g]), (off,))
   return out
 
 
