@@ -499,6 +499,9 @@ class DeterminismReport:
     gpu_flags_set: each of :data:`GPU_DETERMINISM_FLAGS` and whether set.
     spmd_cleanup_disabled: whether ``XLA_FLAGS`` disables ``spmd-cleanup``
       (needed only for steps not compiled by :func:`jit`).
+    cpu_fusion_emitters_disabled: whether ``XLA_FLAGS`` holds
+      ``--xla_cpu_use_fusion_emitters=false`` (likewise only needed for steps
+      not compiled by :func:`jit`).
     problems: human-readable findings; empty when nothing is known to break
       determinism.
   """
@@ -509,10 +512,22 @@ class DeterminismReport:
   gpu_flags_set: dict[str, bool]
   spmd_cleanup_disabled: bool
   problems: tuple[str, ...]
+  cpu_fusion_emitters_disabled: bool = False
 
   @property
   def ok(self) -> bool:
     return not self.problems
+
+
+def _flag_value(tokens: Sequence[str], name: str) -> str | None:
+  """The last value of ``--name=value`` (or ``--name``: ``"true"``)."""
+  value = None
+  for t in tokens:
+    if t == f"--{name}":
+      value = "true"
+    elif t.startswith(f"--{name}="):
+      value = t.split("=", 1)[1].lower()
+  return value
 
 
 def check_environment(xla_flags: str | None = None,
@@ -522,8 +537,12 @@ def check_environment(xla_flags: str | None = None,
   On GPU, XLA picks atomics-based (run-to-run varying) kernels for scatter
   and some reductions unless ``--xla_gpu_deterministic_ops=true`` (and
   ``--xla_gpu_exclude_nondeterministic_ops=true``) are in ``XLA_FLAGS``;
-  autotuning can also pick other kernels on other runs. A non-default
-  ``jax_default_matmul_precision`` must at least be the same on every run.
+  autotuning can also pick other kernels on other runs. Fast math
+  (``--xla_cpu_enable_fast_math=true``) lets LLVM reassociate and
+  approximate, differently for different shapes, and is reported as a
+  problem; so is a ``jax_default_matmul_precision`` other than the
+  default, which must at least be the same on every run of the job (it is
+  reported so that the caller can log it).
 
   Args:
     xla_flags: the flags to check (default: the ``XLA_FLAGS`` variable).
@@ -540,7 +559,7 @@ def check_environment(xla_flags: str | None = None,
   flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
   platform = jax.default_backend() if platform is None else platform
   tokens = flags.split()
-  set_flags = {f: f in tokens or f.removesuffix("=true") in tokens
+  set_flags = {f: _flag_value(tokens, f[2:].split("=")[0]) == "true"
                for f in GPU_DETERMINISM_FLAGS}
   precision = jax.config.jax_default_matmul_precision
   problems = []
@@ -549,12 +568,21 @@ def check_environment(xla_flags: str | None = None,
       if not ok:
         problems.append(f"XLA_FLAGS lacks {flag}: GPU kernels may differ from"
                         " run to run (D0 breaks)")
+  if _flag_value(tokens, "xla_cpu_enable_fast_math") == "true":
+    problems.append("XLA_FLAGS sets --xla_cpu_enable_fast_math=true: LLVM may"
+                    " reassociate and approximate differently for other shard"
+                    " shapes (D1 breaks)")
+  if precision is not None:
+    problems.append(f"jax_default_matmul_precision is {precision!r}: keep it"
+                    " the same on every run and every resize of the job")
   disabled = [t.split("=", 1)[1].split(",") for t in tokens
               if t.startswith("--xla_disable_hlo_passes=")]
   cleanup_off = any("spmd-cleanup" in d for d in disabled)
+  emitters_off = _flag_value(tokens, "xla_cpu_use_fusion_emitters") == "false"
   return DeterminismReport(platform, flags,
                            None if precision is None else str(precision),
-                           set_flags, cleanup_off, tuple(problems))
+                           set_flags, cleanup_off, tuple(problems),
+                           emitters_off)
 
 
 def partial_gradient_bytes(params: Any, *, virtual_workers: int, devices: int

@@ -311,7 +311,19 @@ def test_check_environment_reports_gpu_flags():
       xla_flags=" ".join(det.GPU_DETERMINISM_FLAGS)
       + " --xla_disable_hlo_passes=spmd-cleanup", platform="gpu")
   assert good.ok and good.spmd_cleanup_disabled
-  assert det.check_environment(xla_flags="", platform="cpu").ok
+  assert not good.cpu_fusion_emitters_disabled
+  cpu = det.check_environment(xla_flags="", platform="cpu")
+  assert cpu.ok and not cpu.spmd_cleanup_disabled
+  assert det.check_environment(
+      xla_flags="--xla_cpu_use_fusion_emitters=false",
+      platform="cpu").cpu_fusion_emitters_disabled
+  fast = det.check_environment(xla_flags="--xla_cpu_enable_fast_math=true",
+                               platform="cpu")
+  assert [p.split(":")[0] for p in fast.problems] == [
+      "XLA_FLAGS sets --xla_cpu_enable_fast_math=true"]
+  with jax.default_matmul_precision("highest"):
+    r = det.check_environment(xla_flags="", platform="cpu")
+  assert r.matmul_precision == "highest" and "'highest'" in r.problems[0]
 
 
 def test_partial_gradient_bytes():
