@@ -465,11 +465,14 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
 def jit(fun: Callable, **kwargs) -> Callable:
   """``jax.jit`` with the compiler options that keep :func:`value_and_grad` exact.
 
-  Use it for the train step that calls :func:`value_and_grad`'s function:
-  a step compiled by plain ``jax.jit`` gets XLA's default pipeline, in
-  which a 1-device program and a multi-device program may simplify the
-  same per-worker code differently (see :data:`COMPILER_OPTIONS`), unless
-  ``XLA_FLAGS`` holds ``--xla_disable_hlo_passes=spmd-cleanup``.
+  Use it for the whole train step that calls :func:`value_and_grad`'s
+  function, optimizer update included: a step compiled by plain ``jax.jit``
+  gets XLA's default pipeline, in which a 1-device program and a
+  multi-device program may simplify the same per-worker code differently,
+  and XLA:CPU may compile an optax update on a sharded shard and on a whole
+  array with different fused multiply-adds (see :data:`COMPILER_OPTIONS`),
+  unless ``XLA_FLAGS`` holds ``--xla_disable_hlo_passes=spmd-cleanup
+  --xla_cpu_use_fusion_emitters=false``.
 
   Args:
     fun: the function to compile.
