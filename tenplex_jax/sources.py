@@ -22,6 +22,7 @@ import abc
 import collections
 import dataclasses
 import math
+import mmap
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,14 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax._hostmem import host_empty
 from tenplex_jax.errors import TreeError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 key_path_name, relative_index)
 from tenplex_jax.planner import plan
 
 __all__ = ["AssembleReport", "Source", "SourceTensor", "assemble",
-           "match_target"]
+           "host_buffer", "match_target"]
 
 # Preference of a source kind (lower first) when several hold a piece.
 DEVICE, HOST, PEER, REPLICA, PERSISTENT = range(5)
@@ -268,21 +268,54 @@ def source_layout(tensors: Mapping[str, SourceTensor],
   return PTC(tuple(out), tuple((_OFFSET + i, -1) for i in range(n)))
 
 
-def _wait_all(pending) -> None:
-  for f in pending:
-    f.result()
+_ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes
+_MAPPED = 1 << 20  # buffers from this size on get their own mapping
+
+
+def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """An uninitialised, C-contiguous, 64-byte aligned host buffer for one
+  new shard (a CPU device aliases it, see ``jax.device_put(may_alias=)``).
+
+  From 1 MiB on it is its own anonymous mapping of small pages, populated
+  when mapped (``MAP_POPULATE``: one system call instead of a page fault
+  per 4 KiB); the mapping is unmapped when the array (and any jax buffer
+  aliasing it) is gone. Not huge pages: measured on this project's
+  (virtual) machines, faulting in transparent huge pages cost 2-3x the
+  system time of small pages (direct compaction, zeroing), and a restore
+  is dominated by it (``docs/orbax.md``).
+
+  Example:
+    >>> b = host_buffer((512, 1024), np.float32)
+    >>> b.shape, b.dtype, b.ctypes.data % 64, b.flags.writeable
+    ((512, 1024), dtype('float32'), 0, True)
+  """
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  if nbytes < _MAPPED:
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap,
+                                                          "MAP_POPULATE", 0)
+  m = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, flags=flags)
+  return np.frombuffer(m, dtype=np.uint8, count=nbytes).view(dtype).reshape(
+      shape)
 
 
 def assemble(source: Source, target: Any, *,
-             inflight_bytes: int = 256 << 20) -> tuple[Any, AssembleReport]:
+             inflight_bytes: int = 32 << 20) -> tuple[Any, AssembleReport]:
   """Restores ``target``'s arrays from ``source``; call in every process.
 
   Each process reads only the boxes its own devices hold: per tensor, the
   plan from the source's boxes to the target layout gives each distinct new
   box's pieces (a new box is read once per process, into one 64-byte
   aligned host buffer, even when several local devices hold it), and the
-  pieces are read straight into their place in that buffer. Reads overlap,
-  with at most ``inflight_bytes`` of source boxes being decoded at once.
+  pieces are read straight into their place in that buffer. Buffers are
+  allocated box by box while the previous boxes' reads run; reads overlap,
+  with at most ``inflight_bytes`` of source boxes being decoded at once
+  (but always two, so that two cores decode). The buffers then become the
+  device buffers in one batched ``jax.device_put`` (CPU devices alias
+  them: no copy).
 
   Args:
     source: where the boxes come from.
@@ -296,7 +329,19 @@ def assemble(source: Source, target: Any, *,
     ``(tree, report)``.
 
   Example:
-    See :func:`tenplex_jax.orbax.restore`.
+    >>> import jax, jax.numpy as jnp
+    >>> class Ramp(Source):  # a source holding one tensor in two boxes
+    ...   def tensors(self):
+    ...     return {"w": SourceTensor("w", (4,), "float32",
+    ...                               np.dtype(np.float32),
+    ...                               boxes=(((0, 2),), ((2, 4),)))}
+    ...   def read_into(self, path, box, out):
+    ...     out[...] = np.arange(*box[0], dtype=out.dtype)
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> tree, rep = assemble(Ramp(), {"w": jax.ShapeDtypeStruct(
+    ...     (4,), jnp.float32, sharding=s)})
+    >>> tree["w"].tolist(), rep.pieces, rep.read_bytes
+    ([0.0, 1.0, 2.0, 3.0], 2, 16)
   """
   t0 = time.perf_counter()
   held = source.tensors()
@@ -315,62 +360,68 @@ def assemble(source: Source, target: Any, *,
   dst = PTC.from_tree(phys)
   the_plan = plan(source_layout(used, dtypes), dst)
   t1 = time.perf_counter()
-  mine = {d.id: d for d in jax.local_devices()}
+  mine = {d.id for d in jax.local_devices()}
   bufs: dict[tuple[str, Box], np.ndarray] = {}
-  jobs = collections.deque()
-  new_bytes = 0
-  for t in dst:
-    tpl, _ = the_plan.template(t.path)
-    sbox = used[t.path]
-    src_boxes = [b + tuple((0, e) for e in sbox.extra) for b in sbox.boxes]
-    chunk_bytes = [box_volume(b) * sbox.storage.itemsize for b in src_boxes]
-    for bi, (dbox, holders) in enumerate(zip(t.placement.boxes,
-                                             t.placement.holders)):
-      if not any(h in mine for h in holders):
-        continue
-      buf = host_empty(tuple(b - a for a, b in dbox),
-                       np.dtype(phys[t.path].dtype))
-      bufs[(t.path, dbox)] = buf
-      new_bytes += buf.nbytes
-      for piece, si in tpl.merges[bi]:
-        view = buf[relative_index(piece, dbox)]
-        if view.size:
-          jobs.append((t.path, piece, view, chunk_bytes[si]))
-  t2 = time.perf_counter()
-  read = n = 0
+  new_bytes = read = n = inflight = 0
   pending: collections.deque = collections.deque()
-  inflight = 0
   try:
-    for path, piece, view, cost in jobs:
-      while pending and inflight + cost > inflight_bytes:
-        f, c = pending.popleft()
-        f.result()
-        inflight -= c
-      pending.append((source.read_async(path, piece, view), cost))
-      inflight += cost
-      read += view.nbytes
-      n += 1
+    for t in dst:
+      tpl, _ = the_plan.template(t.path)
+      sbox = used[t.path]
+      src_boxes = [b + tuple((0, e) for e in sbox.extra) for b in sbox.boxes]
+      item = sbox.storage.itemsize
+      for bi, (dbox, holders) in enumerate(zip(t.placement.boxes,
+                                               t.placement.holders)):
+        if not any(h in mine for h in holders):
+          continue
+        buf = host_buffer(tuple(b - a for a, b in dbox),
+                          np.dtype(phys[t.path].dtype))
+        bufs[(t.path, dbox)] = buf
+        new_bytes += buf.nbytes
+        for piece, si in tpl.merges[bi]:
+          view = buf[relative_index(piece, dbox)]
+          if not view.size:
+            continue
+          cost = box_volume(src_boxes[si]) * item
+          while len(pending) >= 2 and inflight + cost > inflight_bytes:
+            f, c = pending.popleft()
+            f.result()
+            inflight -= c
+          pending.append((source.read_async(t.path, piece, view), cost))
+          inflight += cost
+          read += view.nbytes
+          n += 1
     while pending:
-      pending.popleft()[0].result()
+      pending[0][0].result()
+      pending.popleft()
   finally:
     for f, _ in pending:  # an error: let outstanding reads finish first
       try:
         f.result()
       except Exception:  # noqa: BLE001 - the first error is raised
         pass
-  jobs.clear()
-  t3 = time.perf_counter()
+  t2 = time.perf_counter()
+  # Every shard of every leaf in one batched transfer, then the arrays.
+  devs = {d.id: d for d in jax.local_devices()}
+  shard_bufs, shard_devs, spans = [], [], {}
+  for i, (saved, _) in arrays.items():
+    sds, t = phys[saved], dst[saved]
+    lo = len(shard_bufs)
+    for d in sorted(sds.sharding.addressable_devices, key=lambda d: d.id):
+      shard_bufs.append(bufs[(saved, t.shard_box(d.id))])
+      shard_devs.append(devs[d.id])
+    spans[i] = (lo, len(shard_bufs))
+  shards = jax.device_put(shard_bufs, shard_devs, may_alias=True)
+  del shard_bufs
+  bufs.clear()
   out = []
   for i, (kp, leaf) in enumerate(flat):
     if i in arrays:
       saved, _ = arrays[i]
-      sds, t = phys[saved], dst[saved]
-      shards = []
-      for d in sorted(sds.sharding.addressable_devices, key=lambda d: d.id):
-        buf = bufs[(saved, t.shard_box(d.id))]
-        shards.append(jax.device_put(buf, d, may_alias=True))
+      sds = phys[saved]
+      lo, hi = spans[i]
       arr = jax.make_array_from_single_device_arrays(sds.shape, sds.sharding,
-                                                     shards)
+                                                     shards[lo:hi])
       if impls[saved]:
         arr = jax.random.wrap_key_data(arr, impl=impls[saved])
       out.append(arr)
@@ -380,14 +431,14 @@ def assemble(source: Source, target: Any, *,
       out.append(_plain(source, held[plain[i]], leaf))
     else:
       out.append(leaf)
-  bufs.clear()
+  shards.clear()
   tree = jax.tree_util.tree_unflatten(treedef, out)
-  t4 = time.perf_counter()
+  t3 = time.perf_counter()
   return tree, AssembleReport(
       process_index=jax.process_index(), n_tensors=len(dst),
       new_shard_bytes=new_bytes, read_bytes=read, pieces=n,
-      seconds={"plan": t1 - t0, "read": t3 - t2, "build": t4 - t3,
-               "total": t4 - t0})
+      seconds={"plan": t1 - t0, "read": t2 - t1, "build": t3 - t2,
+               "total": t3 - t0})
 
 
 def _empty_array(leaf):

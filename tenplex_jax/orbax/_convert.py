@@ -225,6 +225,12 @@ def scan_mapping(paths: Sequence[str], *,
 
   Raises:
     TreeError: a group's layer numbers are not ``0 .. n-1``.
+
+  Example:
+    >>> m = scan_mapping(["params/layers_1/w", "params/layers_0/w",
+    ...                   "params/emb"], axis=1)
+    >>> m
+    {'params/layers/w': {'stack': ['params/layers_0/w', 'params/layers_1/w'], 'axis': 1}}
   """
   groups: dict[str, dict[int, str]] = collections.defaultdict(dict)
   rx = re.compile(pattern)
@@ -255,6 +261,12 @@ def unscan_mapping(tensors: Mapping[str, SourceTensor], *,
 
   Returns:
     ``{new path: {"unstack": path, "index": i, "axis": axis}}``.
+
+  Example:
+    >>> t = SourceTensor("p/layers/w", (2, 3), "float32",
+    ...                  np.dtype(np.float32))
+    >>> unscan_mapping({"p/layers/w": t})
+    {'p/layers_0/w': {'unstack': 'p/layers/w', 'index': 0, 'axis': 0}, 'p/layers_1/w': {'unstack': 'p/layers/w', 'index': 1, 'axis': 0}}
   """
   rx = re.compile(pattern)
   out = {}
@@ -288,6 +300,13 @@ def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
   Raises:
     LayoutError: a spec does not fit its tensor (names path, dimension and
       sizes), or the spec document is malformed.
+
+  Example:
+    >>> t = SourceTensor("w", (8, 4), "float32", np.dtype(np.float32))
+    >>> ptc = layout_from_spec({"mesh": {"data": 2, "tensor": 2},
+    ...                         "rules": [["w", [None, "tensor"]]]}, {"w": t})
+    >>> ptc["w"].shard_box(1), len(ptc.processes)
+    (((0, 8), (2, 4)), 4)
   """
   if not isinstance(spec.get("mesh"), Mapping):
     raise LayoutError("a layout spec needs 'mesh': {axis: size, ...}")
@@ -452,6 +471,17 @@ def convert(src: str, dst: str, target: Any, *,
     UsageError: ``dst`` exists, or ``src`` is not a checkpoint.
     LayoutError: the target does not fit a tensor (names it).
     TreeError: the target's shapes or dtypes differ from the source's.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from tenplex_jax.orbax import inspect, save
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save({"w": jnp.arange(32.0).reshape(8, 4)}, d + "/src", step=3)
+    >>> rep = convert(d + "/src", d + "/tp2", {"mesh": {"tensor": 2},
+    ...               "rules": [["w", [None, "tensor"]]]}, progress=False)
+    >>> w = inspect(d + "/tp2")["tensors"]["w"]
+    >>> rep["bytes"], w["chunk_shape"], w["spec"]
+    (128, [8, 2], 'P(None, tensor) on tensor=2')
   """
   import tensorstore as ts
 
