@@ -35,8 +35,8 @@ from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 key_path_name, relative_index)
 from tenplex_jax.planner import plan
 
-__all__ = ["AssembleReport", "Source", "SourceTensor", "assemble",
-           "host_buffer", "match_target"]
+__all__ = ["AssembleReport", "Source", "SourceTensor", "StoreSource",
+           "assemble", "host_buffer", "match_target"]
 
 # Preference of a source kind (lower first) when several hold a piece.
 DEVICE, HOST, PEER, REPLICA, PERSISTENT = range(5)
@@ -116,6 +116,157 @@ class _Done:
 
   def result(self):
     return None
+
+
+class StoreSource(Source):
+  """One round of a tenplex_jax store snapshot (a store directory on this
+  host) as a source of boxes; read-only.
+
+  Its tensors are the saving job's arrays, each with the boxes the round's
+  snapshots in this store hold (one per saved distinct shard), read from
+  the chunk files with their checksums checked
+  (:meth:`tenplex_jax.store.HostStore.read_into`); plain leaves the job
+  saved that are numbers or numeric numpy arrays (``step``) are 0-d (or
+  small) tensors of one box, and :attr:`plain` holds every plain leaf.
+
+  Args:
+    root: the store directory.
+    step: the step to read (default: the newest round whose every box this
+      store holds).
+    round: a round id (see ``tenplex-jax store ls``), before ``step``.
+
+  Raises:
+    StoreError: ``root`` is not a store.
+    NoCopyError: no round (of ``step``) has all its boxes here (names the
+      newest round's first missing box).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from tenplex_jax.store import save
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save({"w": jnp.arange(6.0), "step": 4}, d, step=4)
+    >>> with StoreSource(d) as src:
+    ...   t = src.tensors()["w"]
+    ...   out = np.empty(2, t.storage); src.read_into("w", ((1, 3),), out)
+    >>> src.step, t.shape, out.tolist(), src.plain["step"]
+    (4, (6,), [1.0, 2.0], 4)
+  """
+
+  preference = HOST
+
+  def __init__(self, root: str, *, step: int | None = None,
+               round: str | None = None):
+    from tenplex_jax.errors import NoCopyError
+    from tenplex_jax.store.api import _decode_extra
+    from tenplex_jax.store.format import HostStore, round_id
+    self.store = HostStore(root)
+    self.store.require_store()
+    self.name = f"store:{self.store.root}"
+    by_proc, _ = self.store.all_rounds()
+    rounds: dict[str, dict[int, dict]] = {}
+    for k, ms in by_proc.items():
+      for m in ms:
+        rounds.setdefault(round_id(m), {})[k] = m
+
+    def order(rid):
+      ms = list(rounds[rid].values())
+      return (ms[0]["step"], max(float(m.get("created", 0)) for m in ms),
+              int(ms[0].get("seq", 0)))
+
+    cands = sorted(rounds, key=order, reverse=True)
+    if round is not None:
+      cands = [r for r in cands if r == round]
+    elif step is not None:
+      cands = [r for r in cands
+               if next(iter(rounds[r].values()))["step"] == step]
+    why = None
+    for rid in cands:
+      missing = _missing_boxes(rounds[rid])
+      if not missing:
+        break
+      why = why or (f"round {rid} misses {len(missing)} boxes, e.g."
+                    f" {missing[0]}")
+    else:
+      what = (f"round {round!r}" if round is not None else
+              f"step {step}" if step is not None else "a snapshot")
+      raise NoCopyError(f"store {self.store.root} holds no complete copy of"
+                        f" {what}" + (f": {why}" if why else ""))
+    self.round = rid
+    self.manifests = rounds[rid]
+    first = next(iter(self.manifests.values()))
+    self.step = int(first["step"])
+    self.job = PTC.from_json(first["job"])
+    self.plain = {k: _decode_extra(v) for k, v in first["extras"].items()}
+    self._held: dict[str, list[tuple[Box, int]]] = {}
+    info: dict[str, dict] = {}
+    for k, m in sorted(self.manifests.items()):
+      for path, t in m["tensors"].items():
+        info.setdefault(path, t)
+        for b in t["boxes"]:
+          self._held.setdefault(path, []).append(
+              (tuple(tuple(r) for r in b["box"]), k))
+    self._tensors: dict[str, SourceTensor] = {}
+    for t in self.job:
+      i = info[t.path]
+      if i.get("key_impl"):
+        storage = np.dtype(i["storage"])
+      else:
+        import jax.numpy as jnp
+        storage = np.dtype(jnp.dtype(i["dtype"]))
+      self._tensors[t.path] = SourceTensor(
+          t.path, tuple(t.shape), i["dtype"], storage, tuple(i["extra"]),
+          tuple(dict.fromkeys(t.placement.boxes)), i.get("key_impl"))
+    self._storage = {p: np.dtype(i["storage"]) for p, i in info.items()}
+    self._values: dict[str, np.ndarray] = {}
+    for path, v in self.plain.items():
+      a = None
+      if isinstance(v, (bool, int, float)) and not isinstance(v, complex):
+        a = np.asarray(v, np.int64 if type(v) is int else None)
+      elif isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf":
+        a = np.asarray(v)
+      if a is not None and path not in self._tensors:
+        self._values[path] = a
+        self._tensors[path] = SourceTensor(
+            path, a.shape, a.dtype.name, a.dtype,
+            boxes=(tuple((0, n) for n in a.shape),))
+
+  def tensors(self) -> Mapping[str, SourceTensor]:
+    return self._tensors
+
+  def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
+    if path in self._values:
+      out[...] = self._values[path][tuple(slice(a, b) for a, b in box)]
+      return
+    storage = self._storage[path]
+    t = self._tensors[path]
+    proc = next((k for held, k in self._held.get(path, ())
+                 if all(h0 <= a and b <= h1
+                        for (a, b), (h0, h1) in zip(box, held))), None)
+    if proc is None:
+      raise TreeError(f"{self.name}: no box of {path!r} holds {list(box)}")
+    if out.dtype == t.storage and out.dtype.itemsize == storage.itemsize:
+      self.store.read_into(path, box, out.view(storage), proc=proc,
+                           round=self.round)
+      return
+    tmp = np.empty(out.shape, storage)  # another dtype: read, then cast
+    self.store.read_into(path, box, tmp, proc=proc, round=self.round)
+    out[...] = tmp.view(t.storage)
+
+
+def _missing_boxes(manifests: Mapping[int, dict]) -> list[str]:
+  """The job's boxes that none of a round's snapshots ``manifests`` holds."""
+  job = PTC.from_json(next(iter(manifests.values()))["job"])
+  held: dict[str, set] = collections.defaultdict(set)
+  for m in manifests.values():
+    for path, t in m["tensors"].items():
+      held[path].update(tuple(tuple(r) for r in b["box"])
+                        for b in t["boxes"])
+  out = []
+  for t in job:
+    for box in dict.fromkeys(t.placement.boxes):
+      if box not in held[t.path] and box_volume(box):
+        out.append(f"{t.path} box {[list(r) for r in box]}")
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +521,7 @@ def assemble(source: Source, target: Any, *,
       sbox = used[t.path]
       src_boxes = [b + tuple((0, e) for e in sbox.extra) for b in sbox.boxes]
       item = sbox.storage.itemsize
+      rank = len(sbox.shape)  # pieces are read by their logical box
       for bi, (dbox, holders) in enumerate(zip(t.placement.boxes,
                                                t.placement.holders)):
         if not any(h in mine for h in holders):
@@ -387,7 +539,8 @@ def assemble(source: Source, target: Any, *,
             f, c = pending.popleft()
             f.result()
             inflight -= c
-          pending.append((source.read_async(t.path, piece, view), cost))
+          pending.append((source.read_async(t.path, piece[:rank], view),
+                          cost))
           inflight += cost
           read += view.nbytes
           n += 1
