@@ -10,10 +10,16 @@ target layout is then the same for every source (see :func:`assemble`):
   read every piece into its place in one host buffer per new box -> place
   the buffers on the devices.
 
-Implemented here: the interface (:class:`Source`, :class:`SourceTensor`) and
-the assembly onto a target; :class:`tenplex_jax.orbax.OrbaxSource` reads an
-Orbax checkpoint. ``tenplex_jax.store.restore`` still has its own read loop
-(host store, peers, replicas); moving it onto these classes is the next step.
+Implemented here: the interface (:class:`Source`, :class:`SourceTensor`);
+the sources :class:`StoreSource` (one round of a store directory) and
+:class:`StoreCopy` (one old process's snapshot in this host's store or a
+peer's store server; :class:`tenplex_jax.orbax.OrbaxSource` reads an Orbax
+checkpoint); and the steps every restore shares: :func:`fetch_pieces`
+(read each piece from its ranked sources, falling back to the next one),
+:func:`place` (host buffers -> arrays, one batched transfer),
+:func:`host_buffer`, and :func:`assemble` (the whole restore over one
+source). ``tenplex_jax.store.restore`` ranks :class:`StoreCopy` objects per
+piece and uses :func:`fetch_pieces` and :func:`place`.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax.errors import TreeError
+from tenplex_jax.errors import StoreError, TreeError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 key_path_name, relative_index)
 from tenplex_jax.planner import plan
 
-__all__ = ["AssembleReport", "Source", "SourceTensor", "StoreSource",
-           "assemble", "host_buffer", "match_target"]
+__all__ = ["AssembleReport", "Source", "SourceTensor", "StoreCopy",
+           "StoreSource", "assemble", "fetch_pieces", "host_buffer",
+           "match_target", "place"]
 
 # Preference of a source kind (lower first) when several hold a piece.
 DEVICE, HOST, PEER, REPLICA, PERSISTENT = range(5)
@@ -251,6 +258,235 @@ class StoreSource(Source):
     tmp = np.empty(out.shape, storage)  # another dtype: read, then cast
     self.store.read_into(path, box, tmp, proc=proc, round=self.round)
     out[...] = tmp.view(t.storage)
+
+
+class StoreCopy(Source):
+  """Old process ``proc``'s snapshot of one round in one store: this host's
+  store directory (``HOST``, read with ``preadv``/memory maps and checked
+  chunk by chunk) or a peer's store server (``PEER``, read over HTTP, many
+  pieces per request: :meth:`read_batch`). The restart restore
+  (``tenplex_jax.store.restore``) ranks these per piece and reads through
+  :func:`fetch_pieces`.
+
+  Args:
+    name: the store's location (directory or URL), for reports.
+    handle: its ``HostStore`` or ``RemoteStore``.
+    proc: the old process whose snapshot is read.
+    round: the round id.
+    manifest: that snapshot's manifest.
+    maps: a local store's ``ChunkMaps`` shared by one restore (a chunk
+      several pieces share is mapped and checked once).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from tenplex_jax.store import HostStore, save
+    >>> from tenplex_jax.store.format import round_id
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save({"w": jnp.arange(4.0)}, d, step=1)
+    >>> m = HostStore(d).manifest(0)
+    >>> c = StoreCopy(d, HostStore(d), 0, round_id(m), m)
+    >>> out = np.empty(2, np.uint32); c.read_into("w", ((2, 4),), out)
+    >>> c.preference == HOST, out.view(np.float32).tolist()
+    (True, [2.0, 3.0])
+  """
+
+  def __init__(self, name: str, handle, proc: int, round: str,
+               manifest: Mapping, maps=None):
+    from tenplex_jax.store.format import HostStore
+    self.name = name
+    self.handle = handle
+    self.proc = proc
+    self.round = round
+    self.manifest = manifest
+    self.maps = maps
+    self.local = isinstance(handle, HostStore)
+    self.preference = HOST if self.local else PEER
+
+  def tensors(self) -> Mapping[str, SourceTensor]:
+    out = {}
+    for path, t in self.manifest["tensors"].items():
+      out[path] = SourceTensor(
+          path, tuple(t["shape"]), t["dtype"], np.dtype(t["storage"]),
+          tuple(t["extra"]), tuple(tuple(tuple(r) for r in b["box"])
+                                   for b in t["boxes"]), t.get("key_impl"))
+    return out
+
+  def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
+    """Reads in the storage dtype (``out``: the box's shape, then the
+    trailing key-data dimensions)."""
+    if self.local:
+      self.handle.read_into(path, box, out, proc=self.proc, maps=self.maps,
+                            round=self.round)
+    else:
+      self.read_batch([(path, box, out)])
+
+  def read_batch(self, items) -> None:
+    """Reads ``[(path, box, out), ...]``: one request to a peer."""
+    if self.local:
+      for path, box, out in items:
+        self.read_into(path, box, out)
+      return
+    self.handle.read_into([(self.proc, path, box, out)
+                           for path, box, out in items], round=self.round)
+
+
+class _Single(Exception):
+  """Internal: read a batch piece by piece."""
+
+
+def _batches(jobs, batch_bytes: int, batch_pieces: int):
+  """Groups jobs by their first source into requests of bounded size, then
+  interleaves the groups (every peer is read from at once)."""
+  groups: dict[int, list] = {}
+  for job in jobs:
+    groups.setdefault(id(job[3][0]), []).append(job)
+  per_group = []
+  for group in groups.values():
+    out = []
+    per_group.append(out)
+    cur, nb = [], 0
+    for job in group:
+      if cur and (nb + job[2].nbytes > batch_bytes
+                  or len(cur) >= batch_pieces or job[3][0].local):
+        out.append(cur)
+        cur, nb = [], 0
+      cur.append(job)
+      nb += job[2].nbytes
+    if cur:
+      out.append(cur)
+  out = []
+  for i in range(max((len(g) for g in per_group), default=0)):
+    out.extend(g[i] for g in per_group if i < len(g))
+  return out
+
+
+def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
+                 batch_bytes: int = 16 << 20, batch_pieces: int = 256):
+  """Reads pieces from ranked sources, falling back to the next source of a
+  piece when one fails ("try the next source", in one place).
+
+  Args:
+    jobs: ``(path, box, destination view, [sources, best first], key)``;
+      sources are :class:`Source` objects with ``name`` and ``local``; one
+      with ``read_batch`` serves several pieces per request.
+    workers: requests in flight.
+    dead: names of sources known dead; a source that raises
+      :class:`UnreachableError` is added, and skipped from then on.
+    batch_bytes, batch_pieces: bound on one request.
+
+  Returns:
+    ``[(source that served it, job), ...]`` and the errors that were
+    fallen back from.
+
+  Raises:
+    StoreError: every source of some piece failed (names them all).
+
+  Example:
+    >>> class Broken(Source):
+    ...   name, local = "broken", True
+    ...   def tensors(self): return {}
+    ...   def read_into(self, path, box, out):
+    ...     raise StoreError("disk on fire")
+    >>> class Zeros(Broken):
+    ...   name = "zeros"
+    ...   def read_into(self, path, box, out): out[...] = 0
+    >>> out = np.ones(3)
+    >>> served, errs = fetch_pieces([("w", ((0, 3),), out,
+    ...                               [Broken(), Zeros()], None)])
+    >>> served[0][0].name, out.tolist(), errs
+    ('zeros', [0.0, 0.0, 0.0], ['disk on fire'])
+  """
+  import concurrent.futures as cf
+
+  dead = set() if dead is None else dead
+
+  def fetch_one(job, errs):
+    path, box, dest, cands, _ = job
+    skipped = []
+    for src in cands:
+      if src.name in dead:  # a peer that died earlier in this restore
+        skipped.append(f"{src.name} (dead earlier in this restore)")
+        continue
+      try:
+        src.read_into(path, box, dest)
+        return src
+      except UnreachableError as e:
+        dead.add(src.name)
+        errs.append(str(e))
+      except StoreError as e:
+        errs.append(str(e))
+    raise StoreError(f"{path} box {list(box)}: every copy failed:\n  "
+                     + "\n  ".join(errs + skipped))
+
+  def fetch(batch):
+    errs = []
+    src = batch[0][3][0]
+    try:
+      if src.local or len(batch) == 1 or src.name in dead or \
+          not hasattr(src, "read_batch"):
+        raise _Single()
+      src.read_batch([(path, box, dest) for path, box, dest, _, _ in batch])
+      served = [(src, job) for job in batch]
+    except (StoreError, _Single) as e:
+      if isinstance(e, UnreachableError):
+        dead.add(src.name)
+      if isinstance(e, StoreError):
+        errs.append(str(e))
+      served = [(fetch_one(job, errs), job) for job in batch]
+    return served, errs
+
+  served_all, errs_all = [], []
+  pool = cf.ThreadPoolExecutor(max_workers=max(1, workers))
+  try:
+    for served, errs in pool.map(fetch, _batches(jobs, batch_bytes,
+                                                 batch_pieces)):
+      errs_all.extend(errs)
+      served_all.extend(served)
+  except BaseException:
+    pool.shutdown(wait=True, cancel_futures=True)
+    raise
+  finally:
+    pool.shutdown(wait=True)
+  return served_all, errs_all
+
+
+def place(leaves) -> list:
+  """Turns host buffers into ``jax.Array`` objects, every shard of every
+  leaf in one batched ``jax.device_put`` (CPU devices alias aligned
+  buffers).
+
+  Args:
+    leaves: ``(shape, sharding, {device id: host buffer}, key impl)`` per
+      array, in the physical form (a PRNG key array's key data and its
+      sharding; ``key impl`` then names the implementation to wrap it in).
+
+  Returns:
+    The arrays, in order.
+
+  Example:
+    >>> import jax
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> [a] = place([((3,), s, {jax.devices()[0].id: np.arange(3.0)}, None)])
+    >>> a.tolist(), a.sharding == s
+    ([0.0, 1.0, 2.0], True)
+  """
+  bufs, devs, spans = [], [], []
+  for shape, sharding, hosts, _ in leaves:
+    lo = len(bufs)
+    for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
+      bufs.append(hosts[d.id])
+      devs.append(d)
+    spans.append((lo, len(bufs)))
+  shards = jax.device_put(bufs, devs, may_alias=True) if bufs else []
+  del bufs
+  out = []
+  for (shape, sharding, _, impl), (lo, hi) in zip(leaves, spans):
+    arr = jax.make_array_from_single_device_arrays(tuple(shape), sharding,
+                                                   shards[lo:hi])
+    if impl:
+      arr = jax.random.wrap_key_data(arr, impl=impl)
+    out.append(arr)
+  return out
 
 
 def _missing_boxes(manifests: Mapping[int, dict]) -> list[str]:
@@ -555,36 +791,24 @@ def assemble(source: Source, target: Any, *,
         pass
   t2 = time.perf_counter()
   # Every shard of every leaf in one batched transfer, then the arrays.
-  devs = {d.id: d for d in jax.local_devices()}
-  shard_bufs, shard_devs, spans = [], [], {}
-  for i, (saved, _) in arrays.items():
-    sds, t = phys[saved], dst[saved]
-    lo = len(shard_bufs)
-    for d in sorted(sds.sharding.addressable_devices, key=lambda d: d.id):
-      shard_bufs.append(bufs[(saved, t.shard_box(d.id))])
-      shard_devs.append(devs[d.id])
-    spans[i] = (lo, len(shard_bufs))
-  shards = jax.device_put(shard_bufs, shard_devs, may_alias=True)
-  del shard_bufs
+  order = list(arrays)
+  built = dict(zip(order, place([
+      (phys[saved].shape, phys[saved].sharding,
+       {d.id: bufs[(saved, dst[saved].shard_box(d.id))]
+        for d in phys[saved].sharding.addressable_devices}, impls[saved])
+      for saved, _ in (arrays[i] for i in order)])))
   bufs.clear()
   out = []
   for i, (kp, leaf) in enumerate(flat):
-    if i in arrays:
-      saved, _ = arrays[i]
-      sds = phys[saved]
-      lo, hi = spans[i]
-      arr = jax.make_array_from_single_device_arrays(sds.shape, sds.sharding,
-                                                     shards[lo:hi])
-      if impls[saved]:
-        arr = jax.random.wrap_key_data(arr, impl=impls[saved])
-      out.append(arr)
+    if i in built:
+      out.append(built[i])
     elif i in empty:
       out.append(_empty_array(leaf))
     elif plain.get(i) is not None:
       out.append(_plain(source, held[plain[i]], leaf))
     else:
       out.append(leaf)
-  shards.clear()
+  built.clear()
   tree = jax.tree_util.tree_unflatten(treedef, out)
   t3 = time.perf_counter()
   return tree, AssembleReport(

@@ -373,8 +373,9 @@ def test_store_falls_back_to_any_orbax_checkpoint(tmp_path):
 
 def test_store_snapshot_exported_for_stock_orbax(tmp_path):
   """A store snapshot -> an Orbax checkpoint, box by box (no devices, no
-  restore first): stock Orbax restores it bitwise; the store is only read;
-  the same snapshot restores through the shared assemble path."""
+  restore first), with and without OCDBT: stock Orbax restores it bitwise;
+  the store is only read; the same snapshot restores through the shared
+  assemble path."""
   from tenplex_jax import sources, store
   from tenplex_jax.cli import main
   mesh = mesh_of((4, 2), ("data", "model"))
@@ -395,7 +396,10 @@ def test_store_snapshot_exported_for_stock_orbax(tmp_path):
   assert rep["dst"].endswith(os.path.join("tp", "7", "default"))
   assert tor.inspect(str(tmp_path / "tp"))["tensors"]["params/dense/kernel"][
       "chunk_shape"] == [64, 24]
-  assert main(["ckpt", "convert", d, str(tmp_path / "same"), "--quiet"]) == 0
+  assert main(["ckpt", "convert", d, str(tmp_path / "same"), "--ocdbt",
+               "--quiet"]) == 0
+  assert tor.inspect(str(tmp_path / "same"))["format"]["ocdbt"]
+  assert not tor.inspect(str(tmp_path / "tp"))["format"]["ocdbt"]
   assert dir_hash(d) == before
   want = jax.tree_util.tree_leaves(tree)
   for out in ("tp", "same"):

@@ -233,7 +233,8 @@ def scan_mapping(paths: Sequence[str], *,
     >>> m = scan_mapping(["params/layers_1/w", "params/layers_0/w",
     ...                   "params/emb"], axis=1)
     >>> m
-    {'params/layers/w': {'stack': ['params/layers_0/w', 'params/layers_1/w'], 'axis': 1}}
+    {'params/layers/w': {'stack': ['params/layers_0/w', 'params/layers_1/w'],
+                         'axis': 1}}
   """
   groups: dict[str, dict[int, str]] = collections.defaultdict(dict)
   rx = re.compile(pattern)
@@ -269,7 +270,8 @@ def unscan_mapping(tensors: Mapping[str, SourceTensor], *,
     >>> t = SourceTensor("p/layers/w", (2, 3), "float32",
     ...                  np.dtype(np.float32))
     >>> unscan_mapping({"p/layers/w": t})
-    {'p/layers_0/w': {'unstack': 'p/layers/w', 'index': 0, 'axis': 0}, 'p/layers_1/w': {'unstack': 'p/layers/w', 'index': 1, 'axis': 0}}
+    {'p/layers_0/w': {'unstack': 'p/layers/w', 'index': 0, 'axis': 0},
+     'p/layers_1/w': {'unstack': 'p/layers/w', 'index': 1, 'axis': 0}}
   """
   rx = re.compile(pattern)
   out = {}
@@ -438,7 +440,8 @@ def convert(src: str, dst: str, target: Any = None, *,
             memory_limit: int | str = 512 << 20,
             mapping: Mapping[str, Any] | None = None,
             step: int | None = None, item: str | None = None,
-            progress: bool | None = None, workers: int = 4) -> dict:
+            progress: bool | None = None, workers: int = 4,
+            ocdbt: bool = False) -> dict:
   """Converts an Orbax checkpoint to another layout, offline.
 
   Streams chunk by chunk: at most about ``memory_limit`` bytes of chunk
@@ -472,6 +475,9 @@ def convert(src: str, dst: str, target: Any = None, *,
     item: the item to read from a step.
     progress: show a progress bar (default: when stderr is a terminal).
     workers: chunks converted concurrently (within the memory limit).
+    ocdbt: write the arrays into one OCDBT key-value store (``manifest.ocdbt``
+      and ``d/`` in the item, as Orbax does by default) instead of one
+      directory per array; both are zarr v3.
 
   Returns:
     A report: ``bytes``, ``seconds``, ``gb_per_s``, ``tensors``, ``chunks``,
@@ -573,7 +579,9 @@ def convert(src: str, dst: str, target: Any = None, *,
       h = held[path]
       stores[path] = ts.open({
           "driver": "zarr3",
-          "kvstore": {"driver": "file",
+          "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_item}/",
+                      "path": f"{names[path]}/"} if ocdbt else
+                     {"driver": "file",
                       "path": f"{tmp_item}/{names[path]}/"},
           "metadata": {
               "shape": list(h.stored_shape),
@@ -654,7 +662,7 @@ def convert(src: str, dst: str, target: Any = None, *,
         bar.stop()
     stores.clear()
     _write_metadata(tmp_item, held, chunks, names, new, params, base,
-                    bool(mapping))
+                    bool(mapping), ocdbt)
     if tmp_item != tmp:  # a manager step directory
       ck = (_read_json(os.path.join(loc.step_dir, "_CHECKPOINT_METADATA"))
             if loc.step_dir else None) or {}
@@ -730,7 +738,8 @@ def _dump(path: str, obj) -> None:
       json.dump(obj, f)
 
 
-def _write_metadata(item, held, chunks, names, new, params, base, mapped):
+def _write_metadata(item, held, chunks, names, new, params, base, mapped,
+                    ocdbt=False):
   tree, shardings, arrays = {}, {}, []
   for path, c in chunks.items():
     h = held[path]
@@ -770,7 +779,7 @@ def _write_metadata(item, held, chunks, names, new, params, base, mapped):
                            "value_type": e.value_type,
                            "skip_deserialize": True}})
   _dump(os.path.join(item, "_METADATA"), {
-      "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": True,
+      "tree_metadata": tree, "use_ocdbt": bool(ocdbt), "use_zarr3": True,
       "store_array_data_equal_to_fill_value": True,
       "custom_metadata": (base.meta or {}).get("custom_metadata")})
   _dump(os.path.join(item, "_sharding"), {

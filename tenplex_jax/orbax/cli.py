@@ -68,6 +68,7 @@ def _convert(args) -> int:
         mapping.update(unscan_mapping(held, axis=args.axis))
   rep = convert(args.src, args.dst, layout, memory_limit=args.memory_limit,
                 mapping=mapping, step=args.step, item=args.item,
+                ocdbt=args.ocdbt,
                 progress=not args.quiet and sys.stderr.isatty())
   print(json.dumps(rep))
   return 0
@@ -103,5 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--axis", type=int, default=0, help="the layers axis")
   s.add_argument("--step", type=int, default=None)
   s.add_argument("--item", default=None)
+  s.add_argument("--ocdbt", action="store_true", help="write one OCDBT"
+                 " key-value store (Orbax's default format) instead of a"
+                 " directory per array")
   s.add_argument("--quiet", action="store_true", help="no progress bar")
   s.set_defaults(func=_convert)
