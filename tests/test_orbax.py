@@ -2,7 +2,8 @@
 
 Every checkpoint here is written by orbax-checkpoint itself
 (StandardCheckpointer, PyTreeCheckpointer with OCDBT on/off and zarr v3/v2,
-CheckpointManager + StandardSave); restores are compared bitwise with what
+CheckpointManager + StandardSave, the v1 API's save and
+training.Checkpointer); restores are compared bitwise with what
 Orbax restores onto the same target, shardings with the target, and the
 checkpoint directory is hashed before and after every read.
 """
@@ -95,7 +96,22 @@ VARIANTS = {
     "pytree-files-zarr3": lambda d, t: _pytree(d, t, False, True),
     "pytree-files-zarr2": lambda d, t: _pytree(d, t, False, False),
     "manager": lambda d, t: _mgr(d, t),
+    "v1-save": lambda d, t: _v1(d, t),
+    "v1-training": lambda d, t: _v1_training(d, t),
 }
+
+
+def _v1(d, tree):  # Orbax's v1 API: <path>/orbax.checkpoint + item "state"
+  from orbax.checkpoint import v1 as ocp1
+  ocp1.save(os.path.join(d, "ck"), tree)
+  return os.path.join(d, "ck"), None
+
+
+def _v1_training(d, tree):  # v1's manager: <path>/<step>/state
+  from orbax.checkpoint import v1 as ocp1
+  with ocp1.training.Checkpointer(os.path.join(d, "mgr")) as c:
+    c.save(3, tree)
+  return os.path.join(d, "mgr"), 3
 
 
 def _std(d, tree):
