@@ -666,10 +666,12 @@ def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
   From 1 MiB on it is its own anonymous mapping of small pages, populated
   when mapped (``MAP_POPULATE``: one system call instead of a page fault
   per 4 KiB); the mapping is unmapped when the array (and any jax buffer
-  aliasing it) is gone. Not huge pages: measured on this project's
-  (virtual) machines, faulting in transparent huge pages cost 2-3x the
-  system time of small pages (direct compaction, zeroing), and a restore
-  is dominated by it (``docs/orbax.md``).
+  aliasing it) is gone. Not huge pages: on this project's shared
+  (virtual) machine, faulting in transparent huge pages cost 1.5-3x the
+  system time of small pages populated at map time whenever the kernel
+  had to compact memory for them (most runs), and far less only when free
+  huge pages were at hand; a restore was dominated by it
+  (``docs/orbax.md``, ``bench_orbax.py --pages``).
 
   Example:
     >>> b = host_buffer((512, 1024), np.float32)
