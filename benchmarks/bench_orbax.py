@@ -1,6 +1,7 @@
 """Orbax checkpoints: tenplex_jax.orbax vs Orbax itself, one command.
 
   python benchmarks/bench_orbax.py [--layers 12] [--repeat 2] [--dir /tmp/x]
+  python benchmarks/bench_orbax.py --pages --repeat 3   # host page faults
 
 Builds flax's lm1b train state (params + adamw, the real model from
 tests/fixtures) with more layers than the LARGE fixture (default 12: about
@@ -178,6 +179,56 @@ def convert(args) -> None:
   del jax
 
 
+def pages(args) -> None:
+  """One way of getting fresh host memory for new shards, filled once:
+  200 buffers of 6 MiB (1.17 GiB), as a restore's buffers are."""
+  import mmap
+
+  import numpy as np
+  n, size = 200, 6 << 20
+  src = np.ones(size, np.uint8)
+  r0 = resource.getrusage(resource.RUSAGE_SELF)
+  t0 = time.perf_counter()
+  keep = []
+  for _ in range(n):
+    if args.method == "numpy":  # numpy advises huge pages itself
+      b = np.empty(size, np.uint8)
+    else:
+      flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+      if args.method == "populate":
+        flags |= mmap.MAP_POPULATE
+      m = mmap.mmap(-1, size, flags=flags)
+      if args.method == "huge":
+        m.madvise(mmap.MADV_HUGEPAGE)
+      b = np.frombuffer(m, np.uint8)
+    b[:] = src
+    keep.append(b)
+  secs = time.perf_counter() - t0
+  r1 = resource.getrusage(resource.RUSAGE_SELF)
+  print(json.dumps({"method": args.method, "seconds": secs,
+                    "user": r1.ru_utime - r0.ru_utime,
+                    "sys": r1.ru_stime - r0.ru_stime,
+                    "faults": r1.ru_minflt - r0.ru_minflt}))
+
+
+def pages_main(args) -> None:
+  """``--pages``: the page-fault cost behind the restore's buffers, each
+  way in its own process, interleaved, ``--repeat`` rounds."""
+  me = [sys.executable, os.path.abspath(__file__), "--role", "pages"]
+  runs: dict[str, list] = {}
+  for r in range(args.repeat):
+    for m in ("huge", "plain", "populate", "numpy")[::1 if r % 2 == 0
+                                                    else -1]:
+      res = _run(me + ["--method", m], _child_env(1))
+      runs.setdefault(m, []).append(res)
+      print(f"{m:9s} wall {res['seconds']:.2f} s, user {res['user']:.2f} s,"
+            f" system {res['sys']:.2f} s, {res['faults']} faults")
+  print(f"load {os.getloadavg()}")
+  for m, v in runs.items():
+    print(f"median {m:9s} system {statistics.median(x['sys'] for x in v):.2f}"
+          f" s, wall {statistics.median(x['seconds'] for x in v):.2f} s")
+
+
 def _run(cmd, env, timeout=900) -> dict:
   p = subprocess.run(cmd, env=env, capture_output=True, text=True,
                      timeout=timeout)
@@ -197,6 +248,8 @@ def main() -> None:
   ap.add_argument("--repeat", type=int, default=2)
   ap.add_argument("--dir", default=None)
   ap.add_argument("--limit", default="512MiB")
+  ap.add_argument("--pages", action="store_true", help="only measure the"
+                  " ways of faulting in 1.17 GiB of new host memory")
   ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--method", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--kind", default=None, help=argparse.SUPPRESS)
@@ -210,6 +263,10 @@ def main() -> None:
     return restore(args)
   if args.role == "convert":
     return convert(args)
+  if args.role == "pages":
+    return pages(args)
+  if args.pages:
+    return pages_main(args)
   work = args.dir or tempfile.mkdtemp(prefix="bench_orbax_", dir="/tmp")
   ck = os.path.join(work, "ckpt")
   me = [sys.executable, os.path.abspath(__file__), "--layers",

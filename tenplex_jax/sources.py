@@ -10,10 +10,16 @@ target layout is then the same for every source (see :func:`assemble`):
   read every piece into its place in one host buffer per new box -> place
   the buffers on the devices.
 
-Implemented here: the interface (:class:`Source`, :class:`SourceTensor`) and
-the assembly onto a target; :class:`tenplex_jax.orbax.OrbaxSource` reads an
-Orbax checkpoint. ``tenplex_jax.store.restore`` still has its own read loop
-(host store, peers, replicas); moving it onto these classes is the next step.
+Implemented here: the interface (:class:`Source`, :class:`SourceTensor`);
+the sources :class:`StoreSource` (one round of a store directory) and
+:class:`StoreCopy` (one old process's snapshot in this host's store or a
+peer's store server; :class:`tenplex_jax.orbax.OrbaxSource` reads an Orbax
+checkpoint); and the steps every restore shares: :func:`fetch_pieces`
+(read each piece from its ranked sources, falling back to the next one),
+:func:`place` (host buffers -> arrays, one batched transfer),
+:func:`host_buffer`, and :func:`assemble` (the whole restore over one
+source). ``tenplex_jax.store.restore`` ranks :class:`StoreCopy` objects per
+piece and uses :func:`fetch_pieces` and :func:`place`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import abc
 import collections
 import dataclasses
 import math
+import mmap
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,14 +36,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax._hostmem import host_empty
-from tenplex_jax.errors import TreeError
+from tenplex_jax.errors import StoreError, TreeError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 key_path_name, relative_index)
 from tenplex_jax.planner import plan
 
-__all__ = ["AssembleReport", "Source", "SourceTensor", "assemble",
-           "match_target"]
+__all__ = ["AssembleReport", "Source", "SourceTensor", "StoreCopy",
+           "StoreSource", "assemble", "fetch_pieces", "host_buffer",
+           "match_target", "place"]
 
 # Preference of a source kind (lower first) when several hold a piece.
 DEVICE, HOST, PEER, REPLICA, PERSISTENT = range(5)
@@ -116,6 +123,386 @@ class _Done:
 
   def result(self):
     return None
+
+
+class StoreSource(Source):
+  """One round of a tenplex_jax store snapshot (a store directory on this
+  host) as a source of boxes; read-only.
+
+  Its tensors are the saving job's arrays, each with the boxes the round's
+  snapshots in this store hold (one per saved distinct shard), read from
+  the chunk files with their checksums checked
+  (:meth:`tenplex_jax.store.HostStore.read_into`); plain leaves the job
+  saved that are numbers or numeric numpy arrays (``step``) are 0-d (or
+  small) tensors of one box, and :attr:`plain` holds every plain leaf.
+
+  Args:
+    root: the store directory.
+    step: the step to read (default: the newest round whose every box this
+      store holds).
+    round: a round id (see ``tenplex-jax store ls``), before ``step``.
+
+  Raises:
+    StoreError: ``root`` is not a store.
+    NoCopyError: no round (of ``step``) has all its boxes here (names the
+      newest round's first missing box).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from tenplex_jax.store import save
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save({"w": jnp.arange(6.0), "step": 4}, d, step=4)
+    >>> with StoreSource(d) as src:
+    ...   t = src.tensors()["w"]
+    ...   out = np.empty(2, t.storage); src.read_into("w", ((1, 3),), out)
+    >>> src.step, t.shape, out.tolist(), src.plain["step"]
+    (4, (6,), [1.0, 2.0], 4)
+  """
+
+  preference = HOST
+
+  def __init__(self, root: str, *, step: int | None = None,
+               round: str | None = None):
+    from tenplex_jax.errors import NoCopyError
+    from tenplex_jax.store.api import _decode_extra
+    from tenplex_jax.store.format import HostStore, round_id
+    self.store = HostStore(root)
+    self.store.require_store()
+    self.name = f"store:{self.store.root}"
+    by_proc, _ = self.store.all_rounds()
+    rounds: dict[str, dict[int, dict]] = {}
+    for k, ms in by_proc.items():
+      for m in ms:
+        rounds.setdefault(round_id(m), {})[k] = m
+
+    def order(rid):
+      ms = list(rounds[rid].values())
+      return (ms[0]["step"], max(float(m.get("created", 0)) for m in ms),
+              int(ms[0].get("seq", 0)))
+
+    cands = sorted(rounds, key=order, reverse=True)
+    if round is not None:
+      cands = [r for r in cands if r == round]
+    elif step is not None:
+      cands = [r for r in cands
+               if next(iter(rounds[r].values()))["step"] == step]
+    why = None
+    for rid in cands:
+      missing = _missing_boxes(rounds[rid])
+      if not missing:
+        break
+      why = why or (f"round {rid} misses {len(missing)} boxes, e.g."
+                    f" {missing[0]}")
+    else:
+      what = (f"round {round!r}" if round is not None else
+              f"step {step}" if step is not None else "a snapshot")
+      raise NoCopyError(f"store {self.store.root} holds no complete copy of"
+                        f" {what}" + (f": {why}" if why else ""))
+    self.round = rid
+    self.manifests = rounds[rid]
+    first = next(iter(self.manifests.values()))
+    self.step = int(first["step"])
+    self.job = PTC.from_json(first["job"])
+    self.plain = {k: _decode_extra(v) for k, v in first["extras"].items()}
+    self._held: dict[str, list[tuple[Box, int]]] = {}
+    info: dict[str, dict] = {}
+    for k, m in sorted(self.manifests.items()):
+      for path, t in m["tensors"].items():
+        info.setdefault(path, t)
+        for b in t["boxes"]:
+          self._held.setdefault(path, []).append(
+              (tuple(tuple(r) for r in b["box"]), k))
+    self._tensors: dict[str, SourceTensor] = {}
+    for t in self.job:
+      i = info[t.path]
+      if i.get("key_impl"):
+        storage = np.dtype(i["storage"])
+      else:
+        import jax.numpy as jnp
+        storage = np.dtype(jnp.dtype(i["dtype"]))
+      self._tensors[t.path] = SourceTensor(
+          t.path, tuple(t.shape), i["dtype"], storage, tuple(i["extra"]),
+          tuple(dict.fromkeys(t.placement.boxes)), i.get("key_impl"))
+    self._storage = {p: np.dtype(i["storage"]) for p, i in info.items()}
+    self._values: dict[str, np.ndarray] = {}
+    for path, v in self.plain.items():
+      a = None
+      if isinstance(v, (bool, int, float)) and not isinstance(v, complex):
+        a = np.asarray(v, np.int64 if type(v) is int else None)
+      elif isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in "biuf":
+        a = np.asarray(v)
+      if a is not None and path not in self._tensors:
+        self._values[path] = a
+        self._tensors[path] = SourceTensor(
+            path, a.shape, a.dtype.name, a.dtype,
+            boxes=(tuple((0, n) for n in a.shape),))
+
+  def tensors(self) -> Mapping[str, SourceTensor]:
+    return self._tensors
+
+  def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
+    if path in self._values:
+      out[...] = self._values[path][tuple(slice(a, b) for a, b in box)]
+      return
+    storage = self._storage[path]
+    t = self._tensors[path]
+    proc = next((k for held, k in self._held.get(path, ())
+                 if all(h0 <= a and b <= h1
+                        for (a, b), (h0, h1) in zip(box, held))), None)
+    if proc is None:
+      raise TreeError(f"{self.name}: no box of {path!r} holds {list(box)}")
+    if out.dtype == t.storage and out.dtype.itemsize == storage.itemsize:
+      self.store.read_into(path, box, out.view(storage), proc=proc,
+                           round=self.round)
+      return
+    tmp = np.empty(out.shape, storage)  # another dtype: read, then cast
+    self.store.read_into(path, box, tmp, proc=proc, round=self.round)
+    out[...] = tmp.view(t.storage)
+
+
+class StoreCopy(Source):
+  """Old process ``proc``'s snapshot of one round in one store: this host's
+  store directory (``HOST``, read with ``preadv``/memory maps and checked
+  chunk by chunk) or a peer's store server (``PEER``, read over HTTP, many
+  pieces per request: :meth:`read_batch`). The restart restore
+  (``tenplex_jax.store.restore``) ranks these per piece and reads through
+  :func:`fetch_pieces`.
+
+  Args:
+    name: the store's location (directory or URL), for reports.
+    handle: its ``HostStore`` or ``RemoteStore``.
+    proc: the old process whose snapshot is read.
+    round: the round id.
+    manifest: that snapshot's manifest.
+    maps: a local store's ``ChunkMaps`` shared by one restore (a chunk
+      several pieces share is mapped and checked once).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from tenplex_jax.store import HostStore, save
+    >>> from tenplex_jax.store.format import round_id
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save({"w": jnp.arange(4.0)}, d, step=1)
+    >>> m = HostStore(d).manifest(0)
+    >>> c = StoreCopy(d, HostStore(d), 0, round_id(m), m)
+    >>> out = np.empty(2, np.uint32); c.read_into("w", ((2, 4),), out)
+    >>> c.preference == HOST, out.view(np.float32).tolist()
+    (True, [2.0, 3.0])
+  """
+
+  def __init__(self, name: str, handle, proc: int, round: str,
+               manifest: Mapping, maps=None):
+    from tenplex_jax.store.format import HostStore
+    self.name = name
+    self.handle = handle
+    self.proc = proc
+    self.round = round
+    self.manifest = manifest
+    self.maps = maps
+    self.local = isinstance(handle, HostStore)
+    self.preference = HOST if self.local else PEER
+
+  def tensors(self) -> Mapping[str, SourceTensor]:
+    out = {}
+    for path, t in self.manifest["tensors"].items():
+      out[path] = SourceTensor(
+          path, tuple(t["shape"]), t["dtype"], np.dtype(t["storage"]),
+          tuple(t["extra"]), tuple(tuple(tuple(r) for r in b["box"])
+                                   for b in t["boxes"]), t.get("key_impl"))
+    return out
+
+  def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
+    """Reads in the storage dtype (``out``: the box's shape, then the
+    trailing key-data dimensions)."""
+    if self.local:
+      self.handle.read_into(path, box, out, proc=self.proc, maps=self.maps,
+                            round=self.round)
+    else:
+      self.read_batch([(path, box, out)])
+
+  def read_batch(self, items) -> None:
+    """Reads ``[(path, box, out), ...]``: one request to a peer."""
+    if self.local:
+      for path, box, out in items:
+        self.read_into(path, box, out)
+      return
+    self.handle.read_into([(self.proc, path, box, out)
+                           for path, box, out in items], round=self.round)
+
+
+class _Single(Exception):
+  """Internal: read a batch piece by piece."""
+
+
+def _batches(jobs, batch_bytes: int, batch_pieces: int):
+  """Groups jobs by their first source into requests of bounded size, then
+  interleaves the groups (every peer is read from at once)."""
+  groups: dict[int, list] = {}
+  for job in jobs:
+    groups.setdefault(id(job[3][0]), []).append(job)
+  per_group = []
+  for group in groups.values():
+    out = []
+    per_group.append(out)
+    cur, nb = [], 0
+    for job in group:
+      if cur and (nb + job[2].nbytes > batch_bytes
+                  or len(cur) >= batch_pieces or job[3][0].local):
+        out.append(cur)
+        cur, nb = [], 0
+      cur.append(job)
+      nb += job[2].nbytes
+    if cur:
+      out.append(cur)
+  out = []
+  for i in range(max((len(g) for g in per_group), default=0)):
+    out.extend(g[i] for g in per_group if i < len(g))
+  return out
+
+
+def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
+                 batch_bytes: int = 16 << 20, batch_pieces: int = 256):
+  """Reads pieces from ranked sources, falling back to the next source of a
+  piece when one fails ("try the next source", in one place).
+
+  Args:
+    jobs: ``(path, box, destination view, [sources, best first], key)``;
+      sources are :class:`Source` objects with ``name`` and ``local``; one
+      with ``read_batch`` serves several pieces per request.
+    workers: requests in flight.
+    dead: names of sources known dead; a source that raises
+      :class:`UnreachableError` is added, and skipped from then on.
+    batch_bytes, batch_pieces: bound on one request.
+
+  Returns:
+    ``[(source that served it, job), ...]`` and the errors that were
+    fallen back from.
+
+  Raises:
+    StoreError: every source of some piece failed (names them all).
+
+  Example:
+    >>> class Broken(Source):
+    ...   name, local = "broken", True
+    ...   def tensors(self): return {}
+    ...   def read_into(self, path, box, out):
+    ...     raise StoreError("disk on fire")
+    >>> class Zeros(Broken):
+    ...   name = "zeros"
+    ...   def read_into(self, path, box, out): out[...] = 0
+    >>> out = np.ones(3)
+    >>> served, errs = fetch_pieces([("w", ((0, 3),), out,
+    ...                               [Broken(), Zeros()], None)])
+    >>> served[0][0].name, out.tolist(), errs
+    ('zeros', [0.0, 0.0, 0.0], ['disk on fire'])
+  """
+  import concurrent.futures as cf
+
+  dead = set() if dead is None else dead
+
+  def fetch_one(job, errs):
+    path, box, dest, cands, _ = job
+    skipped = []
+    for src in cands:
+      if src.name in dead:  # a peer that died earlier in this restore
+        skipped.append(f"{src.name} (dead earlier in this restore)")
+        continue
+      try:
+        src.read_into(path, box, dest)
+        return src
+      except UnreachableError as e:
+        dead.add(src.name)
+        errs.append(str(e))
+      except StoreError as e:
+        errs.append(str(e))
+    raise StoreError(f"{path} box {list(box)}: every copy failed:\n  "
+                     + "\n  ".join(errs + skipped))
+
+  def fetch(batch):
+    errs = []
+    src = batch[0][3][0]
+    try:
+      if src.local or len(batch) == 1 or src.name in dead or \
+          not hasattr(src, "read_batch"):
+        raise _Single()
+      src.read_batch([(path, box, dest) for path, box, dest, _, _ in batch])
+      served = [(src, job) for job in batch]
+    except (StoreError, _Single) as e:
+      if isinstance(e, UnreachableError):
+        dead.add(src.name)
+      if isinstance(e, StoreError):
+        errs.append(str(e))
+      served = [(fetch_one(job, errs), job) for job in batch]
+    return served, errs
+
+  served_all, errs_all = [], []
+  pool = cf.ThreadPoolExecutor(max_workers=max(1, workers))
+  try:
+    for served, errs in pool.map(fetch, _batches(jobs, batch_bytes,
+                                                 batch_pieces)):
+      errs_all.extend(errs)
+      served_all.extend(served)
+  except BaseException:
+    pool.shutdown(wait=True, cancel_futures=True)
+    raise
+  finally:
+    pool.shutdown(wait=True)
+  return served_all, errs_all
+
+
+def place(leaves) -> list:
+  """Turns host buffers into ``jax.Array`` objects, every shard of every
+  leaf in one batched ``jax.device_put`` (CPU devices alias aligned
+  buffers).
+
+  Args:
+    leaves: ``(shape, sharding, {device id: host buffer}, key impl)`` per
+      array, in the physical form (a PRNG key array's key data and its
+      sharding; ``key impl`` then names the implementation to wrap it in).
+
+  Returns:
+    The arrays, in order.
+
+  Example:
+    >>> import jax
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> [a] = place([((3,), s, {jax.devices()[0].id: np.arange(3.0)}, None)])
+    >>> a.tolist(), a.sharding == s
+    ([0.0, 1.0, 2.0], True)
+  """
+  bufs, devs, spans = [], [], []
+  for shape, sharding, hosts, _ in leaves:
+    lo = len(bufs)
+    for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
+      bufs.append(hosts[d.id])
+      devs.append(d)
+    spans.append((lo, len(bufs)))
+  shards = jax.device_put(bufs, devs, may_alias=True) if bufs else []
+  del bufs
+  out = []
+  for (shape, sharding, _, impl), (lo, hi) in zip(leaves, spans):
+    arr = jax.make_array_from_single_device_arrays(tuple(shape), sharding,
+                                                   shards[lo:hi])
+    if impl:
+      arr = jax.random.wrap_key_data(arr, impl=impl)
+    out.append(arr)
+  return out
+
+
+def _missing_boxes(manifests: Mapping[int, dict]) -> list[str]:
+  """The job's boxes that none of a round's snapshots ``manifests`` holds."""
+  job = PTC.from_json(next(iter(manifests.values()))["job"])
+  held: dict[str, set] = collections.defaultdict(set)
+  for m in manifests.values():
+    for path, t in m["tensors"].items():
+      held[path].update(tuple(tuple(r) for r in b["box"])
+                        for b in t["boxes"])
+  out = []
+  for t in job:
+    for box in dict.fromkeys(t.placement.boxes):
+      if box not in held[t.path] and box_volume(box):
+        out.append(f"{t.path} box {[list(r) for r in box]}")
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,21 +655,56 @@ def source_layout(tensors: Mapping[str, SourceTensor],
   return PTC(tuple(out), tuple((_OFFSET + i, -1) for i in range(n)))
 
 
-def _wait_all(pending) -> None:
-  for f in pending:
-    f.result()
+_ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes
+_MAPPED = 1 << 20  # buffers from this size on get their own mapping
+
+
+def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """An uninitialised, C-contiguous, 64-byte aligned host buffer for one
+  new shard (a CPU device aliases it, see ``jax.device_put(may_alias=)``).
+
+  From 1 MiB on it is its own anonymous mapping of small pages, populated
+  when mapped (``MAP_POPULATE``: one system call instead of a page fault
+  per 4 KiB); the mapping is unmapped when the array (and any jax buffer
+  aliasing it) is gone. Not huge pages: on this project's shared
+  (virtual) machine, faulting in transparent huge pages cost 1.5-3x the
+  system time of small pages populated at map time whenever the kernel
+  had to compact memory for them (most runs), and far less only when free
+  huge pages were at hand; a restore was dominated by it
+  (``docs/orbax.md``, ``bench_orbax.py --pages``).
+
+  Example:
+    >>> b = host_buffer((512, 1024), np.float32)
+    >>> b.shape, b.dtype, b.ctypes.data % 64, b.flags.writeable
+    ((512, 1024), dtype('float32'), 0, True)
+  """
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  if nbytes < _MAPPED:
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap,
+                                                          "MAP_POPULATE", 0)
+  m = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, flags=flags)
+  return np.frombuffer(m, dtype=np.uint8, count=nbytes).view(dtype).reshape(
+      shape)
 
 
 def assemble(source: Source, target: Any, *,
-             inflight_bytes: int = 256 << 20) -> tuple[Any, AssembleReport]:
+             inflight_bytes: int = 32 << 20) -> tuple[Any, AssembleReport]:
   """Restores ``target``'s arrays from ``source``; call in every process.
 
   Each process reads only the boxes its own devices hold: per tensor, the
   plan from the source's boxes to the target layout gives each distinct new
   box's pieces (a new box is read once per process, into one 64-byte
   aligned host buffer, even when several local devices hold it), and the
-  pieces are read straight into their place in that buffer. Reads overlap,
-  with at most ``inflight_bytes`` of source boxes being decoded at once.
+  pieces are read straight into their place in that buffer. Buffers are
+  allocated box by box while the previous boxes' reads run; reads overlap,
+  with at most ``inflight_bytes`` of source boxes being decoded at once
+  (but always two, so that two cores decode). The buffers then become the
+  device buffers in one batched ``jax.device_put`` (CPU devices alias
+  them: no copy).
 
   Args:
     source: where the boxes come from.
@@ -296,7 +718,19 @@ def assemble(source: Source, target: Any, *,
     ``(tree, report)``.
 
   Example:
-    See :func:`tenplex_jax.orbax.restore`.
+    >>> import jax, jax.numpy as jnp
+    >>> class Ramp(Source):  # a source holding one tensor in two boxes
+    ...   def tensors(self):
+    ...     return {"w": SourceTensor("w", (4,), "float32",
+    ...                               np.dtype(np.float32),
+    ...                               boxes=(((0, 2),), ((2, 4),)))}
+    ...   def read_into(self, path, box, out):
+    ...     out[...] = np.arange(*box[0], dtype=out.dtype)
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> tree, rep = assemble(Ramp(), {"w": jax.ShapeDtypeStruct(
+    ...     (4,), jnp.float32, sharding=s)})
+    >>> tree["w"].tolist(), rep.pieces, rep.read_bytes
+    ([0.0, 1.0, 2.0, 3.0], 2, 16)
   """
   t0 = time.perf_counter()
   held = source.tensors()
@@ -315,79 +749,75 @@ def assemble(source: Source, target: Any, *,
   dst = PTC.from_tree(phys)
   the_plan = plan(source_layout(used, dtypes), dst)
   t1 = time.perf_counter()
-  mine = {d.id: d for d in jax.local_devices()}
+  mine = {d.id for d in jax.local_devices()}
   bufs: dict[tuple[str, Box], np.ndarray] = {}
-  jobs = collections.deque()
-  new_bytes = 0
-  for t in dst:
-    tpl, _ = the_plan.template(t.path)
-    sbox = used[t.path]
-    src_boxes = [b + tuple((0, e) for e in sbox.extra) for b in sbox.boxes]
-    chunk_bytes = [box_volume(b) * sbox.storage.itemsize for b in src_boxes]
-    for bi, (dbox, holders) in enumerate(zip(t.placement.boxes,
-                                             t.placement.holders)):
-      if not any(h in mine for h in holders):
-        continue
-      buf = host_empty(tuple(b - a for a, b in dbox),
-                       np.dtype(phys[t.path].dtype))
-      bufs[(t.path, dbox)] = buf
-      new_bytes += buf.nbytes
-      for piece, si in tpl.merges[bi]:
-        view = buf[relative_index(piece, dbox)]
-        if view.size:
-          jobs.append((t.path, piece, view, chunk_bytes[si]))
-  t2 = time.perf_counter()
-  read = n = 0
+  new_bytes = read = n = inflight = 0
   pending: collections.deque = collections.deque()
-  inflight = 0
   try:
-    for path, piece, view, cost in jobs:
-      while pending and inflight + cost > inflight_bytes:
-        f, c = pending.popleft()
-        f.result()
-        inflight -= c
-      pending.append((source.read_async(path, piece, view), cost))
-      inflight += cost
-      read += view.nbytes
-      n += 1
+    for t in dst:
+      tpl, _ = the_plan.template(t.path)
+      sbox = used[t.path]
+      src_boxes = [b + tuple((0, e) for e in sbox.extra) for b in sbox.boxes]
+      item = sbox.storage.itemsize
+      rank = len(sbox.shape)  # pieces are read by their logical box
+      for bi, (dbox, holders) in enumerate(zip(t.placement.boxes,
+                                               t.placement.holders)):
+        if not any(h in mine for h in holders):
+          continue
+        buf = host_buffer(tuple(b - a for a, b in dbox),
+                          np.dtype(phys[t.path].dtype))
+        bufs[(t.path, dbox)] = buf
+        new_bytes += buf.nbytes
+        for piece, si in tpl.merges[bi]:
+          view = buf[relative_index(piece, dbox)]
+          if not view.size:
+            continue
+          cost = box_volume(src_boxes[si]) * item
+          while len(pending) >= 2 and inflight + cost > inflight_bytes:
+            f, c = pending.popleft()
+            f.result()
+            inflight -= c
+          pending.append((source.read_async(t.path, piece[:rank], view),
+                          cost))
+          inflight += cost
+          read += view.nbytes
+          n += 1
     while pending:
-      pending.popleft()[0].result()
+      pending[0][0].result()
+      pending.popleft()
   finally:
     for f, _ in pending:  # an error: let outstanding reads finish first
       try:
         f.result()
       except Exception:  # noqa: BLE001 - the first error is raised
         pass
-  jobs.clear()
-  t3 = time.perf_counter()
+  t2 = time.perf_counter()
+  # Every shard of every leaf in one batched transfer, then the arrays.
+  order = list(arrays)
+  built = dict(zip(order, place([
+      (phys[saved].shape, phys[saved].sharding,
+       {d.id: bufs[(saved, dst[saved].shard_box(d.id))]
+        for d in phys[saved].sharding.addressable_devices}, impls[saved])
+      for saved, _ in (arrays[i] for i in order)])))
+  bufs.clear()
   out = []
   for i, (kp, leaf) in enumerate(flat):
-    if i in arrays:
-      saved, _ = arrays[i]
-      sds, t = phys[saved], dst[saved]
-      shards = []
-      for d in sorted(sds.sharding.addressable_devices, key=lambda d: d.id):
-        buf = bufs[(saved, t.shard_box(d.id))]
-        shards.append(jax.device_put(buf, d, may_alias=True))
-      arr = jax.make_array_from_single_device_arrays(sds.shape, sds.sharding,
-                                                     shards)
-      if impls[saved]:
-        arr = jax.random.wrap_key_data(arr, impl=impls[saved])
-      out.append(arr)
+    if i in built:
+      out.append(built[i])
     elif i in empty:
       out.append(_empty_array(leaf))
     elif plain.get(i) is not None:
       out.append(_plain(source, held[plain[i]], leaf))
     else:
       out.append(leaf)
-  bufs.clear()
+  built.clear()
   tree = jax.tree_util.tree_unflatten(treedef, out)
-  t4 = time.perf_counter()
+  t3 = time.perf_counter()
   return tree, AssembleReport(
       process_index=jax.process_index(), n_tensors=len(dst),
       new_shard_bytes=new_bytes, read_bytes=read, pieces=n,
-      seconds={"plan": t1 - t0, "read": t3 - t2, "build": t4 - t3,
-               "total": t4 - t0})
+      seconds={"plan": t1 - t0, "read": t2 - t1, "build": t3 - t2,
+               "total": t3 - t0})
 
 
 def _empty_array(leaf):

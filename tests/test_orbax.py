@@ -2,7 +2,8 @@
 
 Every checkpoint here is written by orbax-checkpoint itself
 (StandardCheckpointer, PyTreeCheckpointer with OCDBT on/off and zarr v3/v2,
-CheckpointManager + StandardSave); restores are compared bitwise with what
+CheckpointManager + StandardSave, the v1 API's save and
+training.Checkpointer); restores are compared bitwise with what
 Orbax restores onto the same target, shardings with the target, and the
 checkpoint directory is hashed before and after every read.
 """
@@ -95,7 +96,22 @@ VARIANTS = {
     "pytree-files-zarr3": lambda d, t: _pytree(d, t, False, True),
     "pytree-files-zarr2": lambda d, t: _pytree(d, t, False, False),
     "manager": lambda d, t: _mgr(d, t),
+    "v1-save": lambda d, t: _v1(d, t),
+    "v1-training": lambda d, t: _v1_training(d, t),
 }
+
+
+def _v1(d, tree):  # Orbax's v1 API: <path>/orbax.checkpoint + item "state"
+  from orbax.checkpoint import v1 as ocp1
+  ocp1.save(os.path.join(d, "ck"), tree)
+  return os.path.join(d, "ck"), None
+
+
+def _v1_training(d, tree):  # v1's manager: <path>/<step>/state
+  from orbax.checkpoint import v1 as ocp1
+  with ocp1.training.Checkpointer(os.path.join(d, "mgr")) as c:
+    c.save(3, tree)
+  return os.path.join(d, "mgr"), 3
 
 
 def _std(d, tree):
@@ -369,6 +385,68 @@ def test_store_falls_back_to_any_orbax_checkpoint(tmp_path):
   check_same(got, orbax_restore(ck, target), target)
   with pytest.raises(NoCopyError, match="no Orbax checkpoint"):
     store.restore_checkpoint(str(tmp_path / "nothing"), target)
+
+
+def test_store_snapshot_exported_for_stock_orbax(tmp_path):
+  """A store snapshot -> an Orbax checkpoint, box by box (no devices, no
+  restore first), with and without OCDBT: stock Orbax restores it bitwise;
+  the store is only read; the same snapshot restores through the shared
+  assemble path."""
+  from tenplex_jax import sources, store
+  from tenplex_jax.cli import main
+  mesh = mesh_of((4, 2), ("data", "model"))
+  tree = dict(small_tree(mesh), step=7, opt=(
+      {"n": None}, jax.device_put(jnp.float32(0.5), NamedSharding(mesh, P()))))
+  d = str(tmp_path / "store")
+  store.save(tree, d, step=7)
+  before = dir_hash(d)
+  t_mesh = mesh_of((2,), ("t",), first=2)
+  target = target_of({k: v for k, v in tree.items() if k != "step"}, t_mesh,
+                     NEW)
+  target["step"] = 0
+  target["opt"] = ({"n": None}, target["opt"][1])
+  # Python: onto mesh rules; CLI: the saved layout.
+  rep = tor.convert(d, str(tmp_path / "tp"), {
+      "mesh": {"t": 2}, "rules": [["params/dense/kernel", [None, "t"]]]},
+      memory_limit="1MiB", progress=False)
+  assert rep["dst"].endswith(os.path.join("tp", "7", "default"))
+  assert tor.inspect(str(tmp_path / "tp"))["tensors"]["params/dense/kernel"][
+      "chunk_shape"] == [64, 24]
+  assert main(["ckpt", "convert", d, str(tmp_path / "same"), "--ocdbt",
+               "--quiet"]) == 0
+  assert tor.inspect(str(tmp_path / "same"))["format"]["ocdbt"]
+  assert not tor.inspect(str(tmp_path / "tp"))["format"]["ocdbt"]
+  assert dir_hash(d) == before
+  want = jax.tree_util.tree_leaves(tree)
+  for out in ("tp", "same"):
+    c = ocp.StandardCheckpointer()
+    got = c.restore(str(tmp_path / out / "7" / "default"), target)
+    c.close()
+    assert got["step"] == 7 and isinstance(got["step"], int)
+    assert got["opt"][0] == {"n": None}
+    for g, w in zip(jax.tree_util.tree_leaves(got), want):
+      if isinstance(w, jax.Array):
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+          g, w = jax.random.key_data(g), jax.random.key_data(w)
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+  # The store as a source of boxes: assemble onto the target.
+  with sources.StoreSource(d) as src:
+    got, arep = sources.assemble(src, target)
+  def arrays(t):
+    return dict({k: v for k, v in t.items() if k not in ("step", "opt")},
+                o=t["opt"][1])
+
+  want_tree = orbax_restore(str(tmp_path / "same"), target)
+  check_same(arrays(got), arrays(want_tree), arrays(target))
+  assert got["step"] == 7 and got["opt"][0] == {"n": None}
+  assert arep.read_bytes == arep.new_shard_bytes
+  with pytest.raises(NoCopyError, match="step 8"):
+    sources.StoreSource(d, step=8)
+  store.save({"s": "text"}, str(tmp_path / "s2"), step=1)
+  with pytest.raises(TreeError, match="s: str"):
+    tor.convert(str(tmp_path / "s2"), str(tmp_path / "s2o"))
+  assert not os.path.exists(tmp_path / "s2o")
 
 
 def test_save_and_cli_inspect(tmp_path, capsys):

@@ -1,5 +1,8 @@
 """Converting Orbax checkpoints offline: new layout, new tree, bounded memory.
 
+The source may also be a tenplex_jax store snapshot (exported as a standard
+Orbax checkpoint).
+
 ``convert(src, dst, target)`` reads the source checkpoint box by box and
 writes a new checkpoint whose chunks are the target layout's shards (or
 whole-chunk parts of them, so that every new shard is a set of whole
@@ -225,6 +228,13 @@ def scan_mapping(paths: Sequence[str], *,
 
   Raises:
     TreeError: a group's layer numbers are not ``0 .. n-1``.
+
+  Example:
+    >>> m = scan_mapping(["params/layers_1/w", "params/layers_0/w",
+    ...                   "params/emb"], axis=1)
+    >>> m
+    {'params/layers/w': {'stack': ['params/layers_0/w', 'params/layers_1/w'],
+                         'axis': 1}}
   """
   groups: dict[str, dict[int, str]] = collections.defaultdict(dict)
   rx = re.compile(pattern)
@@ -255,6 +265,13 @@ def unscan_mapping(tensors: Mapping[str, SourceTensor], *,
 
   Returns:
     ``{new path: {"unstack": path, "index": i, "axis": axis}}``.
+
+  Example:
+    >>> t = SourceTensor("p/layers/w", (2, 3), "float32",
+    ...                  np.dtype(np.float32))
+    >>> unscan_mapping({"p/layers/w": t})
+    {'p/layers_0/w': {'unstack': 'p/layers/w', 'index': 0, 'axis': 0},
+     'p/layers_1/w': {'unstack': 'p/layers/w', 'index': 1, 'axis': 0}}
   """
   rx = re.compile(pattern)
   out = {}
@@ -288,6 +305,13 @@ def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
   Raises:
     LayoutError: a spec does not fit its tensor (names path, dimension and
       sizes), or the spec document is malformed.
+
+  Example:
+    >>> t = SourceTensor("w", (8, 4), "float32", np.dtype(np.float32))
+    >>> ptc = layout_from_spec({"mesh": {"data": 2, "tensor": 2},
+    ...                         "rules": [["w", [None, "tensor"]]]}, {"w": t})
+    >>> ptc["w"].shard_box(1), len(ptc.processes)
+    (((0, 8), (2, 4)), 4)
   """
   if not isinstance(spec.get("mesh"), Mapping):
     raise LayoutError("a layout spec needs 'mesh': {axis: size, ...}")
@@ -322,6 +346,8 @@ def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
 
 
 def _target_ptc(target, tensors, saved) -> PTC:
+  if target is None:  # the saved layout: every tensor keeps its chunks
+    return PTC((), ())
   if isinstance(target, PTC):
     return target
   if isinstance(target, Mapping) and "mesh" in target:
@@ -410,11 +436,12 @@ def _parse_bytes(v) -> int:
       (m.group(2) or "_").upper()))
 
 
-def convert(src: str, dst: str, target: Any, *,
+def convert(src: str, dst: str, target: Any = None, *,
             memory_limit: int | str = 512 << 20,
             mapping: Mapping[str, Any] | None = None,
             step: int | None = None, item: str | None = None,
-            progress: bool | None = None, workers: int = 4) -> dict:
+            progress: bool | None = None, workers: int = 4,
+            ocdbt: bool = False) -> dict:
   """Converts an Orbax checkpoint to another layout, offline.
 
   Streams chunk by chunk: at most about ``memory_limit`` bytes of chunk
@@ -428,21 +455,29 @@ def convert(src: str, dst: str, target: Any, *,
   then renamed).
 
   Args:
-    src: an Orbax checkpoint (manager, step or item directory).
+    src: an Orbax checkpoint (manager, step or item directory), or a
+      tenplex_jax store directory: its newest complete snapshot (or
+      ``step``) is exported as a standard Orbax checkpoint, box by box
+      (see :class:`tenplex_jax.sources.StoreSource`; plain numbers become
+      Orbax scalars, ``None`` an empty node).
     dst: the new checkpoint; must not exist. When ``src`` is a step of a
-      ``CheckpointManager``, ``dst`` is written as a manager directory
-      (``dst/<step>/default``), else as an item directory.
+      ``CheckpointManager`` or a store, ``dst`` is written as a manager
+      directory (``dst/<step>/default``), else as an item directory.
     target: the target layout: a :class:`tenplex_jax.PTC` (or its JSON
       dict), a pytree of ``jax.ShapeDtypeStruct`` with shardings, or
       ``{"mesh": {...}, "rules": [...]}`` (see :func:`layout_from_spec`).
-      Tensors the target does not name keep their saved chunking.
+      Tensors the target does not name keep their saved chunking and
+      shardings; ``None``: all of them do.
     memory_limit: bytes, or a string such as ``"512MiB"``.
     mapping: a structural mapping (see :class:`MappedSource`), applied
       before the target layout.
-    step: the step to read from a manager directory.
+    step: the step to read from a manager directory or a store.
     item: the item to read from a step.
     progress: show a progress bar (default: when stderr is a terminal).
     workers: chunks converted concurrently (within the memory limit).
+    ocdbt: write the arrays into one OCDBT key-value store (``manifest.ocdbt``
+      and ``d/`` in the item, as Orbax does by default) instead of one
+      directory per array; both are zarr v3.
 
   Returns:
     A report: ``bytes``, ``seconds``, ``gb_per_s``, ``tensors``, ``chunks``,
@@ -450,8 +485,21 @@ def convert(src: str, dst: str, target: Any, *,
 
   Raises:
     UsageError: ``dst`` exists, or ``src`` is not a checkpoint.
+    NoCopyError: a store source holds no complete snapshot (of ``step``).
     LayoutError: the target does not fit a tensor (names it).
-    TreeError: the target's shapes or dtypes differ from the source's.
+    TreeError: the target's shapes or dtypes differ from the source's (or
+      a store's plain leaf is not a number, numeric array or None).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from tenplex_jax.orbax import inspect, save
+    >>> d = tempfile.mkdtemp()
+    >>> _ = save({"w": jnp.arange(32.0).reshape(8, 4)}, d + "/src", step=3)
+    >>> rep = convert(d + "/src", d + "/tp2", {"mesh": {"tensor": 2},
+    ...               "rules": [["w", [None, "tensor"]]]}, progress=False)
+    >>> w = inspect(d + "/tp2")["tensors"]["w"]
+    >>> rep["bytes"], w["chunk_shape"], w["spec"]
+    (128, [8, 2], 'P(None, tensor) on tensor=2')
   """
   import tensorstore as ts
 
@@ -461,7 +509,7 @@ def convert(src: str, dst: str, target: Any, *,
   if os.path.exists(dst):
     raise UsageError(f"{dst} exists; convert writes a new checkpoint")
   t0 = time.perf_counter()
-  base = OrbaxSource(src, step=step, item=item, cache_bytes=limit // 16)
+  base = _open_base(src, step, item, limit // 16)
   source: Source = MappedSource(base, mapping) if mapping else base
   try:
     held = source.tensors()
@@ -531,7 +579,9 @@ def convert(src: str, dst: str, target: Any, *,
       h = held[path]
       stores[path] = ts.open({
           "driver": "zarr3",
-          "kvstore": {"driver": "file",
+          "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_item}/",
+                      "path": f"{names[path]}/"} if ocdbt else
+                     {"driver": "file",
                       "path": f"{tmp_item}/{names[path]}/"},
           "metadata": {
               "shape": list(h.stored_shape),
@@ -612,9 +662,10 @@ def convert(src: str, dst: str, target: Any, *,
         bar.stop()
     stores.clear()
     _write_metadata(tmp_item, held, chunks, names, new, params, base,
-                    bool(mapping))
+                    bool(mapping), ocdbt)
     if tmp_item != tmp:  # a manager step directory
-      ck = _read_json(os.path.join(loc.step_dir, "_CHECKPOINT_METADATA")) or {}
+      ck = (_read_json(os.path.join(loc.step_dir, "_CHECKPOINT_METADATA"))
+            if loc.step_dir else None) or {}
       now = time.time_ns()
       _dump(os.path.join(os.path.dirname(tmp_item), "_CHECKPOINT_METADATA"), {
           "item_handlers": {"default": _HANDLER}, "metrics": {},
@@ -632,6 +683,53 @@ def convert(src: str, dst: str, target: Any, *,
           "chunks": len(jobs), "memory_limit": limit}
 
 
+def _open_base(src: str, step: int | None, item: str | None,
+               cache_bytes: int):
+  """The source of a conversion: an Orbax checkpoint, or a tenplex_jax store
+  directory (a :class:`tenplex_jax.sources.StoreSource`, given the Orbax
+  tree metadata a checkpoint would have)."""
+  from tenplex_jax.orbax._read import Location, OrbaxSource, _Entry
+  from tenplex_jax.sources import StoreSource
+  from tenplex_jax.store.format import HostStore
+  path = os.path.abspath(os.fspath(src))
+  if not (os.path.isdir(path) and HostStore(path).is_store()):
+    return OrbaxSource(src, step=step, item=item, cache_bytes=cache_bytes)
+  if item is not None:
+    raise UsageError(f"{path} is a tenplex_jax store: it has no items")
+  base = StoreSource(path, step=step)
+
+  def keys(p):  # the store keeps key names, not types: digits = sequence
+    return [{"key": k, "key_type": 1 if k.isdigit() else 2}
+            for k in p.split("/")]
+
+  entries, bad = [], []
+  held = base.tensors()
+  for p in held:
+    v = base.plain.get(p)
+    vtype = ("jax.Array" if p not in base.plain else "np.ndarray"
+             if isinstance(v, np.ndarray) else "scalar")
+    entries.append(_Entry(p, p.replace("/", "."), keys(p), vtype))
+  for p, v in base.plain.items():
+    if p in held:
+      continue
+    if v is None:
+      entries.append(_Entry(p, p.replace("/", "."), keys(p), "None"))
+    else:
+      bad.append(f"{p}: {type(v).__name__} {v!r}"[:80])
+  if bad:
+    raise TreeError(f"{path}: step {base.step} has plain leaves a standard"
+                    f" Orbax checkpoint cannot hold as arrays: {bad}")
+  base.entries = entries
+  base.shardings = {}
+  for t in base.job:
+    o = _orbax_sharding(t.sharding)
+    if o:
+      base.shardings[t.path.replace("/", ".")] = o
+  base.location = Location(path, base.step, None, path)
+  base.meta = None
+  return base
+
+
 def _dump(path: str, obj) -> None:
   with open(path, "w") as f:
     if obj is None:
@@ -640,7 +738,8 @@ def _dump(path: str, obj) -> None:
       json.dump(obj, f)
 
 
-def _write_metadata(item, held, chunks, names, new, params, base, mapped):
+def _write_metadata(item, held, chunks, names, new, params, base, mapped,
+                    ocdbt=False):
   tree, shardings, arrays = {}, {}, []
   for path, c in chunks.items():
     h = held[path]
@@ -680,7 +779,7 @@ def _write_metadata(item, held, chunks, names, new, params, base, mapped):
                            "value_type": e.value_type,
                            "skip_deserialize": True}})
   _dump(os.path.join(item, "_METADATA"), {
-      "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": True,
+      "tree_metadata": tree, "use_ocdbt": bool(ocdbt), "use_zarr3": True,
       "store_array_data_equal_to_fill_value": True,
       "custom_metadata": (base.meta or {}).get("custom_metadata")})
   _dump(os.path.join(item, "_sharding"), {

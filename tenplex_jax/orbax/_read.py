@@ -45,7 +45,7 @@ _TMP = ".orbax-checkpoint-tmp"
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-  """Where an item of an Orbax checkpoint lives.
+  """Where an item of an Orbax checkpoint lives (see :func:`locate`).
 
   Attributes:
     item: the item directory (holds ``_METADATA`` and the arrays).
@@ -119,6 +119,16 @@ def locate(path: str, *, step: int | None = None,
   Raises:
     UsageError: ``path`` is not an Orbax checkpoint, the step does not
       exist, or the item is ambiguous.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
+    >>> d = tempfile.mkdtemp()
+    >>> with ocp.CheckpointManager(d) as m:
+    ...   for step in (5, 10):
+    ...     _ = m.save(step, args=ocp.args.StandardSave({"w": jnp.ones(2)}))
+    >>> loc = locate(d)
+    >>> loc.step, os.path.relpath(loc.item, d), locate(d, step=5).step
+    (10, '10/default', 5)
   """
   path = os.path.abspath(os.fspath(path))
   if not os.path.isdir(path):

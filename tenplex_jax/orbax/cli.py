@@ -1,4 +1,5 @@
-"""``tenplex-jax ckpt ...`` verbs: inspect and convert Orbax checkpoints."""
+"""``tenplex-jax ckpt ...`` verbs: inspect and convert Orbax checkpoints
+(and export tenplex_jax store snapshots as Orbax checkpoints)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ def _inspect(args) -> int:
 def _convert(args) -> int:
   from tenplex_jax.errors import UsageError
   from tenplex_jax.orbax import convert
-  try:
-    layout = json.loads(pathlib.Path(args.layout).read_text())
-  except (OSError, ValueError) as e:
-    raise UsageError(f"--layout {args.layout}: {e}") from e
+  layout = None  # the saved layout
+  if args.layout:
+    try:
+      layout = json.loads(pathlib.Path(args.layout).read_text())
+    except (OSError, ValueError) as e:
+      raise UsageError(f"--layout {args.layout}: {e}") from e
   mapping = None
   if args.map:
     try:
@@ -54,8 +57,9 @@ def _convert(args) -> int:
     except (OSError, ValueError) as e:
       raise UsageError(f"--map {args.map}: {e}") from e
   if args.scan or args.unscan:
-    from tenplex_jax.orbax import OrbaxSource, scan_mapping, unscan_mapping
-    with OrbaxSource(args.src, step=args.step, item=args.item) as src:
+    from tenplex_jax.orbax import scan_mapping, unscan_mapping
+    from tenplex_jax.orbax._convert import _open_base
+    with _open_base(args.src, args.step, args.item, 0) as src:
       held = src.tensors()
       mapping = dict(mapping or {})
       if args.scan:
@@ -64,6 +68,7 @@ def _convert(args) -> int:
         mapping.update(unscan_mapping(held, axis=args.axis))
   rep = convert(args.src, args.dst, layout, memory_limit=args.memory_limit,
                 mapping=mapping, step=args.step, item=args.item,
+                ocdbt=args.ocdbt,
                 progress=not args.quiet and sys.stderr.isatty())
   print(json.dumps(rep))
   return 0
@@ -81,11 +86,14 @@ def register(sub: argparse._SubParsersAction) -> None:
   s.set_defaults(func=_inspect)
   s = verbs.add_parser("convert", help="rewrite a checkpoint for another"
                        " layout (streamed, bounded memory, no devices)")
-  s.add_argument("src")
+  s.add_argument("src", help="an Orbax checkpoint (CheckpointManager, step"
+                 " or item directory) or a tenplex_jax store directory (its"
+                 " newest complete snapshot, or --step)")
   s.add_argument("dst", help="the new checkpoint (must not exist)")
-  s.add_argument("--layout", required=True, help="a PTC JSON file, or JSON"
+  s.add_argument("--layout", default=None, help="a PTC JSON file, or JSON"
                  ' {"mesh": {"data": 2, "tensor": 4}, "rules":'
-                 ' [["regex", [null, "tensor"]], ...]}')
+                 ' [["regex", [null, "tensor"]], ...]} (default: the saved'
+                 " layout)")
   s.add_argument("--memory-limit", default="512MiB")
   s.add_argument("--map", default=None, help="JSON mapping new path -> rule"
                  " (rename, stack, unstack, reshape)")
@@ -96,5 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--axis", type=int, default=0, help="the layers axis")
   s.add_argument("--step", type=int, default=None)
   s.add_argument("--item", default=None)
+  s.add_argument("--ocdbt", action="store_true", help="write one OCDBT"
+                 " key-value store (Orbax's default format) instead of a"
+                 " directory per array")
   s.add_argument("--quiet", action="store_true", help="no progress bar")
   s.set_defaults(func=_convert)

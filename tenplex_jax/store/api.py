@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import concurrent.futures as cf
 import dataclasses
 import os
 import shutil
@@ -32,13 +31,13 @@ import jax
 import numpy as np
 
 from tenplex_jax._hostmem import host_empty
-from tenplex_jax.errors import (NoCopyError, StoreError, TreeError,
-                                 UnreachableError, UsageError)
+from tenplex_jax.errors import NoCopyError, StoreError, TreeError, UsageError
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import _key_data_sharding
+from tenplex_jax.sources import StoreCopy, fetch_pieces, place
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       _chunk_shape, _take_lock, check_step,
                                       check_tensor_path, ensure_store_id,
@@ -51,10 +50,6 @@ __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
            "save"]
 
 _OFFSET = 1 << 30  # old device ids are shifted so none looks "kept"
-
-
-class _Single(Exception):
-  """Internal: read a batch piece by piece."""
 
 
 _BATCH_BYTES = 16 << 20  # pieces per request up to this many bytes
@@ -82,33 +77,6 @@ def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
     z = min(hi, base + (a - base) // step * step + step)
     out.append((((a, z),) + tuple(box[1:]), dest[a - lo:z - lo]))
     a = z
-  return out
-
-
-def _batches(jobs):
-  """Groups jobs by their first copy into requests of bounded size."""
-  groups: dict[tuple[int, int], list] = {}
-  for job in jobs:
-    s, k = job[3][0]
-    groups.setdefault((id(s), k), []).append(job)
-  per_group = []
-  for group in groups.values():
-    out = []
-    per_group.append(out)
-    cur, nb = [], 0
-    for job in group:
-      if cur and (nb + job[2].nbytes > _BATCH_BYTES
-                  or len(cur) >= _BATCH_PIECES or job[3][0][0].local):
-        out.append(cur)
-        cur, nb = [], 0
-      cur.append(job)
-      nb += job[2].nbytes
-    if cur:
-      out.append(cur)
-  # Round robin over the copies, so that every peer is read from at once.
-  out = []
-  for i in range(max((len(g) for g in per_group), default=0)):
-    out.extend(g[i] for g in per_group if i < len(g))
   return out
 
 
@@ -835,7 +803,18 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   t1 = time.perf_counter()
   the_plan = plan(src2, dst2)
   t2 = time.perf_counter()
-  # Distinct pieces of this process's devices, with candidate sources.
+  # Distinct pieces of this process's devices, with their sources ranked:
+  # one StoreCopy per (store, old process) snapshot of the round.
+  maps = ChunkMaps()  # local chunks, each mapped and checked once
+  copies: dict[tuple[int, int], StoreCopy] = {}
+
+  def copy_of(s, k):
+    c = copies.get((id(s), k))
+    if c is None:
+      c = copies[(id(s), k)] = StoreCopy(s.name, s.handle, k, rid,
+                                         s.rounds[k][rid], maps)
+    return c
+
   mine = {d.id for d in jax.local_devices()}
   tasks: dict[tuple[str, Box], list[tuple[_Source, int]]] = {}
   dests: dict[tuple[str, Box], list[Box]] = {}  # piece -> new boxes
@@ -869,11 +848,11 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
         cands = []
         for dev in order:  # the plan's choice first, then other replicas
           for s in holding[old_proc[dev - _OFFSET]]:
-            c = (s, old_proc[dev - _OFFSET])
+            c = copy_of(s, old_proc[dev - _OFFSET])
             if c not in cands:
               cands.append(c)
-        cands.sort(key=lambda c: not c[0].local)  # own host first (stable)
-        if not cands[0][0].local:
+        cands.sort(key=lambda c: c.preference)  # own host first (stable)
+        if not cands[0].local:
           planned_net += nb
         tasks[key] = cands
   t3 = time.perf_counter()
@@ -909,67 +888,22 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       jobs.append((path, sub, view, cands, key))
   per_source = collections.Counter()
   counts = {"local": 0, "net": 0}
-  maps = ChunkMaps()  # local chunks, each mapped and checked once
-
-  def fetch_one(job, errs):
-    path, box, dest, cands, _ = job
-    skipped = []
-    for s, k in cands:
-      if s.name in dead:  # a peer that died earlier in this restore
-        skipped.append(f"{s.name} (dead earlier in this restore)")
-        continue
-      try:
-        if s.local:
-          s.handle.read_into(path, box, dest, proc=k, maps=maps, round=rid)
-        else:
-          s.handle.read_into([(k, path, box, dest)], round=rid)
-        return s
-      except UnreachableError as e:
-        dead.add(s.name)
-        errs.append(str(e))
-      except StoreError as e:
-        errs.append(str(e))
-    raise StoreError(f"{path} box {list(box)}: every copy failed:\n  "
-                     + "\n  ".join(errs + skipped))
-
-  def fetch(batch):
-    """Reads a batch of pieces with the same first copy; on failure, each
-    piece falls back through its copies in turn."""
-    errs = []
-    s, k = batch[0][3][0]
-    served = []
-    try:
-      if s.local or len(batch) == 1 or s.name in dead:
-        raise _Single()
-      s.handle.read_into([(k, path, box, dest)
-                          for path, box, dest, _, _ in batch], round=rid)
-      served = [(s, job) for job in batch]
-    except (StoreError, _Single) as e:
-      if isinstance(e, UnreachableError):
-        dead.add(s.name)
-      if isinstance(e, StoreError):
-        errs.append(str(e))
-      served = [(fetch_one(job, errs), job) for job in batch]
-    return served, errs
-
-  batches = _batches(jobs)
-  pool = cf.ThreadPoolExecutor(max_workers=workers)
   try:
-    for served, errs in pool.map(fetch, batches):
-      fallbacks.extend(errs)
-      for s, job in served:
-        nb = job[2].nbytes
-        per_source[s.name] += nb
-        counts["local" if s.local else "net"] += nb
+    served, errs = fetch_pieces(jobs, workers=workers, dead=dead,
+                                batch_bytes=_BATCH_BYTES,
+                                batch_pieces=_BATCH_PIECES)
   except StoreError as e:
-    pool.shutdown(wait=True, cancel_futures=True)
     gone = {k for k, srcs in holding.items()
             if all(s.name in dead for s in srcs)}
     raise _Fallback(str(e), step, sorted(set(lost) | gone), fallbacks,
                     sorted(dead), cause=e) from e
   finally:
-    pool.shutdown(wait=True)
     maps.close()
+  fallbacks.extend(errs)
+  for src, job in served:
+    nb = job[2].nbytes
+    per_source[src.name] += nb
+    counts["local" if src.local else "net"] += nb
   for key, dboxes in dests.items():  # a piece several new boxes share
     path, box = key
     src = bufs[(path, dboxes[0])][relative_index(box, dboxes[0])]
@@ -977,12 +911,10 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       bufs[(path, dbox)][relative_index(box, dbox)] = src
   local_bytes, net_bytes = counts["local"], counts["net"]
   t4 = time.perf_counter()
-  # Place each distinct new box on its devices.
-  out_leaves = []
-  by_dev = {d.id: d for d in jax.local_devices()}
+  # Place each distinct new box on its devices (one batched transfer).
+  leaves = []
   for i, (kp, leaf) in enumerate(flat):
     if i in values:
-      out_leaves.append(values[i])
       continue
     name = key_path_name(kp)
     leaf = dst_sds[name]
@@ -993,20 +925,19 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     sharding = leaf.sharding
     if key_impl:
       sharding = _key_data_sharding(sharding, len(t.shape), len(extra))
-    arrays = []
-    for dev in sorted(sharding.addressable_devices, key=lambda d: d.id):
+    hosts = {}
+    for dev in sharding.addressable_devices:
       dbox = t.shard_box(dev.id)
       host = bufs.get((name, dbox))
       if host is None:  # an empty box: no pieces
         host = np.empty(tuple(b - a for a, b in dbox) + extra,
                         np.dtype(info["storage"]))
-      arrays.append(jax.device_put(from_storage(host, info["dtype"]),
-                                   by_dev[dev.id]))
-    arr = jax.make_array_from_single_device_arrays(
-        tuple(t.shape) + extra, sharding, arrays)
-    if key_impl:
-      arr = jax.random.wrap_key_data(arr, impl=key_impl)
-    out_leaves.append(arr)
+      hosts[dev.id] = from_storage(host, info["dtype"])
+    leaves.append((i, (tuple(t.shape) + extra, sharding, hosts, key_impl)))
+  built = dict(zip([i for i, _ in leaves], place([x for _, x in leaves])))
+  bufs.clear()
+  out_leaves = [values[i] if i in values else built[i]
+                for i in range(len(flat))]
   tree = jax.tree_util.tree_unflatten(treedef, out_leaves)
   t5 = time.perf_counter()
   report = RestoreReport(
