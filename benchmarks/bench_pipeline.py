@@ -133,14 +133,15 @@ def main(argv=None):
   ap.add_argument("--microbatches", default="4,8,16")
   ap.add_argument("--out", default="results/bench_pipeline.json")
   ap.add_argument("--quick", action="store_true",
-                  help="smoke run: a 2-layer model with embed 16, stages 2, microbatches 2,4,"
-                  " global batch 8, 1 row per microbatch, 1 rep, XLA optimisation level 0")
+                  help="smoke run: a 4-layer model with embed 16, stages 2, microbatches 2,4,"
+                  " global batch 8, 4 rows per microbatch in the bubble fit, 1 rep, XLA"
+                  " optimisation level 0")
   args = ap.parse_args(argv)
   cfg, opts = CFG, None
   if args.quick:
     cfg = dataclasses.replace(CFG, vocab=32, embed=16, heads=2, mlp=32, layers=4)
     args.stages, args.microbatches, args.reps = "2", "2,4", 1
-    args.global_batch, args.mb_rows = 8, 1
+    args.global_batch, args.mb_rows = 8, 4
     opts = {"xla_backend_optimization_level": 0}
   stages = [int(s) for s in args.stages.split(",")]
   mbs = [int(m) for m in args.microbatches.split(",")]

@@ -376,8 +376,8 @@ def worker(args, cfg, phases, plan):
     _append(args.records, {
         "event": "start", "step": step, "generation": info["generation"], "procs": n,
         "devices_per_proc": phase.devices // n, "start_time": _PROCESS_START,
-        "import_s": t_start - _PROCESS_START, "init_s": t_init - t_start, "restore_s": t_restored - t_init,
-        "restored_time": t_restored, "restore": last_restore.get("report")})
+        "import_s": t_start - _PROCESS_START, "init_s": t_init - t_start,
+        "restore_s": t_restored - t_init, "restored_time": t_restored, "restore": last_restore.get("report")})
   source = dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
