@@ -111,11 +111,12 @@ def timed(fn, args):
   return time.perf_counter() - t0
 
 
-def interleaved(cases, reps, progress, label):
-  """Median seconds per case, cases run round-robin ``reps`` times after a warm-up."""
+def interleaved(cases, reps, progress, label, warm_up=True):
+  """Median seconds per case, cases run round-robin ``reps`` times after a warm-up
+  (``warm_up=False``: the caller ran each case once already)."""
   times = {k: [] for k in cases}
   task = progress.add_task(label, total=reps * len(cases))
-  for fn, args in cases.values():
+  for fn, args in cases.values() if warm_up else ():
     timed(fn, args)
   for _ in range(reps):
     for k, (fn, args) in cases.items():
@@ -173,7 +174,8 @@ def main(argv=None):
     res["loss_max_rel_diff"] = max(abs(v - ref) / abs(ref) for v in losses.values())
     if res["loss_max_rel_diff"] > 1e-5:
       raise SystemExit(f"the layouts disagree on the first step's loss: {losses}")
-    step_med, step_all = interleaved(cases, args.reps, progress, "LM steps")
+    # (that first step was each case's warm-up)
+    step_med, step_all = interleaved(cases, args.reps, progress, "LM steps", warm_up=False)
     stack_med, _ = interleaved({f"{s}x{m}": v for (s, m), v in stacks.items()}, args.reps,
                                progress, "stack fwd+bwd")
   res["step_s"] = step_med
