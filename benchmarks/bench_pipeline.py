@@ -19,6 +19,11 @@ repeated (medians), so machine load hits every method alike:
    bubble fraction at M is ``beta / t(M)``, next to ``(S-1)/(M+S-1)``.
 
   python benchmarks/bench_pipeline.py [--reps 7] [--out results/bench_pipeline.json]
+  python benchmarks/bench_pipeline.py --quick   # tiny sizes, 2 stages, M in {2, 4}: a smoke run
+
+Every layout's first step must give the data-parallel step's loss (same
+params, same batch; float reduction order only): ``loss_max_rel_diff`` in
+the JSON, checked before timing.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from model import LM, RULES, Block, Config, abstract_params, make_mesh  # noqa: 
 CFG = Config(vocab=128, seq_len=16, embed=64, heads=4, mlp=256, layers=8)
 
 
-def lm_step(cfg, mesh, microbatches, pipeline, global_batch):
+def lm_step(cfg, mesh, microbatches, pipeline, global_batch, compiler_options=None):
   """(compiled step, args) for one LM training step on ``mesh``."""
   cfg = dataclasses.replace(cfg, pipeline=pipeline, microbatches=microbatches)
   model = LM(cfg, mesh)
@@ -77,10 +82,10 @@ def lm_step(cfg, mesh, microbatches, pipeline, global_batch):
     return optax.apply_updates(params, upd), opt, loss
 
   args = (params, opt, tokens)
-  return jax.jit(step).lower(*args).compile(), args
+  return jax.jit(step).lower(*args).compile(compiler_options), args
 
 
-def stack_step(cfg, stages, microbatches, mb_rows):
+def stack_step(cfg, stages, microbatches, mb_rows, compiler_options=None):
   """(compiled fwd+bwd of the pipelined stack, args) at ``mb_rows`` rows per microbatch."""
   mesh = make_mesh(jax.devices(), stage=stages, data=8 // stages)
   block = Block(cfg)
@@ -97,7 +102,7 @@ def stack_step(cfg, stages, microbatches, mb_rows):
     return jax.grad(lambda p: tj.pipeline(layer, p, x, mesh=mesh,
                                           microbatches=microbatches).sum())(params)
 
-  return jax.jit(f).lower(params, x).compile(), (params, x)
+  return jax.jit(f).lower(params, x).compile(compiler_options), (params, x)
 
 
 def timed(fn, args):
@@ -106,11 +111,12 @@ def timed(fn, args):
   return time.perf_counter() - t0
 
 
-def interleaved(cases, reps, progress, label):
-  """Median seconds per case, cases run round-robin ``reps`` times after a warm-up."""
+def interleaved(cases, reps, progress, label, warm_up=True):
+  """Median seconds per case, cases run round-robin ``reps`` times after a warm-up
+  (``warm_up=False``: the caller ran each case once already)."""
   times = {k: [] for k in cases}
   task = progress.add_task(label, total=reps * len(cases))
-  for fn, args in cases.values():
+  for fn, args in cases.values() if warm_up else ():
     timed(fn, args)
   for _ in range(reps):
     for k, (fn, args) in cases.items():
@@ -127,31 +133,49 @@ def main(argv=None):
   ap.add_argument("--stages", default="2,4")
   ap.add_argument("--microbatches", default="4,8,16")
   ap.add_argument("--out", default="results/bench_pipeline.json")
+  ap.add_argument("--quick", action="store_true",
+                  help="smoke run: a 4-layer model with embed 16, stages 2, microbatches 2,4,"
+                  " global batch 8, 4 rows per microbatch in the bubble fit, 1 rep, XLA"
+                  " optimisation level 0")
   args = ap.parse_args(argv)
+  cfg, opts = CFG, None
+  if args.quick:
+    cfg = dataclasses.replace(CFG, vocab=32, embed=16, heads=2, mlp=32, layers=4)
+    args.stages, args.microbatches, args.reps = "2", "2,4", 1
+    args.global_batch, args.mb_rows = 8, 4
+    opts = {"xla_backend_optimization_level": 0}
   stages = [int(s) for s in args.stages.split(",")]
   mbs = [int(m) for m in args.microbatches.split(",")]
   load0 = os.getloadavg()
   res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                     f"{platform.python_version()}, jax {jax.__version__}, 8 simulated CPU devices",
-         "config": dataclasses.asdict(CFG), "global_batch": args.global_batch, "reps": args.reps}
+         "config": dataclasses.asdict(cfg), "global_batch": args.global_batch, "reps": args.reps}
   with Progress() as progress:
     task = progress.add_task("compiling", total=len(stages) * (2 * len(mbs) + 1) + 1)
-    cases = {"data-parallel": lm_step(CFG, make_mesh(jax.devices(), data=8), 1, False,
-                                      args.global_batch)}
+    cases = {"data-parallel": lm_step(cfg, make_mesh(jax.devices(), data=8), 1, False,
+                                      args.global_batch, opts)}
     progress.advance(task)
     for s in stages:
       mesh = make_mesh(jax.devices(), stage=s, data=8 // s)
-      cases[f"layer-sharded {s}"] = lm_step(CFG, mesh, 1, False, args.global_batch)
+      cases[f"layer-sharded {s}"] = lm_step(cfg, mesh, 1, False, args.global_batch, opts)
       progress.advance(task)
       for m in mbs:
-        cases[f"pipeline {s}x{m}"] = lm_step(CFG, mesh, m, True, args.global_batch)
+        cases[f"pipeline {s}x{m}"] = lm_step(cfg, mesh, m, True, args.global_batch, opts)
         progress.advance(task)
     stacks = {}
     for s in stages:
       for m in mbs:
-        stacks[(s, m)] = stack_step(CFG, s, m, args.mb_rows)
+        stacks[(s, m)] = stack_step(cfg, s, m, args.mb_rows, opts)
         progress.advance(task)
-    step_med, step_all = interleaved(cases, args.reps, progress, "LM steps")
+    # Same params, same batch: every layout's first step has the data-parallel loss.
+    losses = {k: float(fn(*a)[2]) for k, (fn, a) in cases.items()}
+    ref = losses["data-parallel"]
+    res["loss"] = losses
+    res["loss_max_rel_diff"] = max(abs(v - ref) / abs(ref) for v in losses.values())
+    if res["loss_max_rel_diff"] > 1e-5:
+      raise SystemExit(f"the layouts disagree on the first step's loss: {losses}")
+    # (that first step was each case's warm-up)
+    step_med, step_all = interleaved(cases, args.reps, progress, "LM steps", warm_up=False)
     stack_med, _ = interleaved({f"{s}x{m}": v for (s, m), v in stacks.items()}, args.reps,
                                progress, "stack fwd+bwd")
   res["step_s"] = step_med

@@ -71,21 +71,64 @@ def _parse_schedule(text: str):
   return tuple(phases)
 
 
+def _lm_schedule(text: str, lm) -> str:
+  """The demo's ``--schedule`` as the LM trainer's phases.
+
+  Either the LM trainer's ``'STEP:AXIS=N,... STEP:...'`` (axes data, fsdp,
+  tensor, stage; ``mb=M``) or the shorthand ``'STEP:DATAxTENSOR,...'``.
+
+  Example:
+    >>> _lm_schedule("0:4x2,10:2x2", None)
+    '0:data=4,tensor=2 10:data=2,tensor=2'
+  """
+  if "=" in text:
+    try:
+      lm.configs.parse(text)
+    except ValueError as e:
+      raise UsageError(f"demo: --schedule: {e}") from None
+    return text
+  return " ".join(f"{p.step}:data={p.data},tensor={p.tensor}"
+                  for p in _parse_schedule(text))
+
+
 def _demo(args: argparse.Namespace) -> int:
   if args.devices < 1 or args.steps < 1:
     raise UsageError(f"demo: --devices and --steps must be positive, not"
                      f" {args.devices} and {args.steps}")
   from tenplex_jax import demo
 
-  schedule = (_parse_schedule(args.schedule) if args.schedule
-              else demo.default_schedule())
-  for p in schedule:  # before the backend starts
+  v = args.deterministic
+  lm = demo.load_lm_trainer() if args.schedule and "=" in args.schedule else None
+  if args.schedule:
+    text = _lm_schedule(args.schedule, lm)
+  else:
+    text = demo.LM_SCHEDULE if v is None else demo.LM_DETERMINISTIC_SCHEDULE
+  lm = lm or demo.load_lm_trainer()
+  phases = lm.configs.parse(text)
+  for p in phases:  # before the backend starts
     if p.devices > args.devices:
       raise UsageError(
-          f"demo: the phase at step {p.step} (data {p.data} x tensor"
-          f" {p.tensor}) needs {p.devices} devices, --devices is"
-          f" {args.devices}; give --devices {max(q.devices for q in schedule)}"
-          " or a --schedule whose phases fit, e.g. '0:2x1,10:1x2'")
+          f"demo: the phase at step {p.step} ({p.degrees}) needs {p.devices}"
+          f" devices, --devices is {args.devices}; give --devices"
+          f" {max(q.devices for q in phases)} or a --schedule whose phases fit,"
+          " e.g. '0:2x1,10:1x2'")
+    if p.degrees is None:
+      raise UsageError(f"demo: the phase at step {p.step} gives only a device count;"
+                       " give its degrees (STEP:AXIS=N,...)")
+  if v is not None:
+    for p in phases:
+      d = dict(p.degrees)
+      dp = d.get("data", 1) * d.get("fsdp", 1)
+      if v < 1 or v % dp:
+        raise UsageError(f"demo: --deterministic {v}: the data degree {dp} of the"
+                         f" phase at step {p.step} must divide it")
+      if d.get("stage", 1) > 1:
+        raise UsageError(
+            f"demo: --deterministic {v}: the phase at step {p.step} has stage"
+            f" {d['stage']}; deterministic mode needs stage=1 in every phase (each"
+            " virtual worker runs the whole model inside determinism.value_and_grad's"
+            " shard_map, which cannot hold the pipeline's shard_map); without"
+            f" --schedule it uses {demo.LM_DETERMINISTIC_SCHEDULE!r}")
   import jax
 
   try:
@@ -95,36 +138,32 @@ def _demo(args: argparse.Namespace) -> int:
   if len(jax.devices()) < args.devices:
     raise UsageError(f"demo: --devices {args.devices}: only"
                      f" {len(jax.devices())} devices exist")
-  print(f"tenplex_jax demo: {args.steps} steps on simulated CPU devices,"
-        " schedule " + ", ".join(f"step {p.step}: {p.devices} devices"
-                                 f" (data {p.data} x tensor {p.tensor})"
-                                 for p in schedule))
-  v = args.deterministic
+  print(f"tenplex_jax demo: the LM trainer (examples/lm), {args.steps} steps on"
+        " simulated CPU devices, schedule " + ", ".join(
+            f"step {p.step}: {p.devices} devices ("
+            + " x ".join(f"{k} {n}" for k, n in p.degrees) + ")" for p in phases))
+  result = demo.run_lm(text, steps=args.steps, deterministic=v, plot=args.plot,
+                       log=print)
+  el = result.elastic
+  print(f"\n{len(result.reports)} reconfigurations"
+        f" ({sum(r['reconfig_s'] for r in el) * 1e3:.0f} ms,"
+        f" {sum(r['reconfig_bytes'] for r in el) / 2**10:.0f} KiB moved; compiling the"
+        f" new meshes' steps took {sum(r['compile_s'] for r in el):.1f} s); final loss"
+        f" {el[-1]['loss']:.4f} (first {el[0]['loss']:.4f})")
+  print(f"max |loss - loss of a run that never resized| = {result.max_abs_loss_diff:.2e}")
   if v is not None:
-    bad = [p for p in schedule if v < 1 or v % p.data]
-    if bad:
-      raise UsageError(f"demo: --deterministic {v}: the data degree"
-                       f" {bad[0].data} of the phase at step {bad[0].step}"
-                       " must divide it")
-  result = demo.run(schedule, steps=args.steps, log=print, deterministic=v)
-  static = demo.run(schedule[:1], steps=args.steps, deterministic=v)
-  diff = max(abs(a - b) for a, b in zip(result.losses, static.losses))
-  print(f"\n{len(result.reports)} reconfigurations; final loss"
-        f" {result.losses[-1]:.4f} (first {result.losses[0]:.4f})")
-  print(f"max |loss - loss of a run that never resized| = {diff:.2e}")
-  if v is not None:
-    import numpy as np
-    import jax
-    same = result.losses == static.losses and all(
-        np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(
-            jax.tree_util.tree_leaves(result.params),
-            jax.tree_util.tree_leaves(static.params)))
     print(f"deterministic ({v} virtual workers): losses and final params are "
-          + ("bitwise identical to the static run" if same else
+          + ("bitwise identical to the static run" if result.bitwise_identical else
              "NOT bitwise identical to the static run"))
+  if args.plot:
+    print(f"plot: {args.plot}")
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps({
-        "losses": result.losses, "static_losses": static.losses,
+        "schedule": text, "losses": [r["loss"] for r in el],
+        "static_losses": [r["loss"] for r in result.static],
+        "elastic": list(el), "static": list(result.static),
+        "max_abs_loss_diff": result.max_abs_loss_diff,
+        "bitwise_identical": result.bitwise_identical,
         "reports": [{"step": t, **r.to_dict()} for t, r in result.reports]},
         indent=1))
   return 0
@@ -138,15 +177,21 @@ def register(sub) -> None:
   p.add_argument("--json", action="store_true", help="print the plan as JSON")
   p.set_defaults(func=_plan)
 
-  d = sub.add_parser("demo", help="train a small Flax model on simulated CPU"
-                     " devices, re-meshed 8 -> 4 -> 2 -> 8 devices")
-  d.add_argument("--steps", type=int, default=40)
+  d = sub.add_parser("demo", help="train the pipelined LM of examples/lm on"
+                     " simulated CPU devices, re-meshed 8 -> 4 -> 2 -> 8 devices"
+                     " with changing (data, fsdp, tensor, stage) degrees")
+  d.add_argument("--steps", type=int, default=24)
   d.add_argument("--devices", type=int, default=8)
-  d.add_argument("--schedule", help="phases 'STEP:DATAxTENSOR,...', e.g."
-                 " '0:4x2,10:2x2,20:1x2,30:2x4'")
-  d.add_argument("--json", help="write losses and reports to this file")
+  d.add_argument("--schedule", help="phases 'STEP:AXIS=N,... STEP:...' (axes data,"
+                 " fsdp, tensor, stage; mb=M microbatches), or the shorthand"
+                 " 'STEP:DATAxTENSOR,...'; default"
+                 " '0:data=2,tensor=2,stage=2 6:fsdp=2,stage=2 12:tensor=2"
+                 " 18:data=2,tensor=2,stage=2'")
+  d.add_argument("--json", help="write the per-step logs and the reports to this file")
+  d.add_argument("--plot", default="tenplex-demo.png",
+                 help="save the loss curves here (default tenplex-demo.png; '' for none)")
   d.add_argument("--deterministic", type=int, metavar="V",
                  help="sum gradients over V virtual workers in a fixed order"
-                 " (every phase's data degree must divide V): the run is"
-                 " bitwise identical to the static run")
+                 " (every phase's data x fsdp degree must divide V, and stage must"
+                 " be 1): the run is bitwise identical to the static run")
   d.set_defaults(func=_demo)

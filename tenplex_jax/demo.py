@@ -1,15 +1,24 @@
 """The elastic training demo: a Flax model re-meshed while it trains.
 
-A small MLP with logically partitioned parameters trains on simulated CPU
-devices; at given steps the job moves to another device set and another
-(data, tensor) parallelism with :func:`tenplex_jax.remesh`. The global batch
-and the sample order never depend on the devices, so the loss curve equals
-that of a run that never resized (up to float reduction order).
+``tenplex-jax demo`` is a short run of the LM trainer in ``examples/lm``
+(:func:`run_lm`): a linen decoder-only LM whose stacked layers run as a
+GPipe pipeline over the mesh's ``stage`` axis, re-meshed 8 -> 4 -> 2 -> 8
+devices with changing (data, fsdp, tensor, stage) degrees by
+:func:`tenplex_jax.remesh`, then compared with a run that never resized.
+
+:func:`run` is the earlier, smaller demo the tests use: an MLP with
+logically partitioned parameters re-meshed over (data, tensor) layouts. In
+both, the global batch and the sample order never depend on the devices,
+so the loss curve equals that of a run that never resized (up to float
+reduction order).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import pathlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,9 +32,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax.remesh import RemeshReport, remesh
 
-__all__ = ["DemoResult", "Phase", "RULES", "MLP", "TrainState", "create_state",
-           "default_schedule", "deterministic_train_step", "make_mesh", "run",
-           "train_step"]
+__all__ = ["DemoResult", "LM_DETERMINISTIC_SCHEDULE", "LM_SCHEDULE", "LMDemoResult",
+           "Phase", "RULES", "MLP", "TrainState", "create_state",
+           "default_schedule", "deterministic_train_step", "load_lm_trainer",
+           "make_mesh", "run", "run_lm", "train_step"]
 
 # Logical axis -> mesh axis.
 RULES = (("batch", "data"), ("embed", None), ("mlp", "tensor"),
@@ -234,3 +244,120 @@ def run(schedule: Sequence[Phase] = default_schedule(), *, steps: int = 40,
     it.close()
   return DemoResult(tuple(losses), tuple(reports),
                     jax.tree_util.tree_map(np.asarray, state.params))
+
+
+# ------------------------------------------------------ the LM trainer's run
+
+# 8 -> 4 -> 2 -> 8 devices, every phase another (data, fsdp, tensor, stage);
+# the stage count goes 2 -> 2 -> 1 -> 2. The last layout is the first one's,
+# so its step is compiled once (the demo's time is mostly compilation).
+LM_SCHEDULE = ("0:data=2,tensor=2,stage=2 6:fsdp=2,stage=2 12:tensor=2"
+               " 18:data=2,tensor=2,stage=2")
+# For --deterministic: stage 1 throughout (determinism.value_and_grad runs
+# each virtual worker's whole model in one shard_map, see
+# examples/lm/train.py's check_deterministic); data-parallel degrees 4, 2, 1,
+# 4 divide V = 4 or 8.
+LM_DETERMINISTIC_SCHEDULE = ("0:data=4,tensor=2 6:data=2,tensor=2 12:tensor=2"
+                             " 18:data=2,fsdp=2,tensor=2")
+_LM_DIR = pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"
+_LM_MODULE = "tenplex_jax_examples_lm_train"
+
+
+def load_lm_trainer():
+  """``examples/lm/train.py`` as a module (with its ``model`` and ``config``).
+
+  The LM trainer lives in the source checkout's ``examples/lm`` (as flax's
+  own examples do), next to this package; an editable install
+  (``pip install -e .``) finds it.
+
+  Raises:
+    UsageError: the checkout's ``examples/lm`` is not there.
+  """
+  from tenplex_jax.errors import UsageError
+  if _LM_MODULE in sys.modules:
+    return sys.modules[_LM_MODULE]
+  if not (_LM_DIR / "train.py").is_file():
+    raise UsageError(f"the demo runs the LM trainer in {_LM_DIR}, which is not there:"
+                     " install tenplex_jax from its source checkout"
+                     " (python3 -m pip install -e .)")
+  # train.py imports `model` and `config` from its directory: load those
+  # first under their names (the ones another example may have put in
+  # sys.modules are set aside meanwhile and put back).
+  saved = {n: sys.modules.pop(n) for n in ("model", "config") if n in sys.modules}
+  try:
+    for name, file in (("model", "model.py"), ("config", "config.py"),
+                       (_LM_MODULE, "train.py")):
+      spec = importlib.util.spec_from_file_location(name, _LM_DIR / file)
+      module = importlib.util.module_from_spec(spec)
+      sys.modules[name] = module
+      spec.loader.exec_module(module)
+  except BaseException:
+    sys.modules.pop(_LM_MODULE, None)
+    raise
+  finally:
+    for n in ("model", "config"):
+      sys.modules.pop(n, None)
+    sys.modules.update(saved)
+  return sys.modules[_LM_MODULE]
+
+
+@dataclasses.dataclass(frozen=True)
+class LMDemoResult:
+  """The elastic and the static run of :func:`run_lm`.
+
+  ``elastic``/``static``: one record per step (loss, devices, mesh degrees,
+  microbatches, step and compile seconds, reconfiguration seconds and
+  bytes); ``reports``: ``(step, RemeshReport)`` per resize;
+  ``max_abs_loss_diff``; ``bitwise_identical``: with ``deterministic``,
+  whether the losses and the final params have the static run's bits.
+  """
+
+  elastic: tuple[dict, ...]
+  static: tuple[dict, ...]
+  reports: tuple[tuple[int, RemeshReport], ...]
+  max_abs_loss_diff: float
+  bitwise_identical: bool | None
+
+
+def run_lm(schedule: str = LM_SCHEDULE, *, steps: int = 24,
+           deterministic: int | None = None, plot: str | None = None,
+           log=None) -> LMDemoResult:
+  """The LM trainer's short run: re-meshed by ``schedule``, then a static run.
+
+  Args:
+    schedule: phases ``"STEP:AXIS=N,... ..."`` (``examples/lm/config.py``).
+    steps: training steps of each run.
+    deterministic: ``V`` virtual workers (``tenplex_jax.determinism``):
+      every phase needs stage 1 and a data x fsdp degree dividing ``V``.
+    plot: save the loss curves (PNG) here.
+    log: called with each step's line and each reconfiguration report.
+
+  Steps are compiled at XLA optimisation level 0 (half the compile time of
+  each new mesh, slower steps: a demo is mostly compilation).
+
+  Example:
+    >>> r = run_lm(steps=24, plot="lm.png")  # doctest: +SKIP
+    >>> r.max_abs_loss_diff < 1e-5  # doctest: +SKIP
+    True
+  """
+  import numpy as np
+  lm = load_lm_trainer()
+  phases = lm.configs.parse(schedule)
+  cfg = lm.configs.TINY
+  opts = {"xla_backend_optimization_level": 0}
+  reports, el_final, st_final = [], {}, {}
+  elastic = lm.train(phases, steps, cfg, log=log or (lambda *_: None),
+                     deterministic=deterministic, compiler_options=opts,
+                     final=el_final, reports=reports)
+  static = lm.train(phases[:1], steps, cfg, log=lambda *_: None,
+                    deterministic=deterministic, compiler_options=opts,
+                    final=st_final)
+  diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(elastic, static))
+  same = None
+  if deterministic is not None:
+    same = [r["loss"] for r in elastic] == [r["loss"] for r in static] and all(
+        np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(
+            jax.tree.leaves(el_final["params"]), jax.tree.leaves(st_final["params"])))
+  if plot:
+    lm.plot(elastic, static, plot)
+  return LMDemoResult(tuple(elastic), tuple(static), tuple(reports), diff, same)

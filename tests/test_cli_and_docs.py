@@ -37,15 +37,22 @@ def test_plan_verb_prints_summary(tmp_path, capsys):
 
 
 def test_demo_verb_runs_and_matches_static(tmp_path, capsys):
-  out_json = tmp_path / "demo.json"
-  assert main(["demo", "--steps", "12", "--schedule", "0:4x2,4:2x2,8:2x4",
-               "--json", str(out_json)]) == 0
+  # The LM trainer's run (the schedule of tests/test_pipeline_lm.py, whose
+  # compiled steps it shares): a stage change 2 -> 4 on 8 -> 4 devices.
+  out_json, out_png = tmp_path / "demo.json", tmp_path / "demo.png"
+  assert main(["demo", "--steps", "4", "--schedule",
+               "0:stage=2,data=2,tensor=2 2:stage=4,mb=2", "--json",
+               str(out_json), "--plot", str(out_png)]) == 0
   out = capsys.readouterr().out
-  assert out.count("re-meshed onto") == 2
+  assert out.count("re-meshed onto data=1 x fsdp=1 x stage=4 x tensor=1") == 1
+  assert "max |loss - loss of a run that never resized|" in out
   d = json.loads(out_json.read_text())
+  assert [r["mesh"]["stage"] for r in d["elastic"]] == [2, 2, 4, 4]
   np.testing.assert_allclose(d["losses"], d["static_losses"], rtol=1e-5)
-  assert all(r["reshard"]["moved_bytes"] == r["reshard"]["lower_bound_bytes"]
-             for r in d["reports"])
+  assert len(d["reports"]) == 1 and all(
+      r["reshard"]["moved_bytes"] == r["reshard"]["lower_bound_bytes"] > 0
+      for r in d["reports"])
+  assert out_png.stat().st_size > 10_000
 
 
 def _modules():

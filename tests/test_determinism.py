@@ -266,7 +266,7 @@ def test_d1_across_processes_through_the_store(tmp):
 def test_demo_deterministic_says_bitwise_identical(capsys):
   from tenplex_jax.cli import main
   assert main(["demo", "--steps", "4", "--schedule", "0:4x2,2:1x2",
-               "--deterministic", "4"]) == 0
+               "--deterministic", "4", "--plot", ""]) == 0
   out = capsys.readouterr().out
   assert "losses and final params are bitwise identical to the static run" in out
   assert main(["demo", "--steps", "6", "--schedule", "0:4x2,2:2x2",

@@ -1,17 +1,16 @@
 """examples/lm: the pipelined LM trainer resizes mid-run and stays on the static curve."""
 
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "lm"))
+from tenplex_jax.demo import load_lm_trainer
 
-import config  # noqa: E402
-import train  # noqa: E402
+# The module `tenplex-jax demo` runs (one copy: the demo test and this file
+# share its compiled steps).
+train = load_lm_trainer()
+config = train.configs
 
 
 def test_help_documents_the_contract_flags(capsys):
@@ -28,7 +27,7 @@ def test_resize_with_stage_change_follows_static_run(tmp_path, capsys):
   regroup from 2 to 4 stages; losses equal the static run's up to float order."""
   out_json, out_png = tmp_path / "lm.json", tmp_path / "lm.png"
   diff = train.main(["--steps", "4", "--schedule", "0:stage=2,data=2,tensor=2 2:stage=4,mb=2",
-                     "--json", str(out_json), "--plot", str(out_png)])
+                     "--json", str(out_json), "--plot", str(out_png), "--fast-compile"])
   log = json.loads(out_json.read_text())
   el, st = log["elastic"], log["static"]
   assert [r["devices"] for r in el] == [8, 8, 4, 4]
@@ -49,3 +48,21 @@ def test_schedule_parse_errors():
     config.parse("0:pipe=2")
   with pytest.raises(ValueError, match="step 0"):
     config.parse("3:data=2")
+
+
+def test_deterministic_and_procs_errors(capsys):
+  # Rejected before anything compiles or starts.
+  for argv, words in (
+      (["--deterministic", "4", "--schedule", "0:data=2,stage=2"],
+       ["phase at step 0 has stage=2", "use stage=1 layouts"]),
+      (["--deterministic", "6", "--schedule", "0:data=2,fsdp=2"],
+       ["data-parallel degree 4 (data 2 x fsdp 2)", "does not divide 6"]),
+      (["--procs", "3,1", "--schedule", "0:data=4 2:data=2"],
+       ["step 0 has 4 devices, which 3 processes cannot share evenly"]),
+      (["--procs", "2", "--schedule", "0:data=4 2:data=2"], ["1 process counts for 2 phases"])):
+    with pytest.raises(SystemExit) as e:
+      train.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), (argv, err)
+  assert train.procs_plan(config.parse(config.DEFAULT_SCHEDULE), "auto") == [2, 2, 1, 2]

@@ -16,25 +16,51 @@ of float reductions.
   python examples/lm/train.py                       # 8 -> 4 -> 2 -> 8 devices
   python examples/lm/train.py --search --schedule "0:8 8:4 16:2 24:8"
   python examples/lm/train.py --json lm.json --plot lm.png
+  python examples/lm/train.py --procs 2,2,1,2      # the same, across processes
+
+With ``--procs P1,P2,...`` (one process count per phase) the run goes across
+processes instead: ``tenplex-jax launch`` runs this script with ``--worker``
+as P1 processes of ``devices / P1`` simulated CPU devices each; at a phase
+boundary every process saves its shards and the data iterator's state to its
+host's store (``tenplex_jax.store.save_and_exit``) and exits, the launcher
+starts the next phase's processes (another process count, another number of
+devices per process), and they restore the state onto their mesh
+(``restore_or_init``). The same as one command under the launcher::
+
+  tenplex-jax launch --procs 2 --devices-per-proc 4 -- \\
+      python examples/lm/train.py --worker --procs 2,2,1,2 --records lm.jsonl
+
+With ``--deterministic V`` the gradient of each global batch is summed over V
+virtual workers in one fixed order (``tenplex_jax.determinism``): the run is
+bitwise identical to the static run when every phase's data-parallel degree
+(data x fsdp) divides V. Each virtual worker runs the whole model, so every
+phase needs ``stage=1`` (see ``check_deterministic``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
+
+_PROCESS_START = time.time()  # before the imports (the cross-process reconfiguration's timeline)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--worker" not in sys.argv:
+  # (a --worker process gets its device count from tenplex-jax launch)
   jax.config.update("jax_num_cpu_devices", 8)
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import warnings  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -79,7 +105,10 @@ def _model_and_tx(cfg, lr):
   return LM(cfg), optax.adam(lr)
 
 
-def create_state(cfg, mesh, rules, lr):
+@functools.cache
+def init_fn(cfg, mesh, rules, lr):
+  """``init(key) -> TrainState``, jitted to create the state sharded on ``mesh``
+  (one per layout: the static run reuses the elastic run's)."""
   model, tx = _model_and_tx(cfg, lr)
 
   def init(key):
@@ -89,11 +118,70 @@ def create_state(cfg, mesh, rules, lr):
 
   abstract = jax.eval_shape(init, jax.random.key(configs.SEED))
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-  return jax.jit(init, out_shardings=shardings)(jax.random.key(configs.SEED))
+  return jax.jit(init, out_shardings=shardings)
 
 
-def make_step(cfg, mesh, microbatches):
-  """The jitted train step for a mesh: the pipeline runs over its stage axis."""
+def create_state(cfg, mesh, rules, lr):
+  return init_fn(cfg, mesh, rules, lr)(jax.random.key(configs.SEED))
+
+
+def check_deterministic(phases, virtual_workers, layouts):
+  """Raises ValueError unless ``--deterministic V`` can hold on every phase.
+
+  ``layouts`` are the phases' ``(mesh, rules, microbatches)``. Each phase's
+  data-parallel degree (data x fsdp) must divide V, and its stage degree must
+  be 1: ``tenplex_jax.determinism.value_and_grad`` runs each virtual worker's
+  loss inside one ``shard_map`` that is manual over every mesh axis (the
+  params gathered), which leaves no automatic ``stage`` axis for
+  ``tenplex_jax.pipeline``'s own ``shard_map``.
+  """
+  if virtual_workers < 1:
+    raise ValueError(f"--deterministic {virtual_workers}: V must be a positive number of"
+                     " virtual workers")
+  for p, (mesh, _, _) in zip(phases, layouts):
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    if virtual_workers % dp:
+      raise ValueError(f"--deterministic {virtual_workers}: the phase at step {p.step} has"
+                       f" data-parallel degree {dp} (data {mesh.shape['data']} x fsdp"
+                       f" {mesh.shape['fsdp']}), which does not divide {virtual_workers}")
+    if mesh.shape["stage"] > 1:
+      raise ValueError(f"--deterministic {virtual_workers}: the phase at step {p.step} has"
+                       f" stage={mesh.shape['stage']}; deterministic mode runs each virtual"
+                       " worker's whole model inside determinism.value_and_grad's shard_map"
+                       " (manual over every mesh axis), which cannot contain the pipeline's"
+                       " shard_map over 'stage': use stage=1 layouts (data, fsdp, tensor)")
+
+
+def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=None):
+  """The jitted train step for a mesh: the pipeline runs over its stage axis.
+
+  With ``deterministic=V`` the loss and gradient come from
+  ``tenplex_jax.determinism.value_and_grad`` over V virtual workers (the
+  layer stack then runs as a ``lax.scan``; ``check_deterministic``). The loss
+  is then the mean over the batch of the masked per-sequence losses (the
+  same as the normal step's when no sequence is masked out).
+  """
+  if deterministic is not None:
+    from tenplex_jax import determinism
+
+    model = LM(dataclasses.replace(cfg, pipeline=False))
+
+    def worker_loss(params, batch):
+      logits = model.apply({"params": params}, batch["tokens"][:, :-1])
+      per_seq = optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["tokens"][:, 1:]).mean(-1)
+      return (per_seq * batch["mask"]).mean()
+
+    grad = determinism.value_and_grad(worker_loss, virtual_workers=deterministic, mesh=mesh,
+                                      batch_axis=("data", "fsdp"))
+
+    def det_step(state, tokens, mask):
+      loss, grads = grad(state.params, {"tokens": tokens, "mask": mask})
+      return state.apply_gradients(grads=grads), loss
+
+    return determinism.jit(det_step, donate_argnums=0,
+                           compiler_options=dict(compiler_options or {}))
+
   model = LM(dataclasses.replace(cfg, microbatches=microbatches), mesh)
 
   def step(state, tokens, mask):
@@ -105,11 +193,15 @@ def make_step(cfg, mesh, microbatches):
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
-  return jax.jit(step, donate_argnums=0)
+  return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
 
 
 def batches(source, mesh, data_state, global_batch):
-  """The global batch: each data shard's part read by its own iterator."""
+  """The global batch: each data shard's part read by its own iterator.
+
+  Every process reads every part (they are small) and keeps the rows of its
+  own devices, so the same code runs in one process and in many.
+  """
   n = mesh.shape["data"] * mesh.shape["fsdp"]
   its = [ElasticIterator(source, global_batch_size=global_batch, seed=configs.SEED,
                          shard_index=i, shard_count=n, prefetch=0) for i in range(n)]
@@ -121,11 +213,15 @@ def batches(source, mesh, data_state, global_batch):
   tokens = np.concatenate([p["tokens"] for p in parts])
   mask = np.concatenate([p["mask"] for p in parts]).astype(np.float32)
   spec = NamedSharding(mesh, P(("data", "fsdp")))
-  return jax.device_put(tokens, spec), jax.device_put(mask, spec), new_state
+
+  def put(a):
+    return jax.make_array_from_callback(a.shape, spec, lambda idx: a[idx])
+
+  return put(tokens), put(mask), new_state
 
 
-# Compiled train steps by (config, mesh, rules, microbatches): the static run
-# reuses the elastic run's first-phase executable.
+# Compiled train steps by (config, mesh, rules, microbatches, mode): the
+# static run reuses the elastic run's first-phase executable.
 _COMPILED = {}
 
 
@@ -133,13 +229,41 @@ def degrees_of(mesh):
   return {a: int(mesh.shape[a]) for a in ("data", "fsdp", "tensor", "stage")}
 
 
+def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, compiler_options):
+  """(executable, seconds spent compiling it: 0 when cached)."""
+  key = (cfg, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb,
+         deterministic, tuple(sorted((compiler_options or {}).items())))
+  if key in _COMPILED:
+    return _COMPILED[key], 0.0
+  t0 = time.perf_counter()
+  fn = make_step(cfg, mesh, mb, deterministic=deterministic,
+                 compiler_options=compiler_options).lower(state, tokens, mask).compile()
+  _COMPILED[key] = fn
+  return fn, time.perf_counter() - t0
+
+
+def _host_scalar(x):
+  """A replicated scalar as a Python float (also when other processes hold copies)."""
+  return float(np.asarray(x.addressable_data(0)))
+
+
 def train(phases, steps, cfg, *, search=False, global_batch=configs.GLOBAL_BATCH,
-          lr=configs.LEARNING_RATE, log=print, devices=None):
-  """Runs ``steps`` steps through ``phases``; returns one record per step."""
+          lr=configs.LEARNING_RATE, log=print, devices=None, deterministic=None,
+          compiler_options=None, final=None, reports=None):
+  """Runs ``steps`` steps through ``phases``; returns one record per step.
+
+  ``final``, a dict, receives the final params as host numpy arrays
+  (``final["params"]``); ``reports``, a list, receives ``(step, RemeshReport)``
+  per resize.
+  """
   devices = list(devices or jax.devices())
   source = dataset(cfg)
   starts = {p.step: p for p in phases}
   mesh, rules, mb = layout(phases[0], cfg, devices, search=search, global_batch=global_batch)
+  if deterministic is not None:
+    check_deterministic(phases, deterministic,
+                        [layout(p, cfg, devices, search=search, global_batch=global_batch)
+                         for p in phases])
   state = create_state(cfg, mesh, rules, lr)
   data_state, records = None, []
   for t in range(steps):
@@ -153,22 +277,237 @@ def train(phases, steps, cfg, *, search=False, global_batch=configs.GLOBAL_BATCH
       rec["reconfig_s"] = report.seconds["total"]
       rec["reconfig_bytes"] = int(report.moved_bytes)
       rec["resized_from"] = old
+      if reports is not None:
+        reports.append((t, report))
       log(f"step {t}: {old} -> {degrees_of(mesh)} (microbatches {mb}): {report}")
     tokens, mask, data_state = batches(source, mesh, data_state, global_batch)
-    key = (cfg, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb)
-    if key not in _COMPILED:
-      t0 = time.perf_counter()
-      _COMPILED[key] = make_step(cfg, mesh, mb).lower(state, tokens, mask).compile()
-      rec["compile_s"] = time.perf_counter() - t0
+    fn, rec["compile_s"] = _compiled_step(cfg, mesh, rules, mb, state, tokens, mask,
+                                          deterministic, compiler_options)
     t0 = time.perf_counter()
-    state, loss = _COMPILED[key](state, tokens, mask)
-    loss = float(loss)
+    state, loss = fn(state, tokens, mask)
+    loss = _host_scalar(loss)
     rec.update(loss=loss, step_s=time.perf_counter() - t0, devices=int(mesh.devices.size),
                mesh=degrees_of(mesh), microbatches=mb)
     records.append(rec)
     log(f"step {t:3d}  devices {mesh.devices.size}  {degrees_of(mesh)} mb {mb}"
         f"  loss {loss:.4f}  step {rec['step_s'] * 1e3:.1f} ms")
+  if final is not None:
+    final["params"] = jax.tree.map(np.asarray, nn.unbox(state.params))
   return records
+
+
+# ----------------------------------------------------- across processes
+
+
+def phase_at(phases, step):
+  """The phase that step ``step`` runs in."""
+  return [p for p in phases if p.step <= step][-1]
+
+
+def procs_plan(phases, text):
+  """Processes per phase from ``--procs P1,P2,...`` (``auto``: 2 processes for
+  phases of 4 or more devices, else 1).
+
+  Example:
+    >>> procs_plan(configs.parse("0:8 4:4 8:2"), "auto")
+    [2, 2, 1]
+  """
+  if text == "auto":
+    return [2 if p.devices >= 4 and p.devices % 2 == 0 else 1 for p in phases]
+  try:
+    plan = [int(x) for x in text.split(",")]
+  except ValueError:
+    raise ValueError(f"--procs {text!r}: expected one process count per phase,"
+                     " comma-separated (e.g. 2,2,1,2) or 'auto'") from None
+  if len(plan) != len(phases):
+    raise ValueError(f"--procs {text!r}: {len(plan)} process counts for {len(phases)}"
+                     f" phases (steps {[p.step for p in phases]})")
+  for p, n in zip(phases, plan):
+    if n < 1 or p.devices % n:
+      raise ValueError(f"--procs {text!r}: the phase at step {p.step} has {p.devices}"
+                       f" devices, which {n} processes cannot share evenly")
+  return plan
+
+
+def _append(path, record):
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
+def worker(args, cfg, phases, plan):
+  """One process of the job under ``tenplex-jax launch`` (``--worker``).
+
+  The generation's phase is the one its start step falls in; its devices are
+  split evenly over the launcher's processes. The state (train state and
+  data iterator state) comes from the stores, or is initialised at step 0;
+  at the next phase boundary every process saves to its store and exits for
+  the launcher to start the next phase's processes. Process 0 appends a
+  record per step (and one per save and restore) to ``--records``.
+  """
+  from tenplex_jax import store
+  from tenplex_jax.store.launch import last_restore
+
+  t_start = time.time()
+  n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
+  phase = phase_at(phases, int(os.environ.get("TENPLEX_START_STEP", "0")))
+  if phase.devices % n:
+    raise ValueError(f"the phase at step {phase.step} has {phase.devices} devices, which"
+                     f" {n} processes cannot share evenly")
+  os.environ["TENPLEX_DEVICES"] = str(phase.devices // n)
+  info = store.initialize()
+  t_init = time.time()
+  lead = info["process_id"] == 0
+  devices = jax.devices()
+  lr, gb = configs.LEARNING_RATE, configs.GLOBAL_BATCH
+  mesh, rules, mb = layout(phase, cfg, devices, search=args.search, global_batch=gb)
+  if args.deterministic is not None:
+    check_deterministic([phase], args.deterministic, [(mesh, rules, mb)])
+  init = init_fn(cfg, mesh, rules, lr)
+  key = jax.random.key(configs.SEED)
+  target = {"train": jax.eval_shape(init, key), "data": ""}
+  tree, step = store.restore_or_init(lambda: {"train": init(key), "data": ""}, target)
+  jax.block_until_ready(tree)
+  t_restored = time.time()
+  if phase_at(phases, step) != phase:
+    raise ValueError(f"restored step {step}, which is not in the phase at step {phase.step}")
+  state = tree["train"]
+  data_state = json.loads(tree["data"]) if tree["data"] else None
+  if lead:
+    _append(args.records, {
+        "event": "start", "step": step, "generation": info["generation"], "procs": n,
+        "devices_per_proc": phase.devices // n, "start_time": _PROCESS_START,
+        "import_s": t_start - _PROCESS_START, "init_s": t_init - t_start,
+        "restore_s": t_restored - t_init, "restored_time": t_restored, "restore": last_restore.get("report")})
+  source = dataset(cfg)
+  boundaries = [p.step for p in phases if p.step > phase.step]
+  end = min(boundaries + [args.steps])
+  for t in range(step, end):
+    tokens, mask, data_state = batches(source, mesh, data_state, gb)
+    fn, compile_s = _compiled_step(cfg, mesh, rules, mb, state, tokens, mask,
+                                   args.deterministic, _compiler_options(args))
+    t0 = time.perf_counter()
+    state, loss = fn(state, tokens, mask)
+    loss = _host_scalar(loss)
+    rec = {"event": "step", "step": t, "loss": loss, "step_s": time.perf_counter() - t0,
+           "compile_s": compile_s, "devices": int(mesh.devices.size), "mesh": degrees_of(mesh),
+           "microbatches": mb, "procs": n, "devices_per_proc": phase.devices // n}
+    if lead:
+      _append(args.records, rec)
+      print(f"step {t:3d}  {n} procs x {phase.devices // n} devices  {degrees_of(mesh)}"
+            f" mb {mb}  loss {loss:.4f}  step {rec['step_s'] * 1e3:.1f} ms", flush=True)
+    due = store.resize_due(t + 1)  # also a request from outside (SIGUSR1)
+    if t + 1 < args.steps and (t + 1 == end or due):
+      procs = due or plan[phases.index(phase_at(phases, t + 1))]
+      if lead:
+        _append(args.records, {"event": "save", "step": t + 1, "time": time.time(),
+                               "procs": procs})
+      store.save_and_exit({"train": state, "data": json.dumps(data_state)}, t + 1,
+                          procs=procs)
+  store.save_snapshot({"train": state, "data": json.dumps(data_state)}, args.steps)
+  if lead:
+    _append(args.records, {"event": "end", "step": args.steps, "time": time.time()})
+
+
+def _restore_bytes(job_dir, generation):
+  """Bytes the processes of ``generation`` read from the stores (local, network)."""
+  local = net = 0
+  for name in os.listdir(job_dir):
+    if name.startswith("restore_") and name.endswith(f"_{generation}.json"):
+      with open(os.path.join(job_dir, name)) as f:
+        r = json.load(f)
+      local += r["local_bytes"]
+      net += r["network_bytes"]
+  return local, net
+
+
+def assemble(records_path, job_dir):
+  """The per-step log of a run across processes, in the in-process format.
+
+  The first step of each relaunched generation carries the reconfiguration:
+  ``reconfig_s`` from the old processes' save call to the new processes'
+  restored state (save, exit, relaunch, imports, ``jax.distributed`` start,
+  restore; compilation apart, in ``compile_s``), split into ``relaunch_s``
+  (save call to the new process's start), ``import_s`` (Python, jax, flax),
+  ``init_s`` (``tenplex_jax.store.initialize``) and ``restore_s``; ``reconfig_bytes`` the
+  bytes the new processes read from the stores (``network_bytes`` of them
+  from other hosts' store servers).
+  """
+  with open(records_path) as f:
+    events = [json.loads(x) for x in f]
+  out, saves, prev = [], {}, None
+  pending = None
+  for e in events:
+    if e["event"] == "save":
+      saves[e["step"]] = e
+    elif e["event"] == "start":
+      pending = e if e["step"] > 0 else None
+    elif e["event"] == "step":
+      rec = {k: e[k] for k in ("step", "loss", "step_s", "compile_s", "devices", "mesh",
+                               "microbatches", "procs", "devices_per_proc")}
+      rec.update(reconfig_s=0.0, reconfig_bytes=0)
+      if pending is not None and pending["step"] == e["step"]:
+        save = saves[e["step"]]
+        local, net = _restore_bytes(job_dir, pending["generation"])
+        rec.update(reconfig_s=pending["restored_time"] - save["time"],
+                   relaunch_s=pending["start_time"] - save["time"],
+                   import_s=pending["import_s"], init_s=pending["init_s"],
+                   restore_s=pending["restore_s"],
+                   reconfig_bytes=local + net, network_bytes=net,
+                   resized_from=prev["mesh"], procs_from=prev["procs"])
+        pending = None
+      out.append(rec)
+      prev = rec
+  return out
+
+
+def run_procs(args, cfg, phases, plan, log=print):
+  """Runs the elastic job across processes with ``tenplex-jax launch``;
+  returns ``(records, final params)``."""
+  from tenplex_jax import store
+  from tenplex_jax.store.launch import launch
+
+  job = tempfile.mkdtemp(prefix="tenplex-lm-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                         else None)
+  records = os.path.join(job, "lm_records.jsonl")
+  cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--procs",
+         ",".join(map(str, plan)), "--records", records, "--schedule", args.schedule,
+         "--steps", str(args.steps), "--config", args.config]
+  cmd += ["--search"] * args.search + ["--remat"] * args.remat + \
+      ["--fast-compile"] * args.fast_compile
+  if args.deterministic is not None:
+    cmd += ["--deterministic", str(args.deterministic)]
+  log(f"tenplex-jax launch: {plan[0]} processes x {phases[0].devices // plan[0]} devices;"
+      f" processes per phase {plan}")
+  ok = False
+  try:
+    with warnings.catch_warnings():
+      # The launcher's children exec at once (no jax in them before exec).
+      warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+      code = launch(cmd, procs=plan[0], devices_per_proc=phases[0].devices // plan[0],
+                    job_dir=job, timeout=args.timeout, max_restarts=0)
+    if code != 0:
+      raise SystemExit(f"the job across processes failed (exit code {code}); its"
+                       f" directory {job} is kept (logs, failures.jsonl)")
+    elastic = assemble(records, job)
+    # The final state, from the stores, onto this process's devices.
+    mesh, rules, _ = layout(phases[-1], cfg, jax.devices(), search=args.search,
+                            global_batch=configs.GLOBAL_BATCH)
+    init = init_fn(cfg, mesh, rules, configs.LEARNING_RATE)
+    target = {"train": jax.eval_shape(init, jax.random.key(configs.SEED)), "data": ""}
+    stores = sorted(os.listdir(os.path.join(job, "store")), key=int)
+    tree = store.restore([os.path.join(job, "store", d) for d in stores], target)
+    params = jax.tree.map(np.asarray, nn.unbox(tree["train"].params))
+    ok = True
+  finally:
+    if ok:
+      shutil.rmtree(job, ignore_errors=True)
+  return elastic, params
+
+
+def _compiler_options(args):
+  # Optimisation level 0 halves the compile time of each new mesh's step
+  # (the demo's budget) at some cost in step time.
+  return {"xla_backend_optimization_level": 0} if args.fast_compile else None
 
 
 def plot(elastic, static, path):
@@ -187,7 +526,9 @@ def plot(elastic, static, path):
     if "resized_from" in r:
       ax.axvline(r["step"] - 0.5, color="C3", ls="--", lw=1)
       m = r["mesh"]
-      ax.annotate(f"{r['devices']} dev  d{m['data']} f{m['fsdp']} t{m['tensor']} s{m['stage']}\n"
+      procs = f" ({r['procs']}x{r['devices_per_proc']})" if "procs" in r else ""
+      ax.annotate(f"{r['devices']} dev{procs}  d{m['data']} f{m['fsdp']} t{m['tensor']}"
+                  f" s{m['stage']}\n"
                   f"reconf {r['reconfig_s'] * 1e3:.0f} ms, {r['reconfig_bytes'] / 2**10:.0f} KiB",
                   (r["step"] - 0.3, top), fontsize=7, va="top", color="C3")
   diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(elastic, static))
@@ -222,25 +563,76 @@ def main(argv=None):
   ap.add_argument("--config", choices=sorted(configs.CONFIGS), default="tiny",
                   help="model size (default tiny)")
   ap.add_argument("--remat", action="store_true", help="recompute layer activations in backward")
+  ap.add_argument("--deterministic", type=int, metavar="V",
+                  help="sum each batch's gradient over V virtual workers in a fixed order"
+                  " (tenplex_jax.determinism): bitwise identical to the static run when every"
+                  " phase's data x fsdp degree divides V; needs stage=1 in every phase")
+  ap.add_argument("--procs", metavar="P1,P2,...",
+                  help="run across processes with tenplex-jax launch: processes per phase"
+                  " (each phase's devices split evenly over them; 'auto': 2 for phases of"
+                  " 4+ devices, else 1); the state moves through the per-host stores")
+  ap.add_argument("--timeout", type=float, default=900,
+                  help="seconds for the whole job across processes (default 900)")
+  ap.add_argument("--fast-compile", action="store_true",
+                  help="compile with XLA optimisation level 0 (faster compiles, slower steps)")
+  ap.add_argument("--worker", action="store_true",
+                  help="(internal) one process of the --procs job, under tenplex-jax launch")
+  ap.add_argument("--records", metavar="PATH",
+                  help="(with --worker) append the per-step records here")
   args = ap.parse_args(argv)
   cfg = dataclasses.replace(configs.CONFIGS[args.config], remat=args.remat)
-  phases = configs.parse(args.schedule)
+  try:
+    phases = configs.parse(args.schedule)
+    plan = procs_plan(phases, args.procs) if args.procs else None
+  except ValueError as e:
+    ap.error(str(e))
+  if args.worker:
+    if plan is None or not args.records:
+      ap.error("--worker needs --procs and --records (it runs under tenplex-jax launch)")
+    worker(args, cfg, phases, plan)
+    return None
   need = max(p.devices for p in phases)
   if need > len(jax.devices()):
     ap.error(f"the schedule needs {need} devices, {len(jax.devices())} available")
-  elastic = train(phases, args.steps, cfg, search=args.search)
-  static = train(phases[:1], args.steps, cfg, search=args.search, log=lambda *_: None)
+  v, opts = args.deterministic, _compiler_options(args)
+  if v is not None:
+    try:
+      check_deterministic(phases, v, [layout(p, cfg, jax.devices(), search=args.search,
+                                             global_batch=configs.GLOBAL_BATCH)
+                                      for p in phases])
+    except ValueError as e:
+      ap.error(str(e))
+  el_final, st_final = {}, {}
+  if plan is not None:
+    elastic, el_final["params"] = run_procs(args, cfg, phases, plan)
+  else:
+    elastic = train(phases, args.steps, cfg, search=args.search, deterministic=v,
+                    compiler_options=opts, final=el_final)
+  static = train(phases[:1], args.steps, cfg, search=args.search, log=lambda *_: None,
+                 deterministic=v, compiler_options=opts, final=st_final)
   diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(elastic, static))
+  pdiff = max(float(np.max(np.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(el_final["params"]), jax.tree.leaves(st_final["params"])))
   resizes = [r for r in elastic if "resized_from" in r]
+  where = "across processes" if plan is not None else "in one process"
   print(f"final loss {elastic[-1]['loss']:.4f} (first {elastic[0]['loss']:.4f});"
-        f" {len(resizes)} resizes, reconfiguration"
+        f" {len(resizes)} resizes {where}, reconfiguration"
         f" {sum(r['reconfig_s'] for r in resizes) * 1e3:.0f} ms in total;"
-        f" max |elastic - static| = {diff:.2e}")
+        f" max |elastic - static| = {diff:.2e} (loss), {pdiff:.2e} (final params)")
+  bitwise = None
+  if v is not None:
+    bitwise = [a["loss"] for a in elastic] == [b["loss"] for b in static] and all(
+        np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(
+            jax.tree.leaves(el_final["params"]), jax.tree.leaves(st_final["params"])))
+    print(f"deterministic ({v} virtual workers): losses and final params are "
+          + ("bitwise identical to the static run" if bitwise
+             else "NOT bitwise identical to the static run"))
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"config": dataclasses.asdict(cfg), "schedule": args.schedule,
-                 "search": args.search, "elastic": elastic, "static": static,
-                 "max_abs_loss_diff": diff}, f, indent=1)
+                 "search": args.search, "procs": plan, "deterministic": v,
+                 "elastic": elastic, "static": static, "max_abs_loss_diff": diff,
+                 "max_abs_param_diff": pdiff, "bitwise_identical": bitwise}, f, indent=1)
   if args.plot:
     plot(elastic, static, args.plot)
   return diff
