@@ -50,7 +50,7 @@ def test_bench_pipeline_quick(tmp_path):
        "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   doc = json.loads(out.read_text())
-  cases = {"data-parallel", "layer-sharded 2", "pipeline 2x2", "pipeline 2x4"}
+  cases = {"data-parallel", "pipeline 2x2"}
   assert set(doc["step_s"]) == set(doc["loss"]) == cases
   assert all(v > 0 for v in doc["step_s"].values())
   assert doc["loss_max_rel_diff"] < 1e-5
