@@ -333,7 +333,9 @@ def run_lm(schedule: str = LM_SCHEDULE, *, steps: int = 24,
     log: called with each step's line and each reconfiguration report.
 
   Steps are compiled at XLA optimisation level 0 (half the compile time of
-  each new mesh, slower steps: a demo is mostly compilation).
+  each new mesh, slower steps: a demo is mostly compilation), except with
+  ``deterministic``: level 0 code is not bitwise the same for a whole array
+  and for its shards.
 
   Example:
     >>> r = run_lm(steps=24, plot="lm.png")  # doctest: +SKIP
