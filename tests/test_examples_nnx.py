@@ -1,6 +1,8 @@
-"""examples/nnx: the nnx LM trainer resizes mid-run and stays on the static curve."""
+"""examples/nnx: the nnx LM trainer resizes mid-run, in one process and across
+processes, and stays on the static curve."""
 
 import json
+import os
 import pathlib
 import re
 import sys
@@ -11,6 +13,8 @@ import pytest
 from flax import nnx
 from flax.nnx.training.optimizer import OptVariable
 from jax.sharding import NamedSharding
+
+import procs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -85,13 +89,24 @@ def test_resize_with_stage_change_follows_static_run(tmp_path, capsys):
     assert not stacked & set(gathered), (shape, gathered)
 
 
-def test_resize_moves_params_and_optimizer_state_to_nnx_targets():
+def test_resize_moves_params_and_optimizer_state_to_nnx_targets(tmp):
   """After the re-mesh every array of ``nnx.state((model, optimizer))`` has the
   sharding nnx itself derives from the variable's names and the rules on the
-  new mesh: the stacked layers over 4 stages, the Adam moments with them."""
+  new mesh: the stacked layers over 4 stages, the Adam moments with them.
+  Through a store (what ``--procs`` does) the ``nnx.State`` comes back onto
+  the trainer's abstract target bitwise, with its variable types, metadata
+  and shardings."""
+  from tenplex_jax import store
   seen = []
 
   def check(step, state, mesh, rules):
+    store.save(state, tmp, step=step)
+    target = train.abstract_state(train.CONFIGS["tiny"], mesh, rules, train.LEARNING_RATE)[1]
+    back = store.restore([tmp], target)
+    assert jax.tree.structure(back) == jax.tree.structure(state)  # types and metadata
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+      assert a.sharding == b.sharding and a.dtype == b.dtype
+      assert np.array_equal(np.asarray(a), np.asarray(b))
     with nnx.logical_axis_rules(rules):
       want = nnx.get_named_sharding(state, mesh)
     got = [a.sharding for a in jax.tree.leaves(state)]
@@ -109,3 +124,40 @@ def test_resize_moves_params_and_optimizer_state_to_nnx_targets():
   train.train(train.parse_schedule(SCHEDULE), 3, train.CONFIGS["tiny"], log=lambda *_: None,
               on_resize=check)
   assert seen == [(2, {"data": 1, "fsdp": 1, "stage": 4, "tensor": 1})]
+
+
+@pytest.mark.slow
+def test_cross_process_resize_with_stage_change_follows_static_run(tmp):
+  """``--procs 2,1``: 2 processes x 2 devices (data 2, stage 2), then at step 2
+  one process x 4 devices (stage 4, 2 microbatches). ``nnx.state((model,
+  optimizer))`` and the data iterator's state go through the per-host stores
+  (the restore target an abstract ``nnx.State``). The driver runs in its own
+  process group (the launcher's processes and store servers die with it),
+  killed on timeout."""
+  out = os.path.join(tmp, "nnx.json")
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  (run,) = procs.run_all([[sys.executable, str(ROOT / "examples" / "nnx" / "train.py"),
+                           "--procs", "2,1", "--schedule", "0:stage=2,data=2 2:stage=4,mb=2",
+                           "--steps", "4", "--fast-compile", "--json", out,
+                           "--timeout", "400"]], timeout=450, env=env)
+  assert run.returncode == 0, run.stdout[-5000:]
+  with open(out) as f:
+    log = json.load(f)
+  el, st = log["elastic"], log["static"]
+  assert [r["step"] for r in el] == [0, 1, 2, 3]  # ends at the right step, none repeated
+  assert [(r["procs"], r["devices_per_proc"]) for r in el] == [(2, 2), (2, 2), (1, 4), (1, 4)]
+  assert [r["mesh"]["stage"] for r in el] == [2, 2, 4, 4]
+  assert [r["microbatches"] for r in el] == [4, 4, 2, 2]
+  (resized,) = [r for r in el if "resized_from" in r]
+  assert resized["step"] == 2 and resized["procs_from"] == 2
+  assert resized["resized_from"] == {"data": 2, "fsdp": 1, "tensor": 1, "stage": 2}
+  # The new process read the whole state (params, Adam's mu and nu) from the stores.
+  n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(
+      train.abstract_params(train.CONFIGS["tiny"])))
+  assert resized["reconfig_bytes"] >= 3 * 4 * n_params, resized
+  assert resized["reconfig_s"] >= resized["restore_s"] > 0
+  np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
+  assert log["max_abs_loss_diff"] < 1e-4 and log["max_abs_param_diff"] < 1e-5
+  assert "1 resizes across processes" in run.stdout
+  assert "generation 0: 2 -> 1 processes at step 2" in run.stdout

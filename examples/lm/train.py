@@ -61,6 +61,7 @@ import functools  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import warnings  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -338,7 +339,47 @@ def _append(path, record):
     f.write(json.dumps(record) + "\n")
 
 
-def worker(args, cfg, phases, plan):
+def state_and_target(cfg, mesh, rules, lr):
+  """``(init() -> TrainState, its ShapeDtypeStructs)`` sharded on ``mesh``."""
+  init = init_fn(cfg, mesh, rules, lr)
+  key = jax.random.key(configs.SEED)
+  return (lambda: init(key)), jax.eval_shape(init, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+  """What :func:`worker` and :func:`run_procs` need from a trainer script.
+
+  This script's is :data:`LM_TRAINER`; ``examples/nnx/train.py`` passes its
+  own (an ``nnx.State`` of the model and the optimizer instead of a
+  ``TrainState``).
+
+  Attributes:
+    script: the script ``tenplex-jax launch`` runs with ``--worker``.
+    process_start: ``time.time()`` when the script started (before its imports).
+    dataset: ``cfg -> source`` of ``{"tokens"}`` samples (for :func:`batches`).
+    layout: ``(phase, cfg, devices, *, search, global_batch) -> (mesh, rules,
+      microbatches)``.
+    state: ``(cfg, mesh, rules, lr) -> (init() -> state, target)``: the
+      state created on ``mesh``, and its ``ShapeDtypeStruct``s with shardings
+      (the restore target).
+    step: ``(cfg, mesh, rules, microbatches, state, tokens, mask,
+      deterministic, compiler_options) -> (compiled step, compile seconds)``;
+      the step maps ``(state, tokens, mask)`` to ``(state, loss)``.
+    params: ``state -> params`` as host numpy arrays.
+    check_deterministic: ``(phases, V, layouts)``, raises ``ValueError``.
+  """
+  script: str
+  process_start: float
+  dataset: Callable
+  layout: Callable
+  state: Callable
+  step: Callable
+  params: Callable
+  check_deterministic: Callable
+
+
+def worker(args, cfg, phases, plan, trainer=None):
   """One process of the job under ``tenplex-jax launch`` (``--worker``).
 
   The generation's phase is the one its start step falls in; its devices are
@@ -347,9 +388,12 @@ def worker(args, cfg, phases, plan):
   at the next phase boundary every process saves to its store and exits for
   the launcher to start the next phase's processes. Process 0 appends a
   record per step (and one per save and restore) to ``--records``.
+  ``trainer`` (default :data:`LM_TRAINER`) supplies the model's parts.
   """
   from tenplex_jax import store
   from tenplex_jax.store.launch import last_restore
+
+  tr = trainer or LM_TRAINER
 
   t_start = time.time()
   n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
@@ -363,13 +407,12 @@ def worker(args, cfg, phases, plan):
   lead = info["process_id"] == 0
   devices = jax.devices()
   lr, gb = configs.LEARNING_RATE, configs.GLOBAL_BATCH
-  mesh, rules, mb = layout(phase, cfg, devices, search=args.search, global_batch=gb)
+  mesh, rules, mb = tr.layout(phase, cfg, devices, search=args.search, global_batch=gb)
   if args.deterministic is not None:
-    check_deterministic([phase], args.deterministic, [(mesh, rules, mb)])
-  init = init_fn(cfg, mesh, rules, lr)
-  key = jax.random.key(configs.SEED)
-  target = {"train": jax.eval_shape(init, key), "data": ""}
-  tree, step = store.restore_or_init(lambda: {"train": init(key), "data": ""}, target)
+    tr.check_deterministic([phase], args.deterministic, [(mesh, rules, mb)])
+  init, abstract = tr.state(cfg, mesh, rules, lr)
+  target = {"train": abstract, "data": ""}
+  tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
   if phase_at(phases, step) != phase:
@@ -379,16 +422,16 @@ def worker(args, cfg, phases, plan):
   if lead:
     _append(args.records, {
         "event": "start", "step": step, "generation": info["generation"], "procs": n,
-        "devices_per_proc": phase.devices // n, "start_time": _PROCESS_START,
-        "import_s": t_start - _PROCESS_START, "init_s": t_init - t_start,
+        "devices_per_proc": phase.devices // n, "start_time": tr.process_start,
+        "import_s": t_start - tr.process_start, "init_s": t_init - t_start,
         "restore_s": t_restored - t_init, "restored_time": t_restored, "restore": last_restore.get("report")})
-  source = dataset(cfg)
+  source = tr.dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
   for t in range(step, end):
     tokens, mask, data_state = batches(source, mesh, data_state, gb)
-    fn, compile_s = _compiled_step(cfg, mesh, rules, mb, state, tokens, mask,
-                                   args.deterministic, _compiler_options(args))
+    fn, compile_s = tr.step(cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
+                            _compiler_options(args))
     t0 = time.perf_counter()
     state, loss = fn(state, tokens, mask)
     loss = _host_scalar(loss)
@@ -464,16 +507,19 @@ def assemble(records_path, job_dir):
   return out
 
 
-def run_procs(args, cfg, phases, plan, log=print):
+def run_procs(args, cfg, phases, plan, log=print, trainer=None):
   """Runs the elastic job across processes with ``tenplex-jax launch``;
-  returns ``(records, final params)``."""
+  returns ``(records, final params)``. ``trainer`` (default
+  :data:`LM_TRAINER`) names the script the launcher runs and the model's
+  parts."""
   from tenplex_jax import store
   from tenplex_jax.store.launch import launch
 
+  tr = trainer or LM_TRAINER
   job = tempfile.mkdtemp(prefix="tenplex-lm-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                          else None)
   records = os.path.join(job, "lm_records.jsonl")
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--procs",
+  cmd = [sys.executable, os.path.abspath(tr.script), "--worker", "--procs",
          ",".join(map(str, plan)), "--records", records, "--schedule", args.schedule,
          "--steps", str(args.steps), "--config", args.config]
   cmd += ["--search"] * args.search + ["--remat"] * args.remat + \
@@ -494,18 +540,25 @@ def run_procs(args, cfg, phases, plan, log=print):
                        f" directory {job} is kept (logs, failures.jsonl)")
     elastic = assemble(records, job)
     # The final state, from the stores, onto this process's devices.
-    mesh, rules, _ = layout(phases[-1], cfg, jax.devices(), search=args.search,
-                            global_batch=configs.GLOBAL_BATCH)
-    init = init_fn(cfg, mesh, rules, configs.LEARNING_RATE)
-    target = {"train": jax.eval_shape(init, jax.random.key(configs.SEED)), "data": ""}
+    mesh, rules, _ = tr.layout(phases[-1], cfg, jax.devices(), search=args.search,
+                               global_batch=configs.GLOBAL_BATCH)
+    _, abstract = tr.state(cfg, mesh, rules, configs.LEARNING_RATE)
     stores = sorted(os.listdir(os.path.join(job, "store")), key=int)
-    tree = store.restore([os.path.join(job, "store", d) for d in stores], target)
-    params = jax.tree.map(np.asarray, nn.unbox(tree["train"].params))
+    tree = store.restore([os.path.join(job, "store", d) for d in stores],
+                         {"train": abstract, "data": ""})
+    params = tr.params(tree["train"])
     ok = True
   finally:
     if ok:
       shutil.rmtree(job, ignore_errors=True)
   return elastic, params
+
+
+LM_TRAINER = Trainer(
+    script=__file__, process_start=_PROCESS_START, dataset=dataset, layout=layout,
+    state=state_and_target, step=_compiled_step,
+    params=lambda state: jax.tree.map(np.asarray, nn.unbox(state.params)),
+    check_deterministic=check_deterministic)
 
 
 def _compiler_options(args):

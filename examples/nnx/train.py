@@ -23,17 +23,33 @@ order of float reductions.
   python examples/nnx/train.py                       # 8 -> 4 -> 2 -> 8 devices
   python examples/nnx/train.py --search --schedule "0:8 8:4 16:2 24:8"
   python examples/nnx/train.py --json nnx.json --plot nnx.png
+  python examples/nnx/train.py --procs 2,2,1,2      # the same, across processes
+
+With ``--procs P1,P2,...`` (one process count per phase) the run goes across
+processes, as ``examples/lm/train.py --procs`` does and with its driver
+(``lm.worker``, ``lm.run_procs``, given this script's :data:`NNX_TRAINER`):
+``tenplex-jax launch`` runs this script with ``--worker`` as P1 processes of
+``devices / P1`` simulated CPU devices each; at a phase boundary every
+process saves its shards of ``nnx.state((model, optimizer))`` and the data
+iterator's state to its host's store (``tenplex_jax.store.save_and_exit``)
+and exits, and the next phase's processes restore them onto their mesh
+(``restore_or_init``, the target being the abstract ``nnx.State`` with the
+shardings its variables' names give under the rules: the ``nnx.Param`` and
+``OptVariable`` types and their metadata come back with it).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import functools
-import json
-import os
-import sys
 import time
+
+_PROCESS_START = time.time()  # before the imports (the cross-process reconfiguration's timeline)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LM_DIR = os.path.join(os.path.dirname(HERE), "lm")
@@ -62,9 +78,11 @@ def _load_lm():
 
 import jax  # noqa: E402
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--worker" not in sys.argv:
+  # (a --worker process gets its device count from tenplex-jax launch)
   jax.config.update("jax_num_cpu_devices", 8)
 
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
@@ -127,7 +145,49 @@ def create_state(cfg, mesh, rules, lr):
   return nnx.split((model, optimizer))
 
 
-def make_step(graphdef, mesh, microbatches, shardings, deterministic=None):
+@functools.cache
+def abstract_state(cfg, mesh, rules, lr):
+  """``(graphdef, target)``: the graphdef of ``nnx.split((model, optimizer))``
+  and its state as ``ShapeDtypeStruct``s with the shardings the variables'
+  names give on ``mesh`` under ``rules`` (``nnx.get_named_sharding``); the
+  ``nnx.State`` keeps the variable types and metadata. Nothing is computed."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    def build():
+      model = create_model(cfg, seed=SEED)
+      return model, nnx.Optimizer(model, _tx(lr), wrt=nnx.Param)
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    shardings = nnx.get_named_sharding(state, mesh)
+  return graphdef, jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+
+def state_and_target(cfg, mesh, rules, lr):
+  """``(init() -> nnx.State, its target)`` for the cross-process driver."""
+  return (lambda: create_state(cfg, mesh, rules, lr)[1]), abstract_state(cfg, mesh, rules, lr)[1]
+
+
+def params_of(state):
+  """The model's ``nnx.Param`` arrays of ``nnx.state((model, optimizer))``, on the host."""
+  return jax.tree.map(np.asarray, state[0].filter(nnx.Param))
+
+
+def check_deterministic(phases, virtual_workers, layouts):
+  """Raises ValueError unless every phase's data x fsdp degree divides ``V``
+  (``layouts``: the phases' ``(mesh, rules, microbatches)``)."""
+  for p, (mesh, _, _) in zip(phases, layouts):
+    _check_batch_degree(mesh, virtual_workers, f" (the phase at step {p.step})")
+
+
+def _check_batch_degree(mesh, virtual_workers, where=""):
+  dp = mesh.shape["data"] * mesh.shape["fsdp"]
+  if virtual_workers < 1 or virtual_workers % dp:
+    raise ValueError(f"--deterministic {virtual_workers}: the batch degree data x fsdp ="
+                     f" {dp} of {degrees_of(mesh)}{where} does not divide it")
+
+
+def make_step(graphdef, mesh, microbatches, shardings, deterministic=None,
+              compiler_options=None):
   """The jitted train step on ``mesh``: the stack is pipelined over ``stage``.
 
   With ``deterministic=V`` the gradient is
@@ -154,7 +214,8 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None):
     return nnx.state((model, optimizer)), loss
 
   if deterministic is None:
-    return jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, None))
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, None),
+                   compiler_options=compiler_options)
 
   def deterministic_step(state, tokens, mask):
     model, optimizer = nnx.merge(graphdef, state)
@@ -176,16 +237,35 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None):
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), loss
 
-  return determinism.jit(deterministic_step, donate_argnums=0, out_shardings=(shardings, None))
+  return determinism.jit(deterministic_step, donate_argnums=0, out_shardings=(shardings, None),
+                         compiler_options=dict(compiler_options or {}))
 
 
-# Compiled steps by (graphdef, mesh, rules, microbatches): the static run
-# reuses the elastic run's first-phase executable.
+# Compiled steps by (graphdef, mesh shape, device ids, rules, microbatches,
+# deterministic, compiler options): the static run reuses the elastic run's
+# first-phase executable.
 _COMPILED = {}
 
 
+def compiled_step(graphdef, mesh, rules, mb, state, tokens, mask, deterministic=None,
+                  compiler_options=None):
+  """(executable, seconds spent compiling it: 0 when cached)."""
+  key = (graphdef, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb,
+         deterministic, tuple(sorted((compiler_options or {}).items())))
+  if key in _COMPILED:
+    return _COMPILED[key], 0.0
+  if deterministic is not None:
+    _check_batch_degree(mesh, deterministic)
+  t0 = time.perf_counter()
+  shardings = jax.tree.map(lambda a: a.sharding, state)
+  _COMPILED[key] = make_step(graphdef, mesh, mb, shardings, deterministic,
+                             compiler_options).lower(state, tokens, mask).compile()
+  return _COMPILED[key], time.perf_counter() - t0
+
+
 def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEARNING_RATE,
-          log=print, devices=None, on_resize=None, deterministic=None, return_state=False):
+          log=print, devices=None, on_resize=None, deterministic=None, return_state=False,
+          compiler_options=None):
   """Runs ``steps`` steps through ``phases``; returns one record per step
   (and the final ``(graphdef, state)`` with ``return_state``).
 
@@ -216,20 +296,10 @@ def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEA
       if on_resize is not None:
         on_resize(t, state, mesh, rules)
     tokens, mask, data_state = lm.batches(source, mesh, data_state, global_batch)
-    key = (graphdef, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb,
-           deterministic)
-    if key not in _COMPILED:
-      if deterministic is not None and deterministic % (mesh.shape["data"] * mesh.shape["fsdp"]):
-        raise ValueError(f"--deterministic {deterministic}: the batch degree data x fsdp ="
-                         f" {mesh.shape['data'] * mesh.shape['fsdp']} of {degrees_of(mesh)}"
-                         " does not divide it")
-      t0 = time.perf_counter()
-      shardings = jax.tree.map(lambda a: a.sharding, state)
-      _COMPILED[key] = make_step(graphdef, mesh, mb, shardings, deterministic).lower(
-          state, tokens, mask).compile()
-      rec["compile_s"] = time.perf_counter() - t0
+    fn, rec["compile_s"] = compiled_step(graphdef, mesh, rules, mb, state, tokens, mask,
+                                         deterministic, compiler_options)
     t0 = time.perf_counter()
-    state, loss = _COMPILED[key](state, tokens, mask)
+    state, loss = fn(state, tokens, mask)
     loss = float(loss)
     rec.update(loss=loss, step_s=time.perf_counter() - t0, devices=int(mesh.devices.size),
                mesh=degrees_of(mesh), microbatches=mb)
@@ -237,6 +307,20 @@ def train(phases, steps, cfg, *, search=False, global_batch=GLOBAL_BATCH, lr=LEA
     log(f"step {t:3d}  devices {mesh.devices.size}  {degrees_of(mesh)} mb {mb}"
         f"  loss {loss:.4f}  step {rec['step_s'] * 1e3:.1f} ms")
   return (records, (graphdef, state)) if return_state else records
+
+
+def _step_for_driver(cfg, mesh, rules, mb, state, tokens, mask, deterministic,
+                     compiler_options):
+  graphdef = abstract_state(cfg, mesh, rules, LEARNING_RATE)[0]
+  return compiled_step(graphdef, mesh, rules, mb, state, tokens, mask, deterministic,
+                       compiler_options)
+
+
+# This script's parts for the lm trainer's cross-process driver (lm.worker, lm.run_procs).
+NNX_TRAINER = lm.Trainer(
+    script=__file__, process_start=_PROCESS_START, dataset=lm_data.source, layout=layout,
+    state=state_and_target, step=_step_for_driver, params=params_of,
+    check_deterministic=check_deterministic)
 
 
 def main(argv=None):
@@ -261,27 +345,65 @@ def main(argv=None):
                   help="gradients bitwise independent of the mesh (tenplex_jax.determinism,"
                   " V virtual workers; every phase's data x fsdp degree must divide V); the"
                   " layers then run in order inside each worker instead of as a pipeline")
+  ap.add_argument("--procs", metavar="P1,P2,...",
+                  help="run across processes with tenplex-jax launch: processes per phase"
+                  " (each phase's devices split evenly over them; 'auto': 2 for phases of"
+                  " 4+ devices, else 1); nnx.state((model, optimizer)) and the data"
+                  " iterator's state move through the per-host stores")
+  ap.add_argument("--timeout", type=float, default=900,
+                  help="seconds for the whole job across processes (default 900)")
+  ap.add_argument("--fast-compile", action="store_true",
+                  help="compile with XLA optimisation level 0 (faster compiles, slower steps)")
+  ap.add_argument("--worker", action="store_true",
+                  help="(internal) one process of the --procs job, under tenplex-jax launch")
+  ap.add_argument("--records", metavar="PATH",
+                  help="(with --worker) append the per-step records here")
   args = ap.parse_args(argv)
   cfg = dataclasses.replace(CONFIGS[args.config], remat=args.remat)
-  phases = parse_schedule(args.schedule)
+  try:
+    phases = parse_schedule(args.schedule)
+    plan = lm.procs_plan(phases, args.procs) if args.procs else None
+  except ValueError as e:
+    ap.error(str(e))
+  if args.worker:
+    if plan is None or not args.records:
+      ap.error("--worker needs --procs and --records (it runs under tenplex-jax launch)")
+    lm.worker(args, cfg, phases, plan, trainer=NNX_TRAINER)
+    return None
   need = max(p.devices for p in phases)
   if need > len(jax.devices()):
     ap.error(f"the schedule needs {need} devices, {len(jax.devices())} available")
-  elastic = train(phases, args.steps, cfg, search=args.search, deterministic=args.deterministic)
-  static = train(phases[:1], args.steps, cfg, search=args.search, log=lambda *_: None,
-                 deterministic=args.deterministic)
+  v, opts = args.deterministic, lm._compiler_options(args)
+  if v is not None:
+    try:
+      check_deterministic(phases, v, [layout(p, cfg, jax.devices(), search=args.search,
+                                             global_batch=GLOBAL_BATCH) for p in phases])
+    except ValueError as e:
+      ap.error(str(e))
+  if plan is not None:
+    elastic, el_params = lm.run_procs(args, cfg, phases, plan, trainer=NNX_TRAINER)
+  else:
+    elastic, (_, el_state) = train(phases, args.steps, cfg, search=args.search,
+                                   deterministic=v, compiler_options=opts, return_state=True)
+    el_params = params_of(el_state)
+  static, (_, st_state) = train(phases[:1], args.steps, cfg, search=args.search,
+                                log=lambda *_: None, deterministic=v, compiler_options=opts,
+                                return_state=True)
   diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(elastic, static))
+  pdiff = max(float(np.max(np.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(el_params), jax.tree.leaves(params_of(st_state))))
   resizes = [r for r in elastic if "resized_from" in r]
+  where = "across processes" if plan is not None else "in one process"
   print(f"final loss {elastic[-1]['loss']:.4f} (first {elastic[0]['loss']:.4f});"
-        f" {len(resizes)} resizes, reconfiguration"
+        f" {len(resizes)} resizes {where}, reconfiguration"
         f" {sum(r['reconfig_s'] for r in resizes) * 1e3:.0f} ms in total;"
-        f" max |elastic - static| = {diff:.2e}")
+        f" max |elastic - static| = {diff:.2e} (loss), {pdiff:.2e} (final params)")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"config": dataclasses.asdict(cfg), "schedule": args.schedule,
-                 "search": args.search, "deterministic": args.deterministic,
-                 "elastic": elastic, "static": static,
-                 "max_abs_loss_diff": diff}, f, indent=1)
+                 "search": args.search, "procs": plan, "deterministic": v,
+                 "elastic": elastic, "static": static, "max_abs_loss_diff": diff,
+                 "max_abs_param_diff": pdiff}, f, indent=1)
   if args.plot:
     lm.plot(elastic, static, args.plot)
   return diff
