@@ -24,3 +24,16 @@ def tmp():
                        dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
   yield d
   shutil.rmtree(d, ignore_errors=True)
+
+
+# The longest tests (multi-process jobs, local Ray clusters, trainers), run
+# first so that with `pytest -n 2` neither worker is left with one of them at
+# the end while the other idles.
+_LONG_FIRST = ("test_ray.py", "test_lm_procs.py", "test_examples_nnx.py",
+               "test_jobarray_example.py", "test_launch_recovery.py",
+               "test_determinism.py", "test_pipeline_lm.py", "test_store_multiprocess.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(_LONG_FIRST)))

@@ -43,6 +43,11 @@ def _kill_leftovers(pids):
       pass
 
 
+# One worker runs both tests (`pytest -n 2 --dist loadgroup`): they share
+# the module's cluster instead of starting one each.
+pytestmark = pytest.mark.xdist_group("ray")
+
+
 @pytest.fixture(scope="module")
 def cluster():
   """One local cluster for the module (1 CPU per node), torn down with
