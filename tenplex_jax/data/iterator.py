@@ -25,7 +25,7 @@ import concurrent.futures
 import queue
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -415,26 +415,10 @@ class ElasticIterator:
       >>> b.set_state(s); b.get_state() == s
       True
     """
-    if not isinstance(state, dict):
-      raise DataError(f"state must be a dict from get_state(), got {type(state).__name__}")
-    required = ("version", "seed", "global_batch_size", "num_samples", "shuffle", "epoch",
-                "step")
-    missing = [k for k in required if k not in state]
-    if missing:
-      raise DataError(f"state is missing keys {missing}; got keys {sorted(state)}")
-    if state["version"] != STATE_VERSION:
-      raise DataError(f"state version {state['version']!r} is not supported; expected "
-                      f"{STATE_VERSION}")
     mine = self.get_state()
-    diffs = [f"{k}: state has {state[k]!r}, iterator has {mine[k]!r}"
-             for k in ("seed", "global_batch_size", "num_samples", "shuffle")
-             if state[k] != mine[k]]
-    fp = state.get("fingerprint")
-    if fp is not None and self.fingerprint is not None and fp != self.fingerprint:
-      diffs.append(f"fingerprint: state has {fp!r}, iterator's dataset has "
-                   f"{self.fingerprint!r} (a different dataset or index)")
-    if diffs:
-      raise DataError("state does not match this iterator: " + "; ".join(diffs))
+    check_state(state, ("epoch", "step"),
+                {k: mine[k] for k in ("seed", "global_batch_size", "num_samples", "shuffle")},
+                self.fingerprint)
     epoch, step = state["epoch"], state["step"]
     if (not isinstance(epoch, int) or not isinstance(step, int) or epoch < 0
         or not 0 <= step < self._steps):
@@ -463,3 +447,36 @@ class ElasticIterator:
     stop = getattr(self, "_stop", None)
     if stop is not None:
       stop.set()
+
+
+def check_state(state: Any, position_keys: Sequence[str], identity: dict[str, Any],
+                fingerprint: str | None) -> None:
+  """Checks a data iterator's saved state against the iterator restoring it.
+
+  The state must be a dict with ``version`` (:data:`STATE_VERSION`), every key
+  of ``position_keys`` and ``identity``, the same ``identity`` values, and the
+  same ``fingerprint`` where both have one. Raises :class:`DataError` naming
+  every mismatch.
+
+  Example:
+    >>> check_state({"version": 1, "step": 0, "seed": 2}, ("step",), {"seed": 3}, None)
+    Traceback (most recent call last):
+    ...
+    tenplex_jax.errors.DataError: state does not match this iterator: seed: state has 2, iterator has 3
+  """
+  if not isinstance(state, dict):
+    raise DataError(f"state must be a dict from get_state(), got {type(state).__name__}")
+  missing = [k for k in ("version", *identity, *position_keys) if k not in state]
+  if missing:
+    raise DataError(f"state is missing keys {missing}; got keys {sorted(state)}")
+  if state["version"] != STATE_VERSION:
+    raise DataError(f"state version {state['version']!r} is not supported; expected "
+                    f"{STATE_VERSION}")
+  diffs = [f"{k}: state has {state[k]!r}, iterator has {v!r}"
+           for k, v in identity.items() if state[k] != v]
+  fp = state.get("fingerprint")
+  if fp is not None and fingerprint is not None and fp != fingerprint:
+    diffs.append(f"fingerprint: state has {fp!r}, iterator's dataset has "
+                 f"{fingerprint!r} (a different dataset or index)")
+  if diffs:
+    raise DataError("state does not match this iterator: " + "; ".join(diffs))

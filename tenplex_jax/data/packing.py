@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 
 from tenplex_jax.data import order
+from tenplex_jax.data.iterator import STATE_VERSION, check_state
 from tenplex_jax.errors import DataError
 
-STATE_VERSION = 1
 _KIND = "packed"
 
 
@@ -414,24 +414,8 @@ class PackedIterator:
             "open": copy.deepcopy(pos["open"]), "ready": copy.deepcopy(pos["ready"])}
 
   def _position_of(self, state: Any) -> dict:
-    if not isinstance(state, dict):
-      raise DataError(f"state must be a dict from get_state(), got {type(state).__name__}")
-    required = ("version", "epoch", "step", "position", "open", "ready", *self._identity())
-    missing = [k for k in required if k not in state]
-    if missing:
-      raise DataError(f"state is missing keys {missing}; got keys {sorted(state)}")
-    if state["version"] != STATE_VERSION:
-      raise DataError(f"state version {state['version']!r} is not supported; expected "
-                      f"{STATE_VERSION}")
-    mine = self._identity()
-    diffs = [f"{k}: state has {state[k]!r}, iterator has {v!r}"
-             for k, v in mine.items() if state[k] != v]
-    fp = state.get("fingerprint")
-    if fp is not None and self.fingerprint is not None and fp != self.fingerprint:
-      diffs.append(f"fingerprint: state has {fp!r}, iterator's dataset has "
-                   f"{self.fingerprint!r} (a different dataset or index)")
-    if diffs:
-      raise DataError("state does not match this iterator: " + "; ".join(diffs))
+    check_state(state, ("epoch", "step", "position", "open", "ready"), self._identity(),
+                self.fingerprint)
     epoch, step, p = state["epoch"], state["step"], state["position"]
     if not all(isinstance(v, int) and v >= 0 for v in (epoch, step, p)) \
         or p > self.num_samples:
