@@ -8,15 +8,20 @@ memory costs a page fault per page, which on virtual machines costs as much
 as the copy itself, so large buffers are
 
 * mapped anonymously (sizes rounded up to 4 KiB), with 4 KiB pages unless
-  ``TENPLEX_JAX_HUGEPAGES=1`` advises ``MADV_HUGEPAGE``: on the benchmark VM
-  first touch of 512 MiB in huge pages took 1.3-4.2 s wall and 0.4-1.6 s of
-  kernel time against 1.35-1.65 s and 0.3 s in 4 KiB pages (3 alternated
-  rounds, load 17-21; huge pages had been the faster ones earlier in the
-  VM's life, so this is the host's state, not a law), and
+  ``TENPLEX_JAX_HUGEPAGES=1`` advises ``MADV_HUGEPAGE``. On the benchmark VMs
+  (Firecracker guests with free page reporting) a first touch of huge pages
+  costs either 4x less than of small ones (0.2 against 0.5-1.1 s/GiB) or
+  2-3x more, by process, as the kernel hands out 2 MiB blocks that the host
+  has or has not taken back; small pages cost the same every time;
+* mapped only from 32 MiB up: from 1 to 32 MiB they come from the C heap
+  (``malloc``, without the huge-page advice numpy's allocator gives), which
+  serves them from memory the process freed and that is still resident
+  where it can, so that they cost no page faults at all, as XLA's own
+  allocations (``jax.device_put``'s) do; under 1 MiB from numpy;
 * recycled: when jax frees a device buffer built on one, the mapping (pages
   already faulted in) goes back to a free list that the next reshard reuses,
   up to a cap (``TENPLEX_JAX_HOST_POOL_GIB``, default 4 GiB of idle memory;
-  ``0`` turns recycling off). :func:`release_host_pool` unmaps idle buffers.
+  ``0`` turns recycling off). :func:`release_host_pool` frees idle buffers.
 
 Buffers handed out are uninitialised; the caller overwrites every byte.
 ``tenplex_jax.store.restore`` takes its destination buffers from here too.
@@ -25,6 +30,7 @@ Buffers handed out are uninitialised; the caller overwrites every byte.
 from __future__ import annotations
 
 import collections
+import ctypes
 import math
 import mmap
 import os
@@ -37,7 +43,8 @@ __all__ = ["host_empty", "host_pool_stats", "release_host_pool"]
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
 _PAGE = mmap.PAGESIZE  # mappings are rounded up to whole (small) pages
-_MIN_MAPPED = 1 << 20  # smaller buffers come from numpy's allocator
+_MIN_POOLED = 1 << 20  # smaller buffers come from numpy's allocator
+_MIN_MAPPED = 32 << 20  # glibc's largest threshold for serving from its heap
 _HUGE = os.environ.get("TENPLEX_JAX_HUGEPAGES", "0") == "1"
 
 
@@ -51,16 +58,50 @@ def _cap_bytes() -> int:
   return max(0, int(gib * (1 << 30)))
 
 
+try:
+  _libc = ctypes.CDLL(None)
+  _libc.malloc.restype = ctypes.c_void_p
+  _libc.malloc.argtypes = [ctypes.c_size_t]
+  _libc.free.restype = None
+  _libc.free.argtypes = [ctypes.c_void_p]
+except (OSError, AttributeError):  # pragma: no cover - no C heap to call
+  _libc = None
+
+
+class _HeapBlock:
+  """``size`` bytes from the C heap (``malloc``), 64-byte aligned, in
+  ``buf``. Unlike numpy's allocator, nothing advises huge pages for it."""
+
+  __slots__ = ("raw", "buf", "_size")
+
+  def __init__(self, size: int):
+    raw = _libc.malloc(size + _ALIGN)
+    if not raw:
+      raise MemoryError(f"cannot allocate a host buffer of {size} bytes")
+    self.raw = raw
+    self._size = size
+    self.buf = (ctypes.c_char * size).from_address(raw + (-raw) % _ALIGN)
+
+  def __len__(self) -> int:
+    return self._size
+
+  def close(self) -> None:
+    raw, self.raw = self.raw, 0
+    if raw:
+      _libc.free(raw)
+
+
 class _Pool:
-  """Free mappings by size; returns arrive through a lock-free deque."""
+  """Free blocks (mappings or heap blocks) by size; returns arrive through
+  a lock-free deque."""
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._free: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
+    self._free: dict[int, list] = collections.defaultdict(list)
     self._free_bytes = 0
     # Finalizers run whenever jax drops a buffer, possibly while this thread
     # holds the lock, so they only append here; the lock holder drains it.
-    self._returned: collections.deque[mmap.mmap] = collections.deque()
+    self._returned: collections.deque = collections.deque()
     self.mapped = 0
     self.reused = 0
 
@@ -73,7 +114,9 @@ class _Pool:
       else:
         m.close()
 
-  def take(self, size: int) -> mmap.mmap:
+  def take(self, size: int):
+    """A free block of ``size`` bytes, else a new one: from the C heap
+    under ``_MIN_MAPPED`` (where the C library has a heap), else mapped."""
     cap = _cap_bytes()
     with self._lock:
       self._drain(cap)
@@ -83,6 +126,8 @@ class _Pool:
         self.reused += 1
         return free.pop()
       self.mapped += 1
+    if size < _MIN_MAPPED and _libc is not None:
+      return _HeapBlock(size)
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
       try:
@@ -132,9 +177,9 @@ def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     dtype: any numpy dtype (``ml_dtypes`` ones included).
 
   Returns:
-    A writable array. At 1 MiB and above it lives in its own mapping, which
-    returns to the pool when the array (and any jax buffer aliasing it) is
-    gone.
+    A writable array. At 1 MiB and above it lives in its own block (mapped
+    from 32 MiB up, else from the C heap), which returns to the pool when
+    the array (and any jax buffer aliasing it) is gone.
 
   Example:
     >>> b = host_empty((4, 3), np.float32)
@@ -143,14 +188,22 @@ def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
   """
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
-  if nbytes < _MIN_MAPPED:
+  if nbytes < _MIN_POOLED:
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     off = (-raw.ctypes.data) % _ALIGN
     return raw[off:off + nbytes].view(dtype).reshape(shape)
-  m = _POOL.take(-(-nbytes // _PAGE) * _PAGE)
-  flat = np.frombuffer(m, dtype=np.uint8, count=nbytes)
-  if _cap_bytes() > 0:
-    weakref.finalize(flat, _POOL.give_back, m)
+  block = _POOL.take(-(-nbytes // _PAGE) * _PAGE)
+  if isinstance(block, _HeapBlock):
+    flat = np.frombuffer(block.buf, dtype=np.uint8, count=nbytes)
+    # The array does not own a heap block: the finalizer frees or pools it.
+    if _cap_bytes() > 0:
+      weakref.finalize(flat, _POOL.give_back, block)
+    else:
+      weakref.finalize(flat, block.close)
+  else:
+    flat = np.frombuffer(block, dtype=np.uint8, count=nbytes)
+    if _cap_bytes() > 0:
+      weakref.finalize(flat, _POOL.give_back, block)
   return flat.view(dtype).reshape(shape)
 
 

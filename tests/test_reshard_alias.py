@@ -330,3 +330,55 @@ def test_donating_a_state_whose_kept_shards_are_aliased_elsewhere():
   assert np.array_equal(np.asarray(z), host * 3 - 1)
   # Buffers only one device holds may be donated; shared ones never are.
   assert not shared & set(_ptrs(z).values())
+
+
+def test_an_unaligned_part_is_copied_and_the_aligned_ones_still_shared():
+  # Replicated on 4 devices -> halves on 2 others: the second half starts
+  # 64,008 bytes into the old buffer, not on the 64-byte boundary XLA's CPU
+  # client needs to adopt memory, so it is copied; the first half is shared
+  # (as jax.device_put shares it), not copied along with it.
+  devs = np.array(jax.devices()[:8])
+  n = 2 * (64 * 1000 + 8)
+  host = (np.arange(n) % 251).astype(np.int8)
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P())
+  x = jax.jit(lambda v: v + 0, out_shardings=src)(jax.device_put(host, src))
+  target = NamedSharding(Mesh(devs[[6, 4]], ("x",)), P("x"))
+  y, rep = tenplex_jax.reshard_with_report(x, target, method="cpu")
+  assert rep.aliased_shards == 1 and rep.copied_bytes == n // 2
+  assert y.sharding == target
+  assert np.array_equal(np.asarray(y), host)
+  old = set(_ptrs(x).values())
+  new = _ptrs(y)
+  assert new[6] in old and new[4] not in old
+  for s in y.addressable_shards:
+    assert np.array_equal(np.asarray(s.data), host[s.index])
+
+
+@pytest.mark.parametrize("pool_gib", ["4", "0"])
+def test_heap_and_mapped_blocks_are_aligned_and_recycled(monkeypatch,
+                                                         pool_gib):
+  import gc
+  from tenplex_jax import _hostmem
+  monkeypatch.setenv("TENPLEX_JAX_HOST_POOL_GIB", pool_gib)
+  _hostmem.release_host_pool()
+  sizes = (3 << 20, _hostmem._MIN_MAPPED + 4096)  # a heap block, a mapping
+  for nbytes in sizes:
+    idle = _hostmem.host_pool_stats()["idle_bytes"]
+    b = _hostmem.host_empty((nbytes // 4,), np.float32)
+    assert b.ctypes.data % 64 == 0 and b.flags.writeable
+    b[...] = 7.0
+    y = jax.device_put(b, jax.devices()[1], may_alias=True)
+    assert y.unsafe_buffer_pointer() == b.ctypes.data  # adopted, not copied
+    del b
+    gc.collect()
+    assert _hostmem.host_pool_stats()["idle_bytes"] == idle  # y holds it
+    assert np.all(np.asarray(y) == 7.0)
+    del y
+    gc.collect()
+  idle = _hostmem.host_pool_stats()["idle_bytes"]
+  assert idle == (sum(-(-n // 4096) * 4096 for n in sizes)
+                  if pool_gib != "0" else 0)
+  again = _hostmem.host_empty((sizes[0] // 4,), np.float32)
+  assert _hostmem.host_pool_stats()["reused"] >= (pool_gib != "0")
+  del again
+  _hostmem.release_host_pool()
