@@ -243,6 +243,33 @@ _THREADED_MIN_BYTES = 64 << 20
 _SMALL_PIECE_BYTES = 256 << 10
 
 
+_WIDE = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
+         8: np.dtype(np.uint64)}
+
+
+def _widened(dst: np.ndarray, src: np.ndarray) -> tuple:
+  """``dst`` and ``src`` (same shape) viewed in the widest unsigned integer
+  of at most 8 bytes that their innermost rows allow, for a bitwise copy.
+
+  numpy copies a strided array row by row along the last axis, so short
+  rows cost a loop iteration per few bytes: a (15,916,852, 2) int8 box cut
+  from (., 4) columns took 0.18 s, and 7 ms viewed as (., 1) uint16.
+  """
+  item = dst.dtype.itemsize
+  if dst.ndim == 0 or item >= 8 or dst.size == 0:
+    return dst, src
+  if dst.strides[-1] != item or src.strides[-1] != item:
+    return dst, src
+  run = dst.shape[-1] * item
+  for w in (8, 4, 2):
+    if (w > item and run % w == 0
+        and dst.ctypes.data % w == 0 and src.ctypes.data % w == 0
+        and all(t % w == 0 for t in dst.strides[:-1])
+        and all(t % w == 0 for t in src.strides[:-1])):
+      return dst.view(_WIDE[w]), src.view(_WIDE[w])
+  return dst, src
+
+
 def _copy_all(copies) -> None:
   """Runs the piece copies; large batches over several threads.
 
@@ -262,15 +289,18 @@ def _copy_all(copies) -> None:
            if len(small) < len(copies) else [])
   total = sum(src.nbytes for _, _, src in large)
   if n == 1 or total < _THREADED_MIN_BYTES:
-    for buf, idx, src in copies:
+    for buf, idx, src in small:
       buf[idx] = src
+    for buf, idx, src in large:
+      dst, src = _widened(buf[idx], src)
+      dst[...] = src
     return
   # (destination view, source view) pairs; big ones cut along their first
   # axis so that the lanes come out even.
   pairs = []
   step = max(1, total // (4 * n))
   for buf, idx, src in large:
-    dst = buf[idx]
+    dst, src = _widened(buf[idx], src)
     if src.ndim == 0 or src.nbytes <= step or src.shape[0] < 2:
       pairs.append((dst, src))
       continue

@@ -382,3 +382,27 @@ def test_heap_and_mapped_blocks_are_aligned_and_recycled(monkeypatch,
   assert _hostmem.host_pool_stats()["reused"] >= (pool_gib != "0")
   del again
   _hostmem.release_host_pool()
+
+
+@pytest.mark.parametrize("dtype", [np.int8, ml_dtypes.bfloat16, np.bool_,
+                                   ml_dtypes.int4, np.float32])
+def test_short_rows_are_copied_bitwise_in_wider_units(monkeypatch, dtype):
+  # Columns 2 -> rows 2 x columns 4: every piece is a strided block whose
+  # rows are 2 (or 1) elements, which the copy moves as wider integers.
+  R = sys.modules["tenplex_jax.reshard"]
+  monkeypatch.setattr(R, "_SMALL_PIECE_BYTES", 0)  # every piece is "large"
+  devs = np.array(jax.devices()[:8])
+  rng = np.random.default_rng(3)
+  host = rng.integers(0, 7, size=(4096, 8)).astype(dtype)
+  src = NamedSharding(Mesh(devs[[1, 7]], ("a",)), P(None, "a"))
+  x = jax.device_put(host, src)
+  target = NamedSharding(Mesh(devs[[3, 7, 4, 5, 6, 0, 2, 1]].reshape(2, 4),
+                              ("a", "b")), P("a", "b"))
+  wide = []
+  real = R._widened
+  monkeypatch.setattr(R, "_widened", lambda d, s: wide.append(
+      real(d, s)[0].dtype.itemsize) or real(d, s))
+  y = tenplex_jax.reshard(x, target, method="cpu")
+  assert y.sharding == target
+  assert np.array_equal(np.asarray(y).view(np.uint8), host.view(np.uint8))
+  assert wide and max(wide) > np.dtype(dtype).itemsize
