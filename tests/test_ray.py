@@ -249,8 +249,10 @@ def test_nodes_killed_recover_from_replicas_then_checkpoint(cluster, tmp_path):
       assert 0 <= lost <= failed + 1 - restored["step"]
       assert g["start_step"] == restored["step"]
     # The checkpoint is the one in the RunConfig's storage path.
+    # (a node killed while writing leaves an unfinished Orbax temporary there)
     assert gens[2]["restored"]["step"] in [int(d.split("_")[1]) for d in (
-        os.listdir(tmp_path / "storage" / "kill-run"))]
+        os.listdir(tmp_path / "storage" / "kill-run"))
+        if not d.endswith(".orbax-checkpoint-tmp")]
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
     assert final["step"] == total and final["procs"] == 1

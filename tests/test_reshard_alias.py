@@ -360,9 +360,11 @@ def test_heap_and_mapped_blocks_are_aligned_and_recycled(monkeypatch,
   import gc
   from tenplex_jax import _hostmem
   monkeypatch.setenv("TENPLEX_JAX_HOST_POOL_GIB", pool_gib)
+  gc.collect()  # buffers of earlier tests go back first
   _hostmem.release_host_pool()
   sizes = (3 << 20, _hostmem._MIN_MAPPED + 4096)  # a heap block, a mapping
   for nbytes in sizes:
+    gc.collect()
     idle = _hostmem.host_pool_stats()["idle_bytes"]
     b = _hostmem.host_empty((nbytes // 4,), np.float32)
     assert b.ctypes.data % 64 == 0 and b.flags.writeable
@@ -376,8 +378,10 @@ def test_heap_and_mapped_blocks_are_aligned_and_recycled(monkeypatch,
     del y
     gc.collect()
   idle = _hostmem.host_pool_stats()["idle_bytes"]
-  assert idle == (sum(-(-n // 4096) * 4096 for n in sizes)
-                  if pool_gib != "0" else 0)
+  if pool_gib == "0":
+    assert idle == 0
+  else:
+    assert idle >= sum(-(-n // 4096) * 4096 for n in sizes)
   again = _hostmem.host_empty((sizes[0] // 4,), np.float32)
   assert _hostmem.host_pool_stats()["reused"] >= (pool_gib != "0")
   del again
