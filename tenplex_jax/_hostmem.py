@@ -193,17 +193,13 @@ def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     off = (-raw.ctypes.data) % _ALIGN
     return raw[off:off + nbytes].view(dtype).reshape(shape)
   block = _POOL.take(-(-nbytes // _PAGE) * _PAGE)
-  if isinstance(block, _HeapBlock):
-    flat = np.frombuffer(block.buf, dtype=np.uint8, count=nbytes)
-    # The array does not own a heap block: the finalizer frees or pools it.
-    if _cap_bytes() > 0:
-      weakref.finalize(flat, _POOL.give_back, block)
-    else:
-      weakref.finalize(flat, block.close)
-  else:
-    flat = np.frombuffer(block, dtype=np.uint8, count=nbytes)
-    if _cap_bytes() > 0:
-      weakref.finalize(flat, _POOL.give_back, block)
+  heap = isinstance(block, _HeapBlock)
+  flat = np.frombuffer(block.buf if heap else block, dtype=np.uint8,
+                       count=nbytes)
+  if _cap_bytes() > 0:
+    weakref.finalize(flat, _POOL.give_back, block)
+  elif heap:  # a mapping closes with its last view; a heap block does not
+    weakref.finalize(flat, block.close)
   return flat.view(dtype).reshape(shape)
 
 
