@@ -53,3 +53,46 @@ def run_all(cmds, *, timeout: float, env=None, merge_stderr: bool = True,
                                       decode(outs.get(i, (b"", b""))[0]),
                                       decode(outs.get(i, (b"", b""))[1]))
           for i, p in enumerate(procs)]
+
+
+def check_stage_change_resize(script: str, out: str, *, root: str,
+                              n_params: int):
+  """Runs an example trainer (``script``) with ``--procs 2,1``: 2 processes x
+  2 devices (data 2, stage 2), then at step 2 one process x 4 devices (stage
+  4, 2 microbatches), and checks what every such trainer promises: the steps
+  run once each on the right processes and meshes, the new process read the
+  whole state (``n_params`` float32 parameters and Adam's two moments) from
+  the stores, and the losses and parameters follow the static run.
+  """
+  import json
+  import sys
+
+  import numpy as np
+  env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": "",
+         "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  (run,) = run_all([[sys.executable, str(script), "--procs", "2,1",
+                     "--schedule", "0:stage=2,data=2 2:stage=4,mb=2",
+                     "--steps", "4", "--fast-compile", "--json", out,
+                     "--timeout", "400"]], timeout=450, env=env)
+  assert run.returncode == 0, run.stdout[-5000:]
+  with open(out) as f:
+    log = json.load(f)
+  el, st = log["elastic"], log["static"]
+  assert [r["step"] for r in el] == [0, 1, 2, 3]  # none repeated or lost
+  assert [(r["procs"], r["devices_per_proc"]) for r in el] == [
+      (2, 2), (2, 2), (1, 4), (1, 4)]
+  assert [r["mesh"]["stage"] for r in el] == [2, 2, 4, 4]
+  assert [r["microbatches"] for r in el] == [4, 4, 2, 2]
+  (resized,) = [r for r in el if "resized_from" in r]
+  assert resized["step"] == 2 and resized["procs_from"] == 2
+  assert resized["resized_from"] == {"data": 2, "fsdp": 1, "tensor": 1,
+                                     "stage": 2}
+  assert resized["reconfig_bytes"] >= 3 * 4 * n_params, resized
+  assert resized["reconfig_s"] >= resized["restore_s"] > 0
+  np.testing.assert_allclose([r["loss"] for r in el],
+                             [r["loss"] for r in st], rtol=1e-5)
+  assert log["max_abs_loss_diff"] < 1e-4
+  assert log["max_abs_param_diff"] < 1e-5
+  assert "1 resizes across processes" in run.stdout
+  assert "generation 0: 2 -> 1 processes at step 2" in run.stdout
