@@ -31,7 +31,8 @@ import jax
 import numpy as np
 
 from tenplex_jax._hostmem import host_empty
-from tenplex_jax.errors import NoCopyError, StoreError, TreeError, UsageError
+from tenplex_jax.errors import (NoCopyError, StoreError, TreeError,
+                                 UnsafePathError, UsageError)
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
@@ -44,6 +45,7 @@ from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       from_storage, gc, next_seq,
                                       prune_snapshots, read_store_id,
                                       round_id, storage_of, write_current)
+from tenplex_jax.store import private
 from tenplex_jax.store.server import RemoteStore
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
@@ -267,6 +269,10 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
   Raises:
     TreeError: some leaf is none of the above (names every such path).
     UsageError: ``step`` is not an integer in [0, 10**10).
+    UnsafePathError: the store directory, one above it or its ``procs/``
+      directories belong to another user or are writable by group or
+      others (nothing is written; see docs/store.md, Security). What
+      ``save`` writes is private: directories 0700, files 0600.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -344,7 +350,11 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
               ) -> None:
   """Copies a committed snapshot of process ``proc`` to store ``dest`` (a
   directory, or a store server URL), atomically; ``dest`` then keeps the
-  newest ``keep`` snapshots of ``proc`` (as :func:`save`)."""
+  newest ``keep`` snapshots of ``proc`` (as :func:`save`).
+
+  A local ``dest`` is checked as :func:`save` checks its store
+  (:class:`~tenplex_jax.errors.UnsafePathError`), and the copy is private
+  (directories 0700, files 0600) whatever the source's modes."""
   if dest.startswith("http://"):
     src = HostStore(os.path.dirname(os.path.dirname(os.path.dirname(
         snapshot))))
@@ -368,9 +378,10 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
     RemoteStore(dest).upload(proc, header, iter(chunks), nbytes)
     return
   pdir = os.path.join(dest, "procs", str(proc))
-  os.makedirs(pdir, exist_ok=True)
+  private.check_dir(dest)  # before anything is made there
+  private.makedirs(pdir)
   ensure_store_id(dest)
-  gc(dest)
+  gc(dest)  # checks again, what exists now
   name = os.path.basename(snapshot)
   uid = uuid.uuid4().hex[:8]
   lock = os.path.join(pdir, f".lock-{uid}")
@@ -378,7 +389,7 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
   try:
     staging = os.path.join(pdir, f".staging-{uid}")
     try:
-      shutil.copytree(snapshot, staging)
+      private.copytree(snapshot, staging)  # 0700/0600 whatever the source
       final = os.path.join(pdir, name)
       if os.path.exists(final):
         shutil.rmtree(staging)
@@ -494,6 +505,9 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
       else:
         sid = h.store_id or "url:" + h.url
       ms, problems = h.all_rounds()
+    except UnsafePathError:
+      _close(list(by_id.values()))
+      raise  # refused, not unreachable: the operator must fix it
     except StoreError as e:
       unreachable[loc] = str(e)
       close = getattr(h, "close", None)
@@ -696,9 +710,10 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
   agree = bool(checkpoint) and jax.process_count() > 1
   if step is not None:
     step = check_step(step)
-  sources, unreachable = _gather(locations, timeout, retries, token)
+  sources = []
   try:
     try:
+      sources, unreachable = _gather(locations, timeout, retries, token)
       out, vote = _restore(sources, unreachable, target, step, checkpoint,
                            workers, t0, me), 0
     except _Fallback as e:
@@ -988,6 +1003,10 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
   Raises:
     NoCopyError: some piece has no surviving copy and no checkpoint is given.
     StoreError: every copy of a needed piece failed (names hosts and paths).
+    UnsafePathError: a store directory given, one above it or its
+      ``procs/`` directories belong to another user or are writable by
+      group or others (nothing is read from it; see docs/store.md,
+      Security).
     TreeError: the target does not match the saved state (names every
       mismatching leaf with the saved and the target shape, dtype or type).
 
