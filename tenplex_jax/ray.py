@@ -145,9 +145,13 @@ class _StoreActor:
   """A tenplex store server for one node's directory (detached)."""
 
   def __init__(self, root: str):
+    from tenplex_jax.store import private
     from tenplex_jax.store.server import make_server
     self.root = root
-    os.makedirs(root, exist_ok=True)
+    # Refuses a job directory (e.g. /dev/shm/tenplex-ray-JOB) that another
+    # user made first, before making anything in it; the rest is 0700.
+    private.check_dir(root)
+    private.makedirs(root)
     host = _ray.util.get_node_ip_address()
     self.srv = make_server(root, 0, host=host)
     threading.Thread(target=self.srv.serve_forever, daemon=True).start()
