@@ -333,3 +333,14 @@ def test_serve_refuses_a_store_dir_of_another_user(tmp_path):
   assert len(lines) == 1 and str(d) in lines[0], r.stderr
   assert "nobody (uid 65534)" in lines[0] and "mode 0755" in lines[0], lines
   assert os.listdir(d) == []
+
+
+def test_orbax_checkpoints_are_unreachable_to_others(tmp_path):
+  # Orbax writes the files with its own modes; the directories around them
+  # (made by save_checkpoint) are 0700.
+  from tenplex_jax.store import latest_step, save_checkpoint
+  d = tmp_path / "ck"
+  path = save_checkpoint(str(d), {"w": jnp.ones(3)}, 5)
+  assert latest_step(str(d)) == 5
+  assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
