@@ -858,7 +858,7 @@ class SnapshotWriter:
     self.pdir = os.path.join(self.root, "procs", str(self.proc))
     private.check_dir(self.root)  # before anything is made there
     private.makedirs(self.pdir)
-    private.check_dir(self.root)  # what exists now (made by another meanwhile?)
+    private.check_dir(self.root)  # again: one made by another meanwhile
     ensure_store_id(self.root)
     self.reclaimed = gc(self.root)
     if self.reclaimed["bytes"]:
