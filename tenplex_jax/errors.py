@@ -58,17 +58,17 @@ class UnreachableError(StoreError):
   """A store server did not answer (dead, or every attempt timed out)."""
 
 
+class TreeError(StoreError, ValueError):
+  """A tree given to ``store.save``, or a restore target, has leaves the
+  store cannot handle or that do not match the saved state; names every such
+  leaf's path with the saved and the given shape, dtype or type."""
+
+
 class UnsafePathError(StoreError):
   """A store root, a directory inside or above it, or a token file is owned
   by another user or open to group or others (who could replace the stored
   state or read the job's token); names the path, its owner and mode, and
   the fix. Raised before anything is written there or read from it."""
-
-
-class TreeError(StoreError, ValueError):
-  """A tree given to ``store.save``, or a restore target, has leaves the
-  store cannot handle or that do not match the saved state; names every such
-  leaf's path with the saved and the given shape, dtype or type."""
 
 
 class UsageError(TenplexError, ValueError):

@@ -89,6 +89,7 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
                     " 'tenplex_jax[ray]'") from e
 
 from tenplex_jax.errors import StoreError, UsageError
+from tenplex_jax.store import private
 from tenplex_jax.store.launch import (
     TOKEN_ENV,
     initialize,
@@ -145,12 +146,9 @@ class _StoreActor:
   """A tenplex store server for one node's directory (detached)."""
 
   def __init__(self, root: str):
-    from tenplex_jax.store import private
     from tenplex_jax.store.server import make_server
     self.root = root
-    # Refuses a job directory (e.g. /dev/shm/tenplex-ray-JOB) that another
-    # user made first, before making anything in it; the rest is 0700.
-    private.check_dir(root)
+    private.check_dir(root)  # e.g. a tenplex-ray-JOB another user made first
     private.makedirs(root)
     host = _ray.util.get_node_ip_address()
     self.srv = make_server(root, 0, host=host)

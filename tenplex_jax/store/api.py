@@ -39,13 +39,13 @@ from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import _key_data_sharding
 from tenplex_jax.sources import StoreCopy, fetch_pieces, place
+from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       _chunk_shape, _take_lock, check_step,
                                       check_tensor_path, ensure_store_id,
                                       from_storage, gc, next_seq,
                                       prune_snapshots, read_store_id,
                                       round_id, storage_of, write_current)
-from tenplex_jax.store import private
 from tenplex_jax.store.server import RemoteStore
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
