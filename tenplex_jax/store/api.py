@@ -31,8 +31,7 @@ import jax
 import numpy as np
 
 from tenplex_jax._hostmem import host_empty
-from tenplex_jax.errors import (NoCopyError, StoreError, TreeError,
-                                 UnsafePathError, UsageError)
+from tenplex_jax.errors import NoCopyError, StoreError, TreeError, UsageError
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
@@ -350,11 +349,7 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
               ) -> None:
   """Copies a committed snapshot of process ``proc`` to store ``dest`` (a
   directory, or a store server URL), atomically; ``dest`` then keeps the
-  newest ``keep`` snapshots of ``proc`` (as :func:`save`).
-
-  A local ``dest`` is checked as :func:`save` checks its store
-  (:class:`~tenplex_jax.errors.UnsafePathError`), and the copy is private
-  (directories 0700, files 0600) whatever the source's modes."""
+  newest ``keep`` snapshots of ``proc`` (as :func:`save`)."""
   if dest.startswith("http://"):
     src = HostStore(os.path.dirname(os.path.dirname(os.path.dirname(
         snapshot))))
@@ -378,6 +373,8 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
     RemoteStore(dest).upload(proc, header, iter(chunks), nbytes)
     return
   pdir = os.path.join(dest, "procs", str(proc))
+  # A local ``dest`` is checked as save checks its store (UnsafePathError),
+  # and the copy is private (0700/0600) whatever the source's modes.
   private.check_dir(dest)  # before anything is made there
   private.makedirs(pdir)
   ensure_store_id(dest)
@@ -505,7 +502,7 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
       else:
         sid = h.store_id or "url:" + h.url
       ms, problems = h.all_rounds()
-    except UnsafePathError:
+    except private.UnsafePathError:
       _close(list(by_id.values()))
       raise  # refused, not unreachable: the operator must fix it
     except StoreError as e:

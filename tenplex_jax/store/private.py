@@ -31,8 +31,8 @@ from typing import IO
 
 from tenplex_jax.errors import UnsafePathError
 
-__all__ = ["DIR_MODE", "FILE_MODE", "check_dir", "check_token_file",
-           "copytree", "makedirs", "open_private"]
+__all__ = ["DIR_MODE", "FILE_MODE", "UnsafePathError", "check_dir",
+           "check_token_file", "copytree", "makedirs", "open_private"]
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
