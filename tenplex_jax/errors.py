@@ -64,6 +64,13 @@ class TreeError(StoreError, ValueError):
   leaf's path with the saved and the given shape, dtype or type."""
 
 
+class UnsafePathError(StoreError):
+  """A store root, a directory inside or above it, or a token file is owned
+  by another user or open to group or others (who could replace the stored
+  state or read the job's token); names the path, its owner and mode, and
+  the fix. Raised before anything is written there or read from it."""
+
+
 class UsageError(TenplexError, ValueError):
   """A command-line verb or a library call got input it cannot use (a bad
   flag value, a missing file, a path that is not what it should be). The CLI

@@ -89,6 +89,7 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
                     " 'tenplex_jax[ray]'") from e
 
 from tenplex_jax.errors import StoreError, UsageError
+from tenplex_jax.store import private
 from tenplex_jax.store.launch import (
     TOKEN_ENV,
     initialize,
@@ -147,7 +148,8 @@ class _StoreActor:
   def __init__(self, root: str):
     from tenplex_jax.store.server import make_server
     self.root = root
-    os.makedirs(root, exist_ok=True)
+    private.check_dir(root)  # e.g. a tenplex-ray-JOB another user made first
+    private.makedirs(root)
     host = _ray.util.get_node_ip_address()
     self.srv = make_server(root, 0, host=host)
     threading.Thread(target=self.srv.serve_forever, daemon=True).start()

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -70,6 +71,21 @@ def launcher(tmp, cmd, *opts, job=True, **env):
         pass
     p.wait(10)
     log.close()
+
+
+def assert_private(job, skip=()):
+  """Every directory under ``job`` (itself included) is 0700 and every
+  file 0600 or stricter (issue 22), but for ``skip`` (what the script
+  itself writes)."""
+  n = 0
+  for d, _, files in os.walk(job):
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700, d
+    for f in files:
+      if f not in skip:
+        mode = stat.S_IMODE(os.lstat(os.path.join(d, f)).st_mode)
+        assert mode & 0o177 == 0, (os.path.join(d, f), oct(mode))
+        n += 1
+  assert n > 0
 
 
 def finish(p, log, timeout=170):
@@ -150,6 +166,11 @@ def test_every_failure_kind_is_named_and_recovered_in_seconds(tmp):
     assert (rec["failed_step"], rec["restored_step"]) == (step, step), rec
   check_final(job, procs=2, step=6, generation=4)
   assert not [pid for pid in seen if _alive(pid)]  # nothing left running
+  # The launcher's, its processes' and the store servers' files (failure
+  # reports, stacks, pids, progress, logs, snapshots) are private.
+  assert_private(job, skip=("final.json",))
+  assert {"failures.jsonl", "stacks_1_1.txt", "server_0.log",
+          "recovery_1.json"} <= set(os.listdir(job))
   print(f"\nfault job: {wall:.1f} s; " + "; ".join(
       f"{f['kind']}: detected {f['detected_s']} s, relaunched"
       f" {f['relaunched_s']} s, training again {f['resumed_s']} s"
@@ -195,6 +216,8 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp):
                    .split("\0") if "=" in kv)
         tokens.add(env.get("TENPLEX_JAX_STORE_TOKEN"))
       assert len(tokens) == 1 and len(min(tokens) or "") >= 40, tokens
+      assert_private(job)  # the job directory, logs, stores, pid files
+      assert os.path.exists(os.path.join(job, "store", "0", "STORE_ID"))
       p.send_signal(sig)
       rc, out = finish(p, log, timeout=30)
     assert rc == 128 + sig, (rc, out)

@@ -276,11 +276,13 @@ def test_no_token_on_a_public_address_is_refused(tmp_path, monkeypatch):
     make_server(str(tmp_path), 0, host="0.0.0.0")
   tok = tmp_path / "tok"
   tok.write_text(new_token() + "\n")
+  tok.chmod(0o600)  # a token file others can read is refused
   srv = make_server(str(tmp_path / "s"), 0, host="0.0.0.0",
                     token_file=str(tok))
   assert srv.token == tok.read_text().strip()
   srv.server_close()
   (tmp_path / "empty").write_text("")
+  (tmp_path / "empty").chmod(0o600)
   with pytest.raises(UsageError, match="empty"):
     make_server(str(tmp_path), 0, token_file=str(tmp_path / "empty"))
   with pytest.raises(UsageError, match="token-file"):

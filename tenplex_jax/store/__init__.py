@@ -15,7 +15,8 @@
 """
 
 from tenplex_jax.errors import (ChecksumError, NoCopyError, StoreError,
-                                 TreeError, UnreachableError, UsageError)
+                                 TreeError, UnreachableError,
+                                 UnsafePathError, UsageError)
 from tenplex_jax.store.api import (RestoreReport, open_store, replicate, restore,
                                    restore_with_report, save)
 from tenplex_jax.store.checkpoint import (latest_step, restore_checkpoint,
@@ -40,6 +41,7 @@ __all__ = [
     "TensorInfo",
     "TreeError",
     "UnreachableError",
+    "UnsafePathError",
     "UsageError",
     "gc",
     "initialize",

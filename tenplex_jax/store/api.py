@@ -38,6 +38,7 @@ from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import _key_data_sharding
 from tenplex_jax.sources import StoreCopy, fetch_pieces, place
+from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       _chunk_shape, _take_lock, check_step,
                                       check_tensor_path, ensure_store_id,
@@ -267,6 +268,10 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
   Raises:
     TreeError: some leaf is none of the above (names every such path).
     UsageError: ``step`` is not an integer in [0, 10**10).
+    UnsafePathError: the store directory, one above it or its ``procs/``
+      directories belong to another user or are writable by group or
+      others (nothing is written; see docs/store.md, Security). What
+      ``save`` writes is private: directories 0700, files 0600.
 
   Example:
     >>> import tempfile, jax.numpy as jnp
@@ -368,9 +373,12 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
     RemoteStore(dest).upload(proc, header, iter(chunks), nbytes)
     return
   pdir = os.path.join(dest, "procs", str(proc))
-  os.makedirs(pdir, exist_ok=True)
+  # A local ``dest`` is checked as save checks its store (UnsafePathError),
+  # and the copy is private (0700/0600) whatever the source's modes.
+  private.check_dir(dest)  # before anything is made there
+  private.makedirs(pdir)
   ensure_store_id(dest)
-  gc(dest)
+  gc(dest)  # checks again, what exists now
   name = os.path.basename(snapshot)
   uid = uuid.uuid4().hex[:8]
   lock = os.path.join(pdir, f".lock-{uid}")
@@ -378,7 +386,7 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
   try:
     staging = os.path.join(pdir, f".staging-{uid}")
     try:
-      shutil.copytree(snapshot, staging)
+      private.copytree(snapshot, staging)  # 0700/0600 whatever the source
       final = os.path.join(pdir, name)
       if os.path.exists(final):
         shutil.rmtree(staging)
@@ -494,6 +502,9 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
       else:
         sid = h.store_id or "url:" + h.url
       ms, problems = h.all_rounds()
+    except private.UnsafePathError:
+      _close(list(by_id.values()))
+      raise  # refused, not unreachable: the operator must fix it
     except StoreError as e:
       unreachable[loc] = str(e)
       close = getattr(h, "close", None)
@@ -696,9 +707,10 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
   agree = bool(checkpoint) and jax.process_count() > 1
   if step is not None:
     step = check_step(step)
-  sources, unreachable = _gather(locations, timeout, retries, token)
+  sources = []
   try:
     try:
+      sources, unreachable = _gather(locations, timeout, retries, token)
       out, vote = _restore(sources, unreachable, target, step, checkpoint,
                            workers, t0, me), 0
     except _Fallback as e:
@@ -988,6 +1000,10 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
   Raises:
     NoCopyError: some piece has no surviving copy and no checkpoint is given.
     StoreError: every copy of a needed piece failed (names hosts and paths).
+    UnsafePathError: a store directory given, one above it or its
+      ``procs/`` directories belong to another user or are writable by
+      group or others (nothing is read from it; see docs/store.md,
+      Security).
     TreeError: the target does not match the saved state (names every
       mismatching leaf with the saved and the target shape, dtype or type).
 

@@ -38,6 +38,10 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
   """Saves ``tree`` as ``directory/step_<step>`` with Orbax; call in every
   process. Returns the checkpoint path.
 
+  ``directory`` (if made here) and ``step_<step>`` are made ``0700``, so
+  other users cannot reach the files Orbax writes inside (with its own
+  default modes).
+
   Example:
     >>> import tempfile, jax.numpy as jnp
     >>> d = tempfile.mkdtemp()
@@ -46,8 +50,13 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
     5
   """
   import orbax.checkpoint as ocp
+  from tenplex_jax.store import private
   path = os.path.join(os.path.abspath(directory), f"step_{int(step):010d}")
-  ckptr = ocp.StandardCheckpointer()
+  # Orbax and tensorstore create the files inside with their default modes;
+  # the directories made here are 0700, so other users cannot reach them.
+  private.makedirs(directory)
+  ckptr = ocp.StandardCheckpointer(file_options=ocp.options.FileOptions(
+      path_permission_mode=private.DIR_MODE))
   ckptr.save(path, _unkey(tree))
   ckptr.wait_until_finished()
   ckptr.close()

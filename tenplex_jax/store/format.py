@@ -66,6 +66,7 @@ import tensorstore as ts
 
 from tenplex_jax.errors import ChecksumError, StoreError, UsageError
 from tenplex_jax.layout import PTC, Box
+from tenplex_jax.store import private
 
 __all__ = ["ChunkMaps", "HostStore", "SnapshotWriter", "check_step",
            "check_tensor_path", "crc32c", "gc", "parse_index", "format_box",
@@ -587,8 +588,8 @@ def write_zarr3(path: str, data: np.ndarray, *, fsync: bool = False
   shape = data.shape
   itemsize = data.dtype.itemsize
   meta = _zarr_metadata(shape, data.dtype.name, itemsize)
-  os.makedirs(path)
-  with open(os.path.join(path, "zarr.json"), "w") as f:
+  private.makedirs(path, exist_ok=False)
+  with private.open_private(os.path.join(path, "zarr.json")) as f:
     json.dump(meta, f)
   chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
   rows = chunk[0] if chunk else 1
@@ -602,8 +603,9 @@ def write_zarr3(path: str, data: np.ndarray, *, fsync: bool = False
     c = crc32c(pad, crc32c(part))
     crcs.append(c)
     fname = os.path.join(path, _chunk_key(i, len(shape)))
-    os.makedirs(os.path.dirname(fname), exist_ok=True)
-    fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    private.makedirs(os.path.dirname(fname))
+    fd = os.open(fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                 private.FILE_MODE)
     try:
       _write_all(fd, [part, pad, c.to_bytes(4, "little")])
       if fsync:
@@ -822,6 +824,11 @@ class SnapshotWriter:
   by ``tenplex-jax store gc``) reclaims only staging directories whose lock
   no live process holds (a save killed with SIGKILL releases it).
 
+  The store root is checked first (:func:`tenplex_jax.store.private.
+  check_dir`: :class:`~tenplex_jax.errors.UnsafePathError` for a directory
+  another user could tamper with); what it makes is private: directories
+  0700, files 0600 (and stricter under a stricter umask).
+
   Args:
     root: the store directory.
     proc: the saving process.
@@ -849,7 +856,9 @@ class SnapshotWriter:
     # and directory entries reach the disk before CURRENT names it.
     self.fsync = needs_fsync(self.root) if fsync is None else bool(fsync)
     self.pdir = os.path.join(self.root, "procs", str(self.proc))
-    os.makedirs(self.pdir, exist_ok=True)
+    private.check_dir(self.root)  # before anything is made there
+    private.makedirs(self.pdir)
+    private.check_dir(self.root)  # again: one made by another meanwhile
     ensure_store_id(self.root)
     self.reclaimed = gc(self.root)
     if self.reclaimed["bytes"]:
@@ -861,7 +870,7 @@ class SnapshotWriter:
     self._lockfd = _take_lock(os.path.join(self.pdir, f".lock-{self.uid}"))
     self.staging = os.path.join(self.pdir, f".staging-{self.uid}")
     try:
-      os.makedirs(self.staging)
+      os.mkdir(self.staging, private.DIR_MODE)
     except BaseException:
       self._release()
       raise
@@ -973,7 +982,8 @@ class SnapshotWriter:
           "tensors": self.tensors, "extras": dict(extras or {}),
       }
       manifest["checksum"] = manifest_checksum(manifest)
-      with open(os.path.join(self.staging, "manifest.json"), "w") as f:
+      with private.open_private(os.path.join(self.staging, "manifest.json")
+                                ) as f:
         json.dump(manifest, f)
         if self.fsync:
           f.flush()
@@ -1016,7 +1026,7 @@ def write_current(pdir: str, name: str, *, fsync: bool = False) -> None:
   """Points ``pdir/CURRENT`` at snapshot ``name`` (atomically, with a
   checksum line)."""
   tmp = os.path.join(pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
-  with open(tmp, "w") as f:
+  with private.open_private(tmp) as f:
     f.write(_current_text(name))
     if fsync:
       f.flush()
@@ -1027,7 +1037,7 @@ def write_current(pdir: str, name: str, *, fsync: bool = False) -> None:
 
 
 def _take_lock(path: str) -> int:
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, private.FILE_MODE)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.write(fd, f"{os.getpid()}\n".encode())
@@ -1144,11 +1154,17 @@ def gc(root: str, *, min_age: float = _STALE_S) -> dict:
     ``{"bytes": reclaimed, "removed": [paths], "skipped": [paths of live
     saves]}``.
 
+  Raises:
+    UnsafePathError: ``root``, a directory above it or its ``procs/``
+      directories are another user's or writable by group or others
+      (:func:`tenplex_jax.store.private.check_dir`); nothing is removed.
+
   Example:
     >>> import tempfile
     >>> gc(tempfile.mkdtemp())["bytes"]
     0
   """
+  private.check_dir(root)
   out = {"bytes": 0, "removed": [], "skipped": []}
   base = os.path.join(root, "procs")
   try:
@@ -1229,11 +1245,11 @@ def ensure_store_id(root: str) -> str:
   sid = read_store_id(root)
   if sid:
     return sid
-  os.makedirs(root, exist_ok=True)
+  private.makedirs(root)
   sid = uuid.uuid4().hex
   path = os.path.join(root, "STORE_ID")
   tmp = f"{path}.{sid[:8]}"
-  with open(tmp, "w") as f:
+  with private.open_private(tmp) as f:
     f.write(sid)
   try:
     os.link(tmp, path)  # atomic create-if-absent
@@ -1264,6 +1280,11 @@ class TensorInfo:
 class HostStore:
   """Reads the snapshots of a store directory (never writes to it).
 
+  Raises :class:`~tenplex_jax.errors.UnsafePathError` before reading
+  anything if the directory, one above it or its ``procs/`` directories
+  are another user's or writable by group or others
+  (:func:`tenplex_jax.store.private.check_dir`).
+
   Example:
     >>> import tempfile, numpy as np, jax
     >>> from tenplex_jax.store import save, HostStore
@@ -1278,6 +1299,7 @@ class HostStore:
 
   def __init__(self, root: str):
     self.root = os.path.abspath(root)
+    private.check_dir(self.root)
     if not os.path.isdir(self.root):
       raise StoreError(f"store directory {self.root} does not exist")
     self._snap_manifests: dict[str, dict] = {}

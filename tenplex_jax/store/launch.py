@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tenplex_jax.errors import StoreError, UsageError
+from tenplex_jax.store import private
 
 __all__ = ["RESIZE_EXIT_CODE", "initialize", "launch", "register",
            "request_resize", "resize_due", "restore_or_init", "save_and_exit",
@@ -130,7 +131,7 @@ def _report_failure(kind: str, code: int, error: str) -> None:
     step = None
   p = _job_file("failure", "json")
   try:
-    with open(p + ".tmp", "w") as f:
+    with private.open_private(p + ".tmp") as f:
       json.dump({"process": int(_env("TENPLEX_PROC_ID", "0")),
                  "generation": int(_env("TENPLEX_GENERATION", "0")),
                  "kind": kind, "exit_code": code, "error": error[-2000:],
@@ -215,12 +216,13 @@ def _install_failure_hooks() -> None:
   atexit.register(at_exit)
   if signal.getsignal(signal.SIGUSR2) in (signal.SIG_DFL, None):
     try:
-      f = open(_job_file("stacks", "txt"), "w")
+      f = private.open_private(_job_file("stacks", "txt"))
       faulthandler.register(signal.SIGUSR2, file=f, all_threads=True)
       _hooks["stacks_file"] = f
     except (OSError, ValueError, RuntimeError):
       pass
-  with open(_job_file("pid", "txt"), "w") as f:  # the launcher signals it
+  # The launcher signals it.
+  with private.open_private(_job_file("pid", "txt")) as f:
     f.write(str(os.getpid()))
 
 
@@ -228,7 +230,7 @@ def _progress(step: int) -> None:
   job = _env("TENPLEX_JOB_DIR")
   if job:
     p = os.path.join(job, f"progress_{_env('TENPLEX_PROC_ID', '0')}")
-    with open(p + ".tmp", "w") as f:
+    with private.open_private(p + ".tmp") as f:
       f.write(str(step))
     os.replace(p + ".tmp", p)
     _heartbeat()
@@ -242,7 +244,7 @@ def _heartbeat() -> None:
   if job and _env("TENPLEX_NUM_PROCS"):
     p = os.path.join(job, f"heartbeat_{_env('TENPLEX_PROC_ID', '0')}")
     try:
-      with open(p, "w") as f:
+      with private.open_private(p) as f:
         f.write(f"{_env('TENPLEX_GENERATION', '0')} {time.time()}")
     except OSError:
       pass
@@ -271,7 +273,7 @@ def request_resize(procs: int, *, at_step: int) -> None:
                        " (TENPLEX_JOB_DIR is not set)")
   p = os.path.join(job, "resize_request.json")
   tmp = f"{p}.{os.getpid()}"
-  with open(tmp, "w") as f:
+  with private.open_private(tmp) as f:
     json.dump({"procs": int(procs), "step": int(at_step)}, f)
   os.replace(tmp, p)
 
@@ -355,8 +357,8 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
     raise ResizeExit(procs, step)
   job = _env("TENPLEX_JOB_DIR")
   if job:
-    with open(os.path.join(job, f"resize_{jax.process_index()}.json"),
-              "w") as f:
+    with private.open_private(
+        os.path.join(job, f"resize_{jax.process_index()}.json")) as f:
       json.dump({"procs": procs, "step": step}, f)
   if jax.process_count() > 1:
     jax.distributed.shutdown()
@@ -416,8 +418,8 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
     step = report.step
     source = "checkpoint" if report.from_checkpoint else "stores"
   if job and report is not None:
-    with open(os.path.join(job, f"restore_{jax.process_index()}_{gen}.json"),
-              "w") as f:
+    with private.open_private(os.path.join(
+        job, f"restore_{jax.process_index()}_{gen}.json")) as f:
       json.dump(report.to_dict(), f)
   last_restore.update(
       step=step, source=source,
@@ -436,7 +438,7 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
             flush=True)
       if job:
         p = os.path.join(job, f"recovery_{gen}.json")
-        with open(p + ".tmp", "w") as f:
+        with private.open_private(p + ".tmp") as f:
           json.dump(info, f)
         os.replace(p + ".tmp", p)
     # resize_due counts schedule steps after the restored one.
@@ -495,10 +497,10 @@ def _start_servers(slots: dict[int, tuple[str, str]], env: dict
   try:
     for i, (d, log) in slots.items():
       ready = os.path.join(d, ".server-ready")
-      os.makedirs(d, exist_ok=True)
+      private.makedirs(d)  # the server checks it (and the job directory)
       if os.path.exists(ready):
         os.unlink(ready)
-      with open(log, "a") as out:
+      with private.open_private(log, "a") as out:
         started[i] = subprocess.Popen(
             [sys.executable, "-m", "tenplex_jax", "store", "serve", "--dir",
              d, "--port", "0", "--ready-file", ready],
@@ -861,7 +863,11 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     schedule: a file of ``step S procs M`` lines.
     job_dir: the job's directory (stores, logs, progress); default: a new
       one under ``/dev/shm``, removed when the job succeeds (else kept and
-      its path printed).
+      its path printed). One given is refused
+      (:class:`~tenplex_jax.errors.UnsafePathError`) if it, or a directory
+      above it, belongs to another user or is writable by group or others;
+      everything the launcher, its processes and store servers write there
+      is private (directories 0700, files 0600).
     max_generations: relaunches (resizes and restarts) at most.
     timeout: seconds for the whole job.
     max_restarts: relaunches after a process failure (an uncaught
@@ -907,10 +913,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if schedule and not os.path.isfile(schedule):
     raise UsageError(f"launch: the schedule {schedule!r} is not a file")
   temporary = job_dir is None
+  if not temporary:  # before anything is made there (mkdtemp's is 0700)
+    private.check_dir(job_dir, what="job directory", inner=False)
   job_dir = os.path.abspath(job_dir or tempfile.mkdtemp(
       prefix="tenplex-job-", dir="/dev/shm" if os.path.isdir("/dev/shm")
       else None))
-  os.makedirs(job_dir, exist_ok=True)
+  private.makedirs(job_dir)
+  private.check_dir(job_dir, what="job directory", inner=False)
   if temporary:
     print(f"tenplex-jax launch: job directory {job_dir} (temporary: removed"
           " when the job succeeds)", flush=True)
@@ -949,7 +958,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   launch_id = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
 
   def write_record():
-    with open(os.path.join(job_dir, "failures.jsonl"), "a") as f:
+    with private.open_private(os.path.join(job_dir, "failures.jsonl"),
+                              "a") as f:
       f.write(json.dumps(record) + "\n")
 
   try:
@@ -1112,7 +1122,7 @@ def _signalled_request(job_dir: str, n: int) -> None:
     return
   steps = _progress_of(job_dir, n)
   p = os.path.join(job_dir, "resize_request.json")
-  with open(p + ".tmp", "w") as f:
+  with private.open_private(p + ".tmp") as f:
     json.dump({"procs": m, "step": max(steps) + _MARGIN}, f)
   os.replace(p + ".tmp", p)
 

@@ -56,6 +56,7 @@ import numpy as np
 from tenplex_jax.errors import (ChecksumError, StoreError, UnreachableError,
                                 UsageError)
 from tenplex_jax.layout import PTC, Box
+from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       check_manifest, check_step,
                                       check_tensor_path, ensure_store_id,
@@ -136,8 +137,11 @@ def resolve_token(token: str | None = None, token_file: str | None = None
   Raises:
     UsageError: the token file cannot be read, or a token is empty or
       holds characters an HTTP header cannot carry.
+    UnsafePathError: group or others can read or write the token file,
+      or another user owns it (as ssh refuses such a key).
   """
   if token is None and token_file is not None:
+    private.check_token_file(token_file)
     try:
       with open(token_file, "rb") as f:
         raw = f.read(1 << 16)
@@ -780,6 +784,10 @@ def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1",
 
   Raises:
     UsageError: a non-loopback ``host`` without a token, or a bad token.
+    UnsafePathError: ``root`` (or a directory above it, or its
+      ``procs/``) belongs to another user or is writable by group or
+      others, or the token file is open to them; uploads are written
+      private (directories 0700, files 0600).
 
   Example:
     >>> import tempfile, threading
@@ -798,8 +806,9 @@ def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1",
         f" Give --token-file FILE or set {TOKEN_ENV} (the same in every"
         " process of the job; tenplex-jax launch does it), or listen on"
         " 127.0.0.1")
+  private.check_dir(root)  # before anything is made or read there
   if not read_only:
-    os.makedirs(root, exist_ok=True)
+    private.makedirs(root)
     ensure_store_id(root)
   return _StoreServer((host, int(port)), HostStore(root), token=token,
                       read_only=read_only, max_connections=max_connections,
@@ -826,7 +835,7 @@ def serve(root: str, port: int, *, host: str = "127.0.0.1",
   signal.signal(signal.SIGINT, stop)
   if ready_file:
     tmp = ready_file + ".tmp"
-    with open(tmp, "w") as f:
+    with private.open_private(tmp) as f:
       f.write(f"{srv.server_address[0]}:{srv.server_address[1]}")
     os.replace(tmp, ready_file)
   auth = "token required" if srv.token else "no token (loopback only)"
