@@ -145,13 +145,13 @@ def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
     UsageError: a file is missing or does not hold a matching certificate
       and key.
   """
+  for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+    if not os.path.isfile(path):
+      raise UsageError(f"TLS: {flag} {path}: no such file")
   ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
   ctx.minimum_version = ssl.TLSVersion.TLSv1_2
   try:
     ctx.load_cert_chain(cert, key)
-  except FileNotFoundError as e:
-    raise UsageError(f"TLS: {e.filename}: no such file (--tls-cert {cert},"
-                     f" --tls-key {key})") from None
   except (OSError, ssl.SSLError) as e:
     raise UsageError(f"TLS: cannot load the certificate {cert} with the key"
                      f" {key}: {getattr(e, 'reason', None) or e} (both must"
