@@ -207,6 +207,7 @@ def test_wrong_host_name_does_not_verify(tmp_path):
   ca.cert_pem.write_to_path(paths["ca"])
   cert.private_key_and_cert_chain_pem.write_to_path(paths["cert"])
   cert.private_key_pem.write_to_path(paths["key"])
+  os.chmod(paths["key"], 0o600)
   srv = make_server(str(tmp_path / "s"), 0, tls_cert=paths["cert"],
                     tls_key=paths["key"])
   threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -353,6 +354,13 @@ def test_serve_tls_options_are_checked(tmp_path, pki):
     assert r.returncode == 2, (args, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and want in lines[0], (args, r.stderr)
+  os.chmod(pki["key"], 0o640)
+  r = serve("--tls-cert", pki["cert"], "--tls-key", pki["key"])
+  assert r.returncode == 2
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and "mode 0640" in lines[0] and \
+      f"chmod 600 {pki['key']}" in lines[0], r.stderr
+  os.chmod(pki["key"], 0o600)
   with pytest.raises(UsageError, match="both a certificate"):
     make_server(str(tmp_path / "s"), 0, tls_cert=pki["cert"])
   with pytest.raises(TLSError, match="cannot load the CA file"):

@@ -143,11 +143,16 @@ def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
 
   Raises:
     UsageError: a file is missing or does not hold a matching certificate
-      and key.
+      and key, or the key is accessible to group or others.
   """
   for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
     if not os.path.isfile(path):
       raise UsageError(f"TLS: {flag} {path}: no such file")
+  mode = os.stat(key).st_mode & 0o777
+  if mode & 0o077:  # as ssh refuses such a private key
+    raise UsageError(f"TLS: --tls-key {key} is readable or writable by group"
+                     f" or others (mode {mode:04o}): the private key must be"
+                     f" private; run chmod 600 {key}")
   ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
   ctx.minimum_version = ssl.TLSVersion.TLSv1_2
   try:
