@@ -58,6 +58,13 @@ class UnreachableError(StoreError):
   """A store server did not answer (dead, or every attempt timed out)."""
 
 
+class TLSError(StoreError):
+  """Store traffic cannot be protected as configured: a plain ``http://``
+  location while a CA file is set (TLS is required), a server whose
+  certificate does not verify against the CA, or one that does not speak
+  TLS; names the location."""
+
+
 class TreeError(StoreError, ValueError):
   """A tree given to ``store.save``, or a restore target, has leaves the
   store cannot handle or that do not match the saved state; names every such

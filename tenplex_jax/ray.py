@@ -91,7 +91,9 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
 from tenplex_jax.errors import StoreError, UsageError
 from tenplex_jax.store import private
 from tenplex_jax.store.launch import (
+    CA_ENV,
     TOKEN_ENV,
+    check_tls_options,
     initialize,
     resize_due,
     restore_or_init,
@@ -143,17 +145,20 @@ def store_actor_name(job: str, node_id: str) -> str:
 
 @_ray.remote(num_cpus=0)
 class _StoreActor:
-  """A tenplex store server for one node's directory (detached)."""
+  """A tenplex store server for one node's directory (detached); HTTPS with
+  ``tls`` (certificate, key: paths on that node)."""
 
-  def __init__(self, root: str):
+  def __init__(self, root: str, tls: tuple[str, str] | None = None):
     from tenplex_jax.store.server import make_server
     self.root = root
     private.check_dir(root)  # e.g. a tenplex-ray-JOB another user made first
     private.makedirs(root)
     host = _ray.util.get_node_ip_address()
-    self.srv = make_server(root, 0, host=host)
+    cert, key = tls or (None, None)
+    self.srv = make_server(root, 0, host=host, tls_cert=cert, tls_key=key)
     threading.Thread(target=self.srv.serve_forever, daemon=True).start()
-    self.addr = f"http://{host}:{self.srv.server_address[1]}"
+    scheme = "http" if tls is None else "https"
+    self.addr = f"{scheme}://{host}:{self.srv.server_address[1]}"
 
   def info(self) -> dict:
     return {"url": self.addr, "dir": self.root,
@@ -285,7 +290,9 @@ class Job:
                job: str | None = None, keep_stores: bool = False,
                start_timeout: float = 120.0,
                env: Mapping[str, str] | None = None,
-               on_progress: Callable[[Job, int], None] | None = None):
+               on_progress: Callable[[Job, int], None] | None = None,
+               tls_cert: str | None = None, tls_key: str | None = None,
+               tls_ca: str | None = None):
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
@@ -306,7 +313,10 @@ class Job:
     self.checkpoint, self.store_root = checkpoint, store_root
     self.keep_stores, self.start_timeout = keep_stores, start_timeout
     self.token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
-    self.env = dict(env or {})
+    self.tls, ca = check_tls_options(tls_cert, tls_key, tls_ca,
+                                     "tenplex_jax.ray",
+                                     ("tls_cert", "tls_key", "tls_ca"))
+    self.env = {**({CA_ENV: ca} if ca else {}), **dict(env or {})}
     self.on_progress = on_progress
     self.ctrl = _Controller.options(  # on the driver's node: it outlives
         # any other node leaving
@@ -362,7 +372,8 @@ class Job:
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node, soft=False)).remote(
                     os.path.join(self.store_root,
-                                 f"tenplex-ray-{self.job}", node[:16]))
+                                 f"tenplex-ray-{self.job}", node[:16]),
+                    self.tls)
       out[node] = actor
     infos = {}
     for node, actor in out.items():
@@ -570,7 +581,12 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       ``env`` (more environment for the workers), ``on_progress``
       (``f(job, step)``, called in the driver about every 0.5 s with the
       furthest step of the running group: e.g. to add nodes or call
-      :meth:`Job.request_resize`).
+      :meth:`Job.request_resize`), ``tls_cert``, ``tls_key`` (PEM
+      certificate and key of the store actors' servers, valid for every
+      node's address, at the same path on every node: they then serve
+      HTTPS only), ``tls_ca`` (the CA file the workers verify them
+      against, at the same path on every node; default the driver's
+      ``$TENPLEX_JAX_STORE_CA``).
 
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,

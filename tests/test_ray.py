@@ -267,3 +267,39 @@ def test_nodes_killed_recover_from_replicas_then_checkpoint(cluster, tmp_path):
           got, global_batch_ids(0, step * B // N, step % (N // B), N, B))
   finally:
     shutil.rmtree("/dev/shm/tenplex-ray-test-kill", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_tls_store_actors_serve_https_to_the_next_group(cluster, tmp_path):
+  """With ``tls_cert``/``tls_key``/``tls_ca`` the store actors serve HTTPS
+  and the workers verify them against the CA: a 1 -> 2 worker resize on 2
+  nodes, where the worker on the other node reads its shard from the first
+  node's store actor over ``https://`` (issue 22)."""
+  import trustme
+  _nodes(cluster, 2)
+  ca = trustme.CA()
+  cert = ca.issue_cert(ray.util.get_node_ip_address(), "127.0.0.1")
+  pki = {k: str(tmp_path / f"{k}.pem") for k in ("ca", "cert", "key")}
+  ca.cert_pem.write_to_path(pki["ca"])
+  cert.private_key_and_cert_chain_pem.write_to_path(pki["cert"])
+  cert.private_key_pem.write_to_path(pki["key"])
+  os.chmod(pki["key"], 0o600)
+  log_dir = str(tmp_path / "logs")
+  os.makedirs(log_dir)
+  try:
+    result = tray.run(SCRIPT, ["6", log_dir], num_workers=1,
+                      schedule={3: 2}, job="test-tls",
+                      tls_cert=pki["cert"], tls_key=pki["key"],
+                      tls_ca=pki["ca"], env={"TRAIN_SLEEP": "0.2"})
+    gens = result["generations"]
+    assert [(g["workers"], g["outcome"]) for g in gens] == [
+        (1, "resize"), (2, "done")], gens
+    assert gens[1]["restored"]["source"] == "stores"
+    reports = [r["restored"]["report"] for r in gens[1]["results"]]
+    remote = [s for r in reports for s, n in r["per_source_bytes"].items()
+              if n and not s.startswith("/")]
+    assert remote and all(s.startswith("https://") for s in remote), reports
+    with open(os.path.join(log_dir, "final.json")) as f:
+      assert json.load(f)["step"] == 6
+  finally:
+    shutil.rmtree("/dev/shm/tenplex-ray-test-tls", ignore_errors=True)

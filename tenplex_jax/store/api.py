@@ -31,7 +31,8 @@ import jax
 import numpy as np
 
 from tenplex_jax._hostmem import host_empty
-from tenplex_jax.errors import NoCopyError, StoreError, TreeError, UsageError
+from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
+                                UsageError)
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
@@ -45,7 +46,7 @@ from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       from_storage, gc, next_seq,
                                       prune_snapshots, read_store_id,
                                       round_id, storage_of, write_current)
-from tenplex_jax.store.server import RemoteStore
+from tenplex_jax.store.server import RemoteStore, is_remote
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
            "save"]
@@ -82,13 +83,16 @@ def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
 
 
 def open_store(location: str, *, timeout: float = 30.0, retries: int = 2,
-               token: str | None = None):
+               token: str | None = None, ca_file: str | None = None):
   """A store handle: :class:`HostStore` for a directory, :class:`RemoteStore`
-  for an ``http://HOST:PORT`` URL (``token``: the job's store token,
-  default the ``TENPLEX_JAX_STORE_TOKEN`` environment variable)."""
-  if location.startswith("http://") or location.startswith("https://"):
+  for an ``http://HOST:PORT`` or ``https://HOST:PORT`` URL (``token``: the
+  job's store token, default the ``TENPLEX_JAX_STORE_TOKEN`` environment
+  variable; ``ca_file``: the CA that TLS servers are verified against,
+  default ``$TENPLEX_JAX_STORE_CA``; with one set, ``http://`` is
+  refused)."""
+  if is_remote(location):
     return RemoteStore(location, timeout=timeout, retries=retries,
-                       token=token)
+                       token=token, ca_file=ca_file)
   return HostStore(location)
 
 
@@ -296,7 +300,7 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
   else:
     target = location
   seq = next_seq(target, proc, run)
-  if target.startswith("http://"):
+  if is_remote(target):
     return _upload(RemoteStore(target), proc, nproc, step, ptc, extras,
                    arrays, mode, keep, run, seq)
   w = SnapshotWriter(target, proc, step=step, seq=seq, run=run)
@@ -350,7 +354,7 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
   """Copies a committed snapshot of process ``proc`` to store ``dest`` (a
   directory, or a store server URL), atomically; ``dest`` then keeps the
   newest ``keep`` snapshots of ``proc`` (as :func:`save`)."""
-  if dest.startswith("http://"):
+  if is_remote(dest):
     src = HostStore(os.path.dirname(os.path.dirname(os.path.dirname(
         snapshot))))
     m = src._snap_manifest(proc, snapshot)
@@ -485,17 +489,20 @@ class _Source:
 
 
 def _gather(locations: Sequence[str], timeout: float, retries: int,
-            token: str | None = None):
+            token: str | None = None, ca_file: str | None = None):
   """(reachable sources, one per store id; {location: error} of the rest).
 
   Reads only: a directory that is not a store is reported, never made one.
+  A TLS failure (plain HTTP while TLS is configured, a certificate that
+  does not verify) is a configuration error, not a dead peer: raised.
   """
   by_id: dict[str, _Source] = {}
   unreachable = {}
   for loc in locations:
     h = None
     try:
-      h = open_store(loc, timeout=timeout, retries=retries, token=token)
+      h = open_store(loc, timeout=timeout, retries=retries, token=token,
+                     ca_file=ca_file)
       if isinstance(h, HostStore):
         h.require_store()
         sid = read_store_id(h.root) or "dir:" + os.path.realpath(h.root)
@@ -506,6 +513,12 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
       _close(list(by_id.values()))
       raise  # refused, not unreachable: the operator must fix it
     except StoreError as e:
+      if isinstance(e, TLSError):
+        _close(list(by_id.values()))
+        close = getattr(h, "close", None)
+        if close:
+          close()
+        raise
       unreachable[loc] = str(e)
       close = getattr(h, "close", None)
       if close:
@@ -692,7 +705,8 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
                         step: int | None = None,
                         checkpoint: str | None = None,
                         timeout: float = 30.0, retries: int = 2,
-                        workers: int = 8, token: str | None = None
+                        workers: int = 8, token: str | None = None,
+                        ca_file: str | None = None
                         ) -> tuple[Any, RestoreReport]:
   """Like :func:`restore`, and also returns a :class:`RestoreReport`.
 
@@ -710,7 +724,8 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
   sources = []
   try:
     try:
-      sources, unreachable = _gather(locations, timeout, retries, token)
+      sources, unreachable = _gather(locations, timeout, retries, token,
+                                     ca_file)
       out, vote = _restore(sources, unreachable, target, step, checkpoint,
                            workers, t0, me), 0
     except _Fallback as e:
@@ -977,7 +992,7 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
 
   Args:
     locations: store directories (this host's) and/or store server URLs
-      (``http://127.0.0.1:PORT``, peers).
+      (``http://127.0.0.1:PORT`` or ``https://HOST:PORT``, peers).
     target: a pytree of ``jax.ShapeDtypeStruct``s with shardings on the new
       mesh (a live ``jax.Array`` counts as its layout). Any other leaf (a
       placeholder such as ``0`` or ``None``, or a ``ShapeDtypeStruct``
@@ -988,7 +1003,9 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
       checkpoint directory to fall back to when no copy survives),
       ``timeout``, ``retries``, ``workers``, ``token`` (the store
       servers' token; default the ``TENPLEX_JAX_STORE_TOKEN`` environment
-      variable).
+      variable), ``ca_file`` (the CA file ``https://`` servers are verified
+      against; default ``$TENPLEX_JAX_STORE_CA``; with one set, ``http://``
+      locations are refused with :class:`TLSError`).
 
   Restores one round (see :func:`save`): the newest whose boxes all have
   a copy, never a mix of rounds. Reads only: nothing is written to the

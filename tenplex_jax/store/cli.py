@@ -26,7 +26,8 @@ def _serve(args) -> int:
     raise UsageError(f"--dir {args.dir}: no such directory (a --read-only"
                      " server does not create it)")
   serve(args.dir, args.port, host=args.host, ready_file=args.ready_file,
-        token_file=args.token_file, read_only=args.read_only)
+        token_file=args.token_file, read_only=args.read_only,
+        tls_cert=args.tls_cert, tls_key=args.tls_key)
   return 0
 
 
@@ -52,9 +53,9 @@ def _when(t) -> str:
 
 def _ls(args) -> int:
   loc = args.location
-  if loc.startswith("http://") or loc.startswith("https://"):
-    from tenplex_jax.store.server import RemoteStore
-    with RemoteStore(loc, timeout=10, retries=1) as rs:
+  from tenplex_jax.store.server import RemoteStore, is_remote
+  if is_remote(loc):
+    with RemoteStore(loc, timeout=10, retries=1, ca_file=args.ca_file) as rs:
       rounds, problems = rs.all_rounds()
       current = dict(rs.manifests())
       sid = rs.store_id
@@ -146,7 +147,9 @@ def register(sub: argparse._SubParsersAction) -> None:
       description="Serves a store directory to the job's other hosts. Every"
       " request must carry the job's token (--token-file, else"
       " $TENPLEX_JAX_STORE_TOKEN) when one is set; a non-loopback --host"
-      " needs one. No TLS: see docs/store.md, Security.")
+      " needs one. With --tls-cert and --tls-key it speaks only TLS (1.2+;"
+      " clients use https:// and verify it against $TENPLEX_JAX_STORE_CA):"
+      " see docs/store.md, Security.")
   s.add_argument("--dir", required=True)
   s.add_argument("--port", type=int, default=0)
   s.add_argument("--host", default="127.0.0.1")
@@ -157,10 +160,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                  " $TENPLEX_JAX_STORE_TOKEN)")
   s.add_argument("--read-only", action="store_true",
                  help="refuse uploads (serve only)")
+  s.add_argument("--tls-cert", default=None,
+                 help="PEM certificate (chain): serve HTTPS only")
+  s.add_argument("--tls-key", default=None,
+                 help="PEM private key of --tls-cert")
   s.set_defaults(func=_serve)
   s = verbs.add_parser("ls", help="list a store's kept snapshots (step,"
                        " save, run, time, bytes)")
-  s.add_argument("location", help="store directory or http://HOST:PORT")
+  s.add_argument("location", help="store directory or http(s)://HOST:PORT")
+  s.add_argument("--ca-file", default=None,
+                 help="CA file to verify an https:// server against"
+                 " (default: $TENPLEX_JAX_STORE_CA; with one set, http:// is"
+                 " refused)")
   s.add_argument("--tensors", action="store_true",
                  help="also list the current snapshots' tensors and boxes")
   s.set_defaults(func=_ls)

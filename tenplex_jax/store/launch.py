@@ -450,6 +450,7 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
 # ------------------------------------------------------------ the launcher
 
 TOKEN_ENV = "TENPLEX_JAX_STORE_TOKEN"
+CA_ENV = "TENPLEX_JAX_STORE_CA"
 _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping processes
 
 
@@ -489,11 +490,16 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
     pass
 
 
-def _start_servers(slots: dict[int, tuple[str, str]], env: dict
+def _start_servers(slots: dict[int, tuple[str, str]], env: dict,
+                   tls: tuple[str, str] | None = None
                    ) -> dict[int, tuple[subprocess.Popen, str]]:
   """Starts a store server per slot (``{slot: (dir, log)}``), all at once,
-  and waits for each to be ready; returns ``{slot: (process, url)}``."""
+  and waits for each to be ready; returns ``{slot: (process, url)}``.
+  ``tls``: (certificate, key) of HTTPS servers (``https://`` URLs)."""
   started = {}
+  tls_args = [] if tls is None else ["--tls-cert", tls[0], "--tls-key",
+                                     tls[1]]
+  scheme = "http://" if tls is None else "https://"
   try:
     for i, (d, log) in slots.items():
       ready = os.path.join(d, ".server-ready")
@@ -503,7 +509,7 @@ def _start_servers(slots: dict[int, tuple[str, str]], env: dict
       with private.open_private(log, "a") as out:
         started[i] = subprocess.Popen(
             [sys.executable, "-m", "tenplex_jax", "store", "serve", "--dir",
-             d, "--port", "0", "--ready-file", ready],
+             d, "--port", "0", "--ready-file", ready, *tls_args],
             stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=_no_orphans())
     t0 = time.time()
@@ -515,7 +521,7 @@ def _start_servers(slots: dict[int, tuple[str, str]], env: dict
         if i in urls:
           continue
         if os.path.exists(ready) and _text(ready).strip():
-          urls[i] = "http://" + _text(ready).strip()
+          urls[i] = scheme + _text(ready).strip()
         elif proc.poll() is not None or time.time() - t0 > 60:
           raise StoreError(f"the store server for {d} did not start; see"
                            f" {log}")
@@ -852,7 +858,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            max_generations: int = 16, timeout: float | None = None,
            max_restarts: int = 3, on_failure: str = "same",
            checkpoint: str | None = None, replicas: int = 0,
-           step_timeout: float | None = None) -> int:
+           step_timeout: float | None = None, tls_cert: str | None = None,
+           tls_key: str | None = None, tls_ca: str | None = None) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -883,6 +890,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       this many seconds (the first step counts from the generation's start,
       so allow for compilation and the restore) is hung: the launcher names
       it, stops the generation and relaunches. Default: no limit.
+    tls_cert: a PEM certificate for the store servers (valid for
+      127.0.0.1): they then serve HTTPS only, and the processes reach them
+      at ``https://`` URLs.
+    tls_key: its private key (both or neither).
+    tls_ca: the CA file the processes verify the servers against, handed to
+      them as ``TENPLEX_JAX_STORE_CA`` (default: the launcher's own
+      ``$TENPLEX_JAX_STORE_CA``, else the system's CAs).
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -912,6 +926,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
                      f" {step_timeout!r}")
   if schedule and not os.path.isfile(schedule):
     raise UsageError(f"launch: the schedule {schedule!r} is not a file")
+  tls, tls_ca = check_tls_options(tls_cert, tls_key, tls_ca)
   temporary = job_dir is None
   if not temporary:  # before anything is made there (mkdtemp's is 0700)
     private.check_dir(job_dir, what="job directory", inner=False)
@@ -925,6 +940,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           " when the job succeeds)", flush=True)
   token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
   base_env = {**os.environ, "PYTHONPATH": _pythonpath(), TOKEN_ENV: token}
+  if tls_ca:
+    base_env[CA_ENV] = tls_ca
   servers: dict[int, tuple[subprocess.Popen, str]] = {}
   children: list[_Child] = []
   wake = threading.Event()
@@ -973,7 +990,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       servers.update(_start_servers(
           {i: (os.path.join(job_dir, "store", str(i)),
                os.path.join(job_dir, f"server_{i}.log"))
-           for i in range(n) if i not in servers}, base_env))
+           for i in range(n) if i not in servers}, base_env, tls))
       # Every store that may hold data: those of all slots started so far.
       urls = [servers[i][1] for i in sorted(servers)]
       port = free_port()
@@ -1127,6 +1144,35 @@ def _signalled_request(job_dir: str, n: int) -> None:
   os.replace(p + ".tmp", p)
 
 
+def check_tls_options(cert: str | None, key: str | None, ca: str | None,
+                      who: str = "launch",
+                      names: Sequence[str] = ("--tls-cert", "--tls-key",
+                                              "--tls-ca")
+                      ) -> tuple[tuple[str, str] | None, str | None]:
+  """A launcher's TLS options checked: ((cert, key) or None, CA file or
+  None), as absolute paths; the CA defaults to ``$TENPLEX_JAX_STORE_CA``.
+
+  Raises:
+    UsageError: only one of cert and key, a missing file, or a CA (which
+      makes the processes refuse plain HTTP) without a certificate.
+  """
+  if (cert is None) != (key is None):
+    raise UsageError(f"{who}: TLS needs both {names[0]} and {names[1]}")
+  ca = ca or os.environ.get(CA_ENV) or None
+  for flag, path in zip(names, (cert, key, ca)):
+    if path is not None and not os.path.isfile(path):
+      raise UsageError(f"{who}: {flag} {path}: no such file")
+  if cert is None:
+    if ca is not None:
+      raise UsageError(
+          f"{who}: a CA file is set ({ca}; {names[2]} or ${CA_ENV}), so the"
+          " processes refuse plain HTTP, but the store servers have no"
+          f" certificate: give {names[0]} and {names[1]} (or unset it)")
+    return None, None
+  return ((os.path.abspath(cert), os.path.abspath(key)),
+          None if ca is None else os.path.abspath(ca))
+
+
 def _launch_cmd(args) -> int:
   cmd = list(args.cmd)
   if cmd and cmd[0] == "--":
@@ -1137,7 +1183,9 @@ def _launch_cmd(args) -> int:
                 schedule=args.schedule, job_dir=args.job_dir,
                 timeout=args.timeout, max_restarts=args.max_restarts,
                 on_failure=args.on_failure, checkpoint=args.checkpoint,
-                replicas=args.replicas, step_timeout=args.step_timeout)
+                replicas=args.replicas, step_timeout=args.step_timeout,
+                tls_cert=args.tls_cert, tls_key=args.tls_key,
+                tls_ca=args.tls_ca)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -1165,5 +1213,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                  " process counts as hung and the job is relaunched"
                  " (default: no limit; the first step counts from the"
                  " start, compilation and restore included)")
+  p.add_argument("--tls-cert", default=None,
+                 help="PEM certificate (valid for 127.0.0.1) of the job's"
+                 " store servers: they serve HTTPS only")
+  p.add_argument("--tls-key", default=None, help="its PEM private key")
+  p.add_argument("--tls-ca", default=None,
+                 help="CA file the processes verify the store servers"
+                 " against (TENPLEX_JAX_STORE_CA; default: the launcher's"
+                 " own $TENPLEX_JAX_STORE_CA)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)

@@ -1,6 +1,7 @@
 """Serving a host's store to other hosts: a small HTTP server and its client.
 
-Endpoints (all under ``http://HOST:PORT``):
+Endpoints (all under ``http://HOST:PORT``, or ``https://HOST:PORT`` when the
+server has a TLS certificate, see :func:`make_server`):
 
 * ``GET /manifest``: ``{"store_id": ..., "procs": {k: manifest},
   "history": {k: {step: manifest}}}``: each process's current snapshot,
@@ -28,6 +29,12 @@ Endpoints (all under ``http://HOST:PORT``):
 The server is a ``ThreadingHTTPServer`` (one thread per connection, HTTP/1.1
 keep-alive) and runs as its own process (``tenplex-jax store serve``), so it
 outlives the training process that wrote the store.
+
+TLS (standard-library :mod:`ssl`, TLS 1.2 or newer): a server given a
+certificate and key answers only TLS; a client verifies an ``https://``
+server against the CA file given to it or named by
+``$TENPLEX_JAX_STORE_CA`` (else the system's CAs), and with a CA file set
+refuses plain ``http://`` locations (:class:`TLSError`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -53,8 +61,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from tenplex_jax.errors import (ChecksumError, StoreError, UnreachableError,
-                                UsageError)
+from tenplex_jax.errors import (ChecksumError, StoreError, TLSError,
+                                UnreachableError, UsageError)
 from tenplex_jax.layout import PTC, Box
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
@@ -62,8 +70,8 @@ from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       check_tensor_path, ensure_store_id,
                                       format_box, parse_box, storage_of)
 
-__all__ = ["RemoteStore", "TOKEN_ENV", "make_server", "new_token",
-           "resolve_token", "serve"]
+__all__ = ["CA_ENV", "RemoteStore", "TOKEN_ENV", "is_remote", "make_server",
+           "new_token", "resolve_token", "serve"]
 
 _GATHER_BYTES = 1 << 20  # strided pieces go through a buffer this big
 _SCRATCH = threading.local()
@@ -113,6 +121,73 @@ _MAX_HEADER = 64 << 20  # the JSON header of an upload
 _MAX_BOXES = 1 << 20  # boxes per upload
 _MAX_RANK = 64
 _MAX_PROC = 1 << 20
+
+
+CA_ENV = "TENPLEX_JAX_STORE_CA"
+_SCHEMES = ("http://", "https://")
+
+
+def is_remote(location: str) -> bool:
+  """Whether ``location`` names a store server (``http://`` or
+  ``https://``) rather than a directory.
+
+  Example:
+    >>> is_remote("https://10.0.0.2:7000"), is_remote("/dev/shm/store")
+    (True, False)
+  """
+  return isinstance(location, str) and location.startswith(_SCHEMES)
+
+
+def server_tls_context(cert: str, key: str) -> ssl.SSLContext:
+  """The TLS context of a store server: TLS 1.2 or newer, the certificate
+  chain ``cert`` (PEM) and its private key ``key``.
+
+  Raises:
+    UsageError: a file is missing or does not hold a matching certificate
+      and key, or the key is accessible to group or others.
+  """
+  for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+    if not os.path.isfile(path):
+      raise UsageError(f"TLS: {flag} {path}: no such file")
+  mode = os.stat(key).st_mode & 0o777
+  if mode & 0o077:  # as ssh refuses such a private key
+    raise UsageError(f"TLS: --tls-key {key} is readable or writable by group"
+                     f" or others (mode {mode:04o}): the private key must be"
+                     f" private; run chmod 600 {key}")
+  ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+  ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+  try:
+    ctx.load_cert_chain(cert, key)
+  except (OSError, ssl.SSLError) as e:
+    raise UsageError(f"TLS: cannot load the certificate {cert} with the key"
+                     f" {key}: {getattr(e, 'reason', None) or e} (both must"
+                     " be PEM, the key matching the certificate)") from None
+  return ctx
+
+
+def client_ca(ca_file: str | None = None) -> str | None:
+  """The CA file clients verify store servers against: ``ca_file``, else
+  ``$TENPLEX_JAX_STORE_CA``, else None (no TLS required)."""
+  return ca_file or os.environ.get(CA_ENV) or None
+
+
+def client_tls_context(ca_file: str | None = None) -> ssl.SSLContext:
+  """The TLS context of a store client: TLS 1.2 or newer, the server's
+  certificate and host name verified against ``ca_file`` (see
+  :func:`client_ca`; none: the system's CAs).
+
+  Raises:
+    TLSError: the CA file is missing or holds no certificate.
+  """
+  ca = client_ca(ca_file)
+  try:
+    ctx = ssl.create_default_context(cafile=ca)
+  except (OSError, ssl.SSLError) as e:
+    src = "ca_file" if ca_file else f"${CA_ENV}"
+    raise TLSError(f"TLS: cannot load the CA file {ca} ({src}):"
+                   f" {getattr(e, 'strerror', None) or e}") from None
+  ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+  return ctx
 
 
 def new_token() -> str:
@@ -250,8 +325,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     pass
 
   def setup(self):
-    super().setup()
     self.request.settimeout(self.server.io_timeout)
+    if isinstance(self.request, ssl.SSLSocket):
+      # The handshake runs here, in the connection's own thread (not in
+      # the accepting one), bounded like a request's head.
+      self.server.watch(self, self.server.head_timeout, "head")
+      try:
+        self.request.do_handshake()
+      finally:
+        self.server.unwatch(self)
+    super().setup()
 
   def handle_one_request(self):
     # The request line and headers must arrive within head_timeout (also
@@ -673,8 +756,12 @@ class _StoreServer(http.server.ThreadingHTTPServer):
   def __init__(self, addr, store: HostStore, *, token: str | None = None,
                read_only: bool = False, max_connections: int = 512,
                head_timeout: float = 30.0, io_timeout: float = 30.0,
-               min_rate: float = 1 << 20):
+               min_rate: float = 1 << 20, tls: ssl.SSLContext | None = None):
     super().__init__(addr, _Handler)
+    self.tls = tls
+    if tls is not None:  # every accepted connection speaks TLS
+      self.socket = tls.wrap_socket(self.socket, server_side=True,
+                                    do_handshake_on_connect=False)
     self.store = store
     self.token = token
     self.read_only = read_only
@@ -714,7 +801,9 @@ class _StoreServer(http.server.ThreadingHTTPServer):
         self.stats["timed_out"] += len(late)
       for h in late:
         with contextlib.suppress(OSError):
-          h.request.shutdown(socket.SHUT_RDWR)
+          # The plain socket's shutdown, also under TLS: SSLSocket's own
+          # would drop its state under the thread still using it.
+          socket.socket.shutdown(h.request, socket.SHUT_RDWR)
 
   def process_request(self, request, client_address):
     with self.lock:
@@ -760,7 +849,8 @@ def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1",
                 token: str | None = None, token_file: str | None = None,
                 read_only: bool = False, max_connections: int = 512,
                 head_timeout: float = 30.0, io_timeout: float = 30.0,
-                min_rate: float = 1 << 20) -> _StoreServer:
+                min_rate: float = 1 << 20, tls_cert: str | None = None,
+                tls_key: str | None = None) -> _StoreServer:
   """A store server for directory ``root`` (not yet serving).
 
   Args:
@@ -781,9 +871,13 @@ def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1",
     io_timeout: seconds any one socket read or write may block, and the
       base of each request's deadline, to which its bytes at ``min_rate``
       (bytes per second) are added; past it the connection is cut.
+    tls_cert: a PEM certificate (chain): the server then speaks only TLS
+      (1.2 or newer) and clients use ``https://HOST:PORT``.
+    tls_key: the PEM private key of ``tls_cert`` (both or neither).
 
   Raises:
-    UsageError: a non-loopback ``host`` without a token, or a bad token.
+    UsageError: a non-loopback ``host`` without a token, a bad token, or
+      a TLS certificate or key that cannot be loaded.
     UnsafePathError: ``root`` (or a directory above it, or its
       ``procs/``) belongs to another user or is writable by group or
       others, or the token file is open to them; uploads are written
@@ -798,6 +892,11 @@ def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1",
     {}
     >>> client.close(); srv.shutdown(); srv.server_close()
   """
+  if (tls_cert is None) != (tls_key is None):
+    raise UsageError("TLS needs both a certificate and its key (--tls-cert"
+                     f" and --tls-key), got only the"
+                     f" {'certificate' if tls_key is None else 'key'}")
+  tls = None if tls_cert is None else server_tls_context(tls_cert, tls_key)
   token = resolve_token(token, token_file)
   if token is None and not is_loopback(host):
     raise UsageError(
@@ -813,20 +912,22 @@ def make_server(root: str, port: int = 0, *, host: str = "127.0.0.1",
   return _StoreServer((host, int(port)), HostStore(root), token=token,
                       read_only=read_only, max_connections=max_connections,
                       head_timeout=head_timeout, io_timeout=io_timeout,
-                      min_rate=min_rate)
+                      min_rate=min_rate, tls=tls)
 
 
 def serve(root: str, port: int, *, host: str = "127.0.0.1",
           ready_file: str | None = None, token_file: str | None = None,
-          read_only: bool = False) -> None:
+          read_only: bool = False, tls_cert: str | None = None,
+          tls_key: str | None = None) -> None:
   """Serves ``root`` until SIGTERM/SIGINT (``tenplex-jax store serve``).
 
   Writes ``host:port`` to ``ready_file`` once listening (port 0 picks a
   free port). The token: ``token_file``, else ``$TENPLEX_JAX_STORE_TOKEN``
-  (see :func:`make_server`).
+  (see :func:`make_server`). With ``tls_cert`` and ``tls_key`` it serves
+  HTTPS only.
   """
   srv = make_server(root, port, host=host, token_file=token_file,
-                    read_only=read_only)
+                    read_only=read_only, tls_cert=tls_cert, tls_key=tls_key)
 
   def stop(*_):
     threading.Thread(target=srv.shutdown, daemon=True).start()
@@ -839,8 +940,9 @@ def serve(root: str, port: int, *, host: str = "127.0.0.1",
       f.write(f"{srv.server_address[0]}:{srv.server_address[1]}")
     os.replace(tmp, ready_file)
   auth = "token required" if srv.token else "no token (loopback only)"
+  scheme = "http" if srv.tls is None else "https"
   print(f"tenplex-jax store: serving {os.path.abspath(root)} on"
-        f" http://{srv.server_address[0]}:{srv.server_address[1]}"
+        f" {scheme}://{srv.server_address[0]}:{srv.server_address[1]}"
         f" ({auth}{', read-only' if read_only else ''})", flush=True)
   try:
     srv.serve_forever(poll_interval=0.2)
@@ -858,20 +960,35 @@ class RemoteStore:
   ``Authorization: Bearer <token>`` when a token is given (default:
   ``$TENPLEX_JAX_STORE_TOKEN``); a server that refuses it raises
   :class:`StoreError` at once (no retries).
+
+  An ``https://`` URL is spoken over TLS, the server's certificate verified
+  against ``ca_file`` (default: ``$TENPLEX_JAX_STORE_CA``, else the
+  system's CAs). With a CA file set, TLS is required: an ``http://`` URL
+  raises :class:`TLSError`, as does a certificate that does not verify
+  (no retries).
   """
 
   def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2,
-               token: str | None = None):
+               token: str | None = None, ca_file: str | None = None):
     u = urllib.parse.urlsplit(url)
     try:
       port = u.port
     except ValueError:
       port = None
       u = urllib.parse.urlsplit("")
-    if u.scheme != "http" or not u.hostname:
-      raise StoreError(f"store URL {url!r} is not http://HOST:PORT")
+    if u.scheme not in ("http", "https") or not u.hostname:
+      raise StoreError(f"store URL {url!r} is not http(s)://HOST:PORT")
+    ca = client_ca(ca_file)
+    if u.scheme == "http" and ca is not None:
+      raise TLSError(
+          f"store location {url}: refusing plain HTTP: TLS is configured"
+          f" (CA file {ca}, from {'ca_file' if ca_file else '$' + CA_ENV});"
+          " serve the store with --tls-cert/--tls-key and use https://")
     self.url = url.rstrip("/")
-    self.host, self.port = u.hostname, port or 80
+    self.ca_file = ca
+    self._tls = client_tls_context(ca) if u.scheme == "https" else None
+    self.host = u.hostname
+    self.port = port or (443 if self._tls is not None else 80)
     token = resolve_token(token)
     self._headers = {"Authorization": f"Bearer {token}"} if token else {}
     self.timeout = timeout
@@ -896,11 +1013,34 @@ class RemoteStore:
   def __exit__(self, *exc):
     self.close()
 
+  def _new_conn(self, timeout: float) -> http.client.HTTPConnection:
+    if self._tls is None:
+      return http.client.HTTPConnection(self.host, self.port,
+                                        timeout=timeout)
+    return http.client.HTTPSConnection(self.host, self.port,
+                                       timeout=timeout, context=self._tls)
+
+  def _tls_failure(self, e: BaseException) -> None:
+    """Raises :class:`TLSError` for a TLS failure that retrying cannot
+    cure: a certificate that does not verify, a server without TLS."""
+    if isinstance(e, ssl.SSLCertVerificationError):
+      raise TLSError(
+          f"store server {self.url}: its TLS certificate does not verify"
+          f" against {'CA file ' + self.ca_file if self.ca_file else 'the system CAs'}"
+          f": {e.verify_message or e.reason} (set ${CA_ENV} to the CA"
+          " that signed the servers' certificates)") from None
+    if isinstance(e, ssl.SSLError) and e.reason in (
+        "WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST",
+        "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL"):
+      raise TLSError(
+          f"store server {self.url}: TLS handshake failed ({e.reason}):"
+          " the server does not speak TLS (start it with --tls-cert and"
+          " --tls-key) or this is not a store server") from None
+
   def _conn(self) -> http.client.HTTPConnection:
     c = getattr(self._local, "conn", None)
     if c is None:
-      c = http.client.HTTPConnection(self.host, self.port,
-                                     timeout=self.timeout)
+      c = self._new_conn(self.timeout)
       self._local.conn = c
       with self._lock:
         self._conns.append(c)
@@ -918,7 +1058,7 @@ class RemoteStore:
     while it was idle (retried at no cost)."""
     return getattr(c, "_tenplex_used", False) and isinstance(
         e, (http.client.RemoteDisconnected, BrokenPipeError,
-            ConnectionResetError))
+            ConnectionResetError, ssl.SSLEOFError, ssl.SSLZeroReturnError))
 
   def _done(self, c, r) -> None:
     """After a response: keep the connection (marked reused) or drop it."""
@@ -947,9 +1087,12 @@ class RemoteStore:
         self._done(c, r)
         self._refused(r.status, body, what)
         return r.status, dict(r.getheaders()), body
+      except StoreError:  # refused (an IOError too): not retried
+        raise
       except (OSError, http.client.HTTPException) as e:
         last = e
         self._drop()
+        self._tls_failure(e)
         if self._stale(c, e):
           continue
         attempt += 1
@@ -1109,6 +1252,7 @@ class RemoteStore:
       except (OSError, http.client.HTTPException) as e:
         last = e
         self._drop()
+        self._tls_failure(e)
         if self._stale(c, e):
           continue
         attempt += 1
@@ -1136,8 +1280,7 @@ class RemoteStore:
       for c in chunks:
         yield memoryview(np.ascontiguousarray(c)).cast("B")
 
-    c = http.client.HTTPConnection(self.host, self.port,
-                                   timeout=max(self.timeout, 300))
+    c = self._new_conn(max(self.timeout, 300))
     failed = None
     try:
       try:
@@ -1150,6 +1293,7 @@ class RemoteStore:
       r = c.getresponse()
       out = r.read()
     except (OSError, http.client.HTTPException) as e:
+      self._tls_failure(failed or e)
       raise StoreError(f"store server {self.url}: uploading the snapshot of"
                        f" process {proc} failed: {failed or e}") from e
     finally:
