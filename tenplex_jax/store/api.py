@@ -31,6 +31,9 @@ import jax
 import numpy as np
 
 from tenplex_jax._hostmem import host_empty
+from tenplex_jax._problems import Problem
+from tenplex_jax._targets import (bind_target, leaf_kind, match_saved,
+                                  raise_tree_problems)
 from tenplex_jax.errors import NoCopyError, StoreError, TreeError, UsageError
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
@@ -582,65 +585,58 @@ def _saved_state(sources, rid, wanted):
   return holding, job, src_ptc, tinfo, lost, src2, src_host, missing
 
 
-def _kind(x) -> str:
-  if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
-    return f"{x.dtype}{list(x.shape)}"
-  if isinstance(x, np.ndarray):
-    return f"numpy {x.dtype}{list(x.shape)}"
-  return f"{type(x).__name__} {x!r}"[:80]
+def _match_target(target, src_ptc, extras, step, mesh=None):
+  """Matches the target's leaves with the saved state
+  (:func:`tenplex_jax._targets.match_saved`).
 
-
-def _match_target(flat, src_ptc, extras, step):
-  """Matches the target's leaves with the saved state.
-
-  Returns ``(arrays, values)``: the ``ShapeDtypeStruct`` of each array to
-  restore, by path, and the value of every other leaf, by its position in
-  ``flat``. Raises :class:`TreeError` naming every leaf that does not fit.
+  Returns ``(flat, treedef, arrays, values)``: the flattened target, the
+  ``ShapeDtypeStruct`` of each array to restore (on a concrete sharding), by
+  path, and the value of every other leaf, by its position in ``flat``.
+  Raises :class:`TreeError` naming every leaf that does not fit.
   """
   saved = {t.path: t for t in src_ptc}
-  arrays, values, bad = {}, {}, []
-  for i, (kp, leaf) in enumerate(flat):
-    name = key_path_name(kp)
-    t = saved.get(name)
-    if isinstance(leaf, jax.Array):  # a live array: its layout is the target
-      leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                  sharding=leaf.sharding)
-    is_sds = isinstance(leaf, jax.ShapeDtypeStruct)
-    if is_sds and leaf.sharding is not None:
-      if t is not None:
-        dt = str(leaf.dtype) if _is_key(leaf) else np.dtype(leaf.dtype).name
-        if (dt, tuple(leaf.shape)) != (t.dtype, t.shape):
-          bad.append(f"{name}: the target is {dt}{list(leaf.shape)}, step"
-                     f" {step} saved {t.dtype}{list(t.shape)}")
-        else:
-          arrays[name] = leaf
-      elif name in extras and extras[name] is not None:
+  where = f"step {step}"
+  flat, treedef, slots, bad = match_saved(
+      target, saved, where=where, mesh=mesh, aliases=False,
+      values={k: v for k, v in extras.items() if v is not None})
+  arrays, values = {}, {}
+  for x in slots:
+    name, leaf = x.path, x.leaf
+    if x.array and x.saved is not None:
+      arrays[name] = leaf
+    elif x.array:
+      if name in extras and extras[name] is not None:
         try:
-          values[i] = _plain_to_array(_decode_extra(extras[name]), leaf)
+          values[x.index] = _plain_to_array(_decode_extra(extras[name]), leaf)
         except ValueError as e:
-          bad.append(f"{name}: {e}")
+          bad.append(Problem(name, str(e), "a saved value does not fit its"
+                             " target"))
       else:
-        what = ("None" if name in extras else "nothing")
-        bad.append(f"{name}: the target is {_kind(leaf)}, step {step} saved"
-                   f" {what} at this path (saved arrays:"
-                   f" {[u.path for u in src_ptc][:6]})")
+        bad.append(Problem(
+            name, f"the target is {leaf_kind(leaf)}, {where} saved nothing"
+            f" at this path (saved arrays: {list(saved)[:6]})",
+            f"the target has arrays where {where} saved nothing"))
     elif name in extras:  # a plain leaf (or a placeholder): the saved value
-      values[i] = _decode_extra(extras[name])
-    elif t is not None:
-      bad.append(f"{name}: the target is {_kind(leaf)}"
-                 f"{' without a sharding' if is_sds else ''}, step {step}"
-                 f" saved an array {t.dtype}{list(t.shape)}; give a"
-                 " jax.ShapeDtypeStruct with a sharding on the new mesh, or"
-                 " leave the path out of the target to skip it")
-    elif is_sds:
-      bad.append(f"{name}: the target is {_kind(leaf)} without a sharding"
-                 f" and step {step} saved nothing at this path")
+      values[x.index] = _decode_extra(extras[name])
+    elif name in saved:
+      t = saved[name]
+      sds = isinstance(leaf, jax.ShapeDtypeStruct)
+      bad.append(Problem(
+          name, f"the target is {leaf_kind(leaf)}"
+          f"{' without a sharding' if sds else ''}, {where} saved an array"
+          f" {t.dtype}{list(t.shape)}; give a jax.ShapeDtypeStruct with a"
+          " sharding on the new mesh, or leave the path out of the target to"
+          " skip it", "the target has no sharding where an array is saved"))
+    elif isinstance(leaf, jax.ShapeDtypeStruct):
+      bad.append(Problem(
+          name, f"the target is {leaf_kind(leaf)} without a sharding and"
+          f" {where} saved nothing at this path", "the target has no"
+          " sharding and nothing is saved"))
     else:  # nothing saved here: the target's value passes through
-      values[i] = leaf
-  if bad:
-    raise TreeError(f"the restore target does not match the saved state"
-                    f" ({len(bad)} leaves): " + "; ".join(bad))
-  return arrays, values
+      values[x.index] = leaf
+  raise_tree_problems("the restore target does not match the saved state",
+                      bad)
+  return flat, treedef, arrays, values
 
 
 def _plain_to_array(v, sds):
@@ -648,8 +644,8 @@ def _plain_to_array(v, sds):
   a = np.asarray(v)
   dt = np.dtype(sds.dtype)
   if a.dtype.hasobject or _is_key(sds) or a.shape != tuple(sds.shape):
-    raise ValueError(f"the target is {_kind(sds)}, the saved value is"
-                     f" {_kind(v)}")
+    raise ValueError(f"the target is {leaf_kind(sds)}, the saved value is"
+                     f" {leaf_kind(v)}")
   b = a.astype(dt)
   if not np.array_equal(b.astype(a.dtype), a, equal_nan=a.dtype.kind in "fc"):
     raise ValueError(f"the saved value {v!r} does not fit the target"
@@ -681,7 +677,8 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
                         step: int | None = None,
                         checkpoint: str | None = None,
                         timeout: float = 30.0, retries: int = 2,
-                        workers: int = 8, token: str | None = None
+                        workers: int = 8, token: str | None = None,
+                        mesh: jax.sharding.Mesh | None = None
                         ) -> tuple[Any, RestoreReport]:
   """Like :func:`restore`, and also returns a :class:`RestoreReport`.
 
@@ -690,6 +687,7 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
   stores; if any could not, all restore from the checkpoint.
   """
   t0 = time.perf_counter()
+  target = bind_target(target, mesh)  # shardings on an AbstractMesh
   if isinstance(locations, str):
     locations = [locations]
   me = jax.process_index()
@@ -750,9 +748,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       why += "; unreachable: " + "; ".join(unreachable.values())
     raise _Fallback(why, step, (), fallbacks, dead)
   newest = rounds[0][1] if step is None else step
-  flat, treedef = jax.tree_util.tree_flatten_with_path(target,
-                                                       is_leaf=_is_none)
-  wanted = {key_path_name(kp) for kp, x in flat
+  wanted = {key_path_name(kp) for kp, x in
+            jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_none)[0]
             if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))}
   reason = None
   for rid, st, run, seq in rounds:
@@ -796,7 +793,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
   old_proc = src_ptc.process_of
   # New layout (physical: what each device must hold).
-  dst_sds, values = _match_target(flat, src_ptc, extras, step)
+  flat, treedef, dst_sds, values = _match_target(target, src_ptc, extras,
+                                                step)
   dst_ptc = PTC.from_tree(dst_sds)
   dst2 = PTC(dst_ptc.tensors, tuple(
       (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
@@ -976,7 +974,9 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
       checkpoint directory to fall back to when no copy survives),
       ``timeout``, ``retries``, ``workers``, ``token`` (the store
       servers' token; default the ``TENPLEX_JAX_STORE_TOKEN`` environment
-      variable).
+      variable), ``mesh`` (the concrete mesh for target shardings on an
+      ``AbstractMesh``, as ``nnx.eval_shape`` gives under
+      ``jax.set_mesh``; default: the mesh in context).
 
   Restores one round (see :func:`save`): the newest whose boxes all have
   a copy, never a mix of rounds. Reads only: nothing is written to the
