@@ -40,6 +40,7 @@ from tenplex_jax._targets import match_saved, raise_tree_problems
 from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 key_path_name, relative_index)
+from tenplex_jax.plain import decode_plain
 from tenplex_jax.planner import plan
 
 __all__ = ["AssembleReport", "Source", "SourceTensor", "StoreCopy",
@@ -165,7 +166,6 @@ class StoreSource(Source):
   def __init__(self, root: str, *, step: int | None = None,
                round: str | None = None):
     from tenplex_jax.errors import NoCopyError
-    from tenplex_jax.store.api import _decode_extra
     from tenplex_jax.store.format import HostStore, round_id
     self.store = HostStore(root)
     self.store.require_store()
@@ -204,7 +204,7 @@ class StoreSource(Source):
     first = next(iter(self.manifests.values()))
     self.step = int(first["step"])
     self.job = PTC.from_json(first["job"])
-    self.plain = {k: _decode_extra(v) for k, v in first["extras"].items()}
+    self.plain = {k: decode_plain(v) for k, v in first["extras"].items()}
     self._held: dict[str, list[tuple[Box, int]]] = {}
     info: dict[str, dict] = {}
     for k, m in sorted(self.manifests.items()):
@@ -570,9 +570,9 @@ def match_target(target: Any, held: Mapping[str, SourceTensor], *,
 def _physical(leaf) -> tuple[jax.ShapeDtypeStruct, str | None]:
   """The leaf as stored: a key array's key data, with its sharding."""
   if _is_key_dtype(leaf.dtype):
-    from tenplex_jax.reshard import _key_data_sharding
+    from tenplex_jax.reshard import key_data_sharding
     data = jax.eval_shape(jax.random.key_data, leaf)
-    s = _key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
+    s = key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
     return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=s), \
         _impl_name(leaf.dtype)
   return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,

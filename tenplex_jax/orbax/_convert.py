@@ -606,7 +606,7 @@ def convert(src: str, dst: str, target: Any = None, *,
   if os.path.exists(dst):
     raise UsageError(f"{dst} exists; convert writes a new checkpoint")
   t0 = time.perf_counter()
-  base = _open_base(src, step, item, limit // 16)
+  base = open_base(src, step, item, limit // 16)
   source: Source = MappedSource(base, mapping) if mapping else base
   try:
     held = source.tensors()
@@ -763,8 +763,8 @@ def convert(src: str, dst: str, target: Any = None, *,
           "chunks": len(jobs), "memory_limit": limit}
 
 
-def _open_base(src: str, step: int | None, item: str | None,
-               cache_bytes: int):
+def open_base(src: str, step: int | None, item: str | None,
+              cache_bytes: int):
   """The source of a conversion: an Orbax checkpoint, or a tenplex_jax store
   directory (a :class:`tenplex_jax.sources.StoreSource`, given the Orbax
   tree metadata a checkpoint would have)."""

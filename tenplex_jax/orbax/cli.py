@@ -59,8 +59,8 @@ def _convert(args) -> int:
       raise UsageError(f"--map {args.map}: {e}") from e
   if args.scan or args.unscan:
     from tenplex_jax.orbax import scan_mapping, unscan_mapping
-    from tenplex_jax.orbax._convert import _open_base
-    with _open_base(args.src, args.step, args.item, 0) as src:
+    from tenplex_jax.orbax._convert import open_base
+    with open_base(args.src, args.step, args.item, 0) as src:
       held = src.tensors()
       mapping = dict(mapping or {})
       if args.scan:

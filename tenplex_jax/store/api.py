@@ -17,7 +17,6 @@ directory and its server's URL) are recognised by the store's id.
 
 from __future__ import annotations
 
-import base64
 import collections
 import dataclasses
 import os
@@ -35,11 +34,12 @@ from tenplex_jax._problems import Problem
 from tenplex_jax._targets import (bind_target, leaf_kind, match_saved,
                                   raise_tree_problems)
 from tenplex_jax.errors import NoCopyError, StoreError, TreeError, UsageError
+from tenplex_jax.plain import decode_plain, encode_plain
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
 from tenplex_jax.planner import plan
-from tenplex_jax.reshard import _key_data_sharding
+from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.sources import StoreCopy, fetch_pieces, place
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       _chunk_shape, _take_lock, check_step,
@@ -98,36 +98,8 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _encode_extra(x):
-  """The JSON form of a non-array leaf; ``TypeError`` if it has none."""
-  if x is None or isinstance(x, (bool, int, float, str)):
-    return x
-  if isinstance(x, complex):
-    return {"__complex__": [x.real, x.imag]}
-  if isinstance(x, (np.ndarray, np.generic)):
-    a = np.asarray(x)
-    if a.dtype.hasobject:
-      raise TypeError("a numpy array of Python objects")
-    # ``str`` spells numpy's own dtypes exactly ('<U3'); ml_dtypes' (bfloat16,
-    # int4) need their name.
-    dt = a.dtype.str if np.dtype(a.dtype.str) == a.dtype else a.dtype.name
-    return {"__ndarray__": base64.b64encode(a.tobytes()).decode(),
-            "dtype": dt, "shape": list(a.shape),
-            "scalar": isinstance(x, np.generic)}
-  raise TypeError(f"a {type(x).__module__}.{type(x).__qualname__}")
-
-
-def _decode_extra(v):
-  """The saved non-array leaf, with its saved type (numpy scalars keep their
-  dtype)."""
-  if isinstance(v, dict) and "__ndarray__" in v:
-    import jax.numpy as jnp
-    a = np.frombuffer(base64.b64decode(v["__ndarray__"]),
-                      dtype=jnp.dtype(v["dtype"])).reshape(v["shape"]).copy()
-    return a[()] if v.get("scalar") else a
-  if isinstance(v, dict) and "__complex__" in v:
-    return complex(*v["__complex__"])
-  return v
+# The JSON form of plain leaves (shared with the store's readers).
+_encode_extra, _decode_extra = encode_plain, decode_plain
 
 
 def _is_none(x) -> bool:
@@ -922,7 +894,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     key_impl = info.get("key_impl")
     sharding = leaf.sharding
     if key_impl:
-      sharding = _key_data_sharding(sharding, len(t.shape), len(extra))
+      sharding = key_data_sharding(sharding, len(t.shape), len(extra))
     hosts = {}
     for dev in sharding.addressable_devices:
       dbox = t.shard_box(dev.id)
