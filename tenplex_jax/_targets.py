@@ -21,6 +21,9 @@ order, so the executor only ever sees ``(path, leaf, sharding)``:
   compared: structures match by their keys;
 * a ``PartitionSpec`` uses the given mesh, else the mesh in context
   (``jax.set_mesh``, or the older ``with mesh:``);
+* a ``NamedSharding`` on an ``AbstractMesh`` (what ``nnx.eval_shape`` gives
+  under ``jax.set_mesh``) is bound to the same concrete mesh: the given
+  one, else the one in context (:func:`bind_sharding`);
 * every problem (no target for an array, a target that is no sharding, a
   spec that does not fit its leaf) is collected and reported grouped.
 """
@@ -30,17 +33,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+import numpy as np
+from jax.sharding import (AbstractMesh, Mesh, NamedSharding, PartitionSpec,
+                          Sharding, SingleDeviceSharding)
 
 from tenplex_jax._problems import Problem, raise_problems
-from tenplex_jax.errors import LayoutError
+from tenplex_jax.errors import LayoutError, TreeError
 from tenplex_jax.layout import key_path_name
 
-__all__ = ["MISMATCH", "context_mesh", "is_box", "match_targets", "per_leaf",
+__all__ = ["MISMATCH", "Slot", "bind_sharding", "context_mesh", "is_box",
+           "bind_target", "match_layout", "match_saved", "match_targets",
+           "per_leaf",
+           "raise_tree_problems",
            "shardings_tree", "unbox", "variable_names"]
 
 
@@ -109,6 +117,69 @@ def context_mesh() -> Mesh | None:
   except (ImportError, AttributeError):  # pragma: no cover - jax internals
     return None
   return None if physical.empty else physical
+
+
+def is_abstract(s) -> bool:
+  """Whether ``s`` is a ``NamedSharding`` on an ``AbstractMesh`` (no
+  devices: it cannot place an array until bound to a concrete mesh)."""
+  return isinstance(s, NamedSharding) and isinstance(s.mesh, AbstractMesh)
+
+
+def bind_sharding(s: Sharding, path: str, mesh: Mesh | None = None,
+                  ctx: list | None = None) -> tuple[Sharding | None,
+                                                    Problem | None]:
+  """``s`` placed on a concrete mesh when it is a ``NamedSharding`` on an
+  ``AbstractMesh``; any other sharding is returned as it is.
+
+  The concrete mesh is ``mesh``, else the one in context (``jax.set_mesh``);
+  its ``abstract_mesh`` must equal the sharding's (axis names, sizes and
+  types). ``ctx`` caches the context lookup across calls (a list, empty at
+  first).
+
+  Returns:
+    ``(sharding, None)``, or ``(None, problem)`` naming ``path`` when there
+    is no concrete mesh or it is not the one the abstract mesh describes.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    >>> s = NamedSharding(mesh.abstract_mesh, P("x"))
+    >>> with jax.set_mesh(mesh):
+    ...   bound, _ = bind_sharding(s, "w")
+    >>> bound == NamedSharding(mesh, P("x"))
+    True
+    >>> print(bind_sharding(s, "w")[1])  # no mesh in context
+    w: target sharding NamedSharding on AbstractMesh('x': ...) has no devices; call under `with jax.set_mesh(mesh):` with the concrete mesh (or pass mesh=)
+  """
+  if not is_abstract(s):
+    return s, None
+  m = mesh
+  if m is None:
+    if ctx is None:
+      ctx = []
+    if not ctx:
+      ctx.append(context_mesh())
+    m = ctx[0]
+  sizes = ", ".join(f"{a!r}: {n}" for a, n in zip(s.mesh.axis_names,
+                                                  s.mesh.axis_sizes))
+  if m is None:
+    return None, Problem(
+        path, f"target sharding NamedSharding on AbstractMesh({sizes}, ...)"
+        " has no devices; call under `with jax.set_mesh(mesh):` with the"
+        " concrete mesh (or pass mesh=)",
+        "a target sharding on an AbstractMesh has no devices and no mesh is"
+        " set (call under `with jax.set_mesh(mesh):` or pass mesh=)")
+  am = m.abstract_mesh
+  if (am.axis_names, am.axis_sizes) != (s.mesh.axis_names,
+                                        s.mesh.axis_sizes):
+    have = ", ".join(f"{a!r}: {n}" for a, n in zip(am.axis_names,
+                                                   am.axis_sizes))
+    return None, Problem(
+        path, f"target sharding's AbstractMesh({sizes}) is not the concrete"
+        f" mesh's ({have})", f"a target sharding's AbstractMesh({sizes}) is"
+        f" not the concrete mesh's ({have})")
+  return NamedSharding(m, s.spec, memory_kind=s.memory_kind), None
 
 
 def _is_target_leaf(x) -> bool:
@@ -275,6 +346,7 @@ def match_targets(tree: Any, target: Any, *, mesh: Mesh | None = None
   targets, direct, problems = per_leaf(tree, target, treedef=treedef)
   ctx: list = []  # the context mesh, looked up once when first needed
   specs: dict = {}
+  bound: dict = {}  # abstract sharding -> (concrete sharding, problem)
   fits: dict = {}
   if len(targets) != len(flat):  # pragma: no cover - a matching bug
     raise LayoutError(f"matched {len(targets)} targets to {len(flat)} leaves")
@@ -334,6 +406,12 @@ def match_targets(tree: Any, target: Any, *, mesh: Mesh | None = None
           " Sharding, PartitionSpec or Device",
           f"a target of type {type(t).__name__} is not a Sharding,"
           " PartitionSpec or Device"))
+    if s is not None and is_abstract(s):
+      if s not in bound:
+        bound[s] = bind_sharding(s, name, mesh, ctx)
+      s, why = bound[s]
+      if why is not None:
+        problems.append(dataclasses.replace(why, path=name))
     if s is not None and type(s) is NamedSharding and isinstance(s.mesh, Mesh):
       key = (s, leaf.shape)
       if key not in fits:
@@ -368,3 +446,259 @@ def shardings_tree(tree: Any, shardings: Sequence[Sharding | None]) -> Any:
     else:
       out.append(next(it))
   return tdef.unflatten(out)
+
+
+# -- targets against saved state (restore, convert) --------------------------
+def leaf_kind(x) -> str:
+  """A leaf as error messages show it: ``float32[4, 2]``, ``int 0``."""
+  if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
+    return f"{dtype_name(x.dtype)}{list(x.shape)}"
+  if isinstance(x, np.ndarray):
+    return f"numpy {x.dtype}{list(x.shape)}"
+  return f"{type(x).__name__} {x!r}"[:80]
+
+
+def dtype_name(dtype) -> str:
+  """A dtype's name as layouts and sources record it (``float32``,
+  ``key<fry>`` for a PRNG key array)."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return str(dtype)
+  return np.dtype(dtype).name
+
+
+def saved_names(kp) -> list[str]:
+  """Names under which a target leaf at key path ``kp`` may have been saved:
+  its key path name, and the same with or without Flax boxes' trailing
+  ``value``."""
+  name = key_path_name(kp)
+  full = "/".join(key_path_name([k]) for k in kp) if kp else "."
+  out = [name, full]
+  if not full.endswith("/value"):
+    out.append(full + "/value")
+  return list(dict.fromkeys(out))
+
+
+def _missing(name: str, kind: str, saved: Mapping[str, Any],
+             where: str) -> Problem:
+  """An array the target has where nothing is saved."""
+  near = [p for p in saved
+          if p.rsplit("/", 1)[-1] == name.rsplit("/", 1)[-1]][:3]
+  return Problem(
+      name, f"the target is {kind}, {where} saved nothing at this path"
+      + (f" (same leaf name: {near})" if near else
+         f" (saved arrays: {list(saved)[:6]})"),
+      f"the target has arrays where {where} saved nothing")
+
+
+def _differs(name: str, shape: tuple, dtype: str, t: Any,
+             where: str) -> Problem | None:
+  """A target array's shape or dtype against the saved tensor ``t``."""
+  if (dtype, tuple(shape)) == (t.dtype, tuple(t.shape)):
+    return None
+  msg = (f"the target is {dtype}{list(shape)}, {where} saved"
+         f" {t.dtype}{list(t.shape)}")
+  return Problem(name, msg, msg)  # the same shapes: one grouped line
+
+
+def match_layout(tensors: Sequence[Any], saved: Mapping[str, Any], *,
+                 where: str) -> tuple[dict[str, str], list[Problem]]:
+  """Matches a target layout's tensors (a PTC's ``TensorLayout``s, each with
+  ``path``, ``shape`` and ``dtype``) with saved tensors by path, as
+  :func:`match_saved` does for a target tree (same messages).
+
+  Returns:
+    ``(paths, problems)``: the saved path of each target path (a Flax
+    box's ``.../value`` where only that was saved), and the problems.
+
+  Example:
+    >>> from types import SimpleNamespace as T
+    >>> paths, problems = match_layout(
+    ...     [T(path="k", shape=(2,), dtype="float32")],
+    ...     {"k/value": T(shape=(3,), dtype="float32")}, where="the source")
+    >>> paths, [str(p) for p in problems]
+    ({'k': 'k/value'}, ['k: the target is float32[2], the source saved float32[3]'])
+  """
+  paths: dict[str, str] = {}
+  problems: list[Problem] = []
+  for t in tensors:
+    hit = next((c for c in (t.path, t.path + "/value") if c in saved), None)
+    if hit is None:
+      problems.append(_missing(t.path, f"{t.dtype}{list(t.shape)}", saved,
+                               where))
+      continue
+    paths[t.path] = hit
+    differs = _differs(t.path, tuple(t.shape), t.dtype, saved[hit], where)
+    if differs is not None:
+      problems.append(differs)
+  return paths, problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """One leaf of a restore target, matched against the saved state.
+
+  Attributes:
+    index: the leaf's position in the flattened target.
+    path: its key path name.
+    leaf: the target leaf; an array leaf is a ``jax.ShapeDtypeStruct`` on a
+      concrete sharding (a live array's own, an abstract mesh's bound).
+    saved: the saved path it is read from, or ``None`` (nothing saved).
+    array: whether the leaf is an array to restore (it has a sharding).
+  """
+
+  index: int
+  path: str
+  leaf: Any
+  saved: str | None
+  array: bool
+
+
+def _is_none(x) -> bool:
+  return x is None
+
+
+def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
+                mesh: Mesh | None = None, aliases: bool = True,
+                values: Mapping[str, Any] = {}  # noqa: B006 - read only
+                ) -> tuple[list, Any, list[Slot], list[Problem]]:
+  """Matches a restore (or convert) target with saved tensors, by path.
+
+  The one matcher of targets against saved state: Orbax restores, store
+  restores and conversions use it, and report its problems with
+  :func:`raise_tree_problems`.
+
+  Args:
+    target: a pytree. ``jax.Array`` leaves and ``jax.ShapeDtypeStruct``
+      leaves with a sharding are arrays to restore; a sharding on an
+      ``AbstractMesh`` is bound to ``mesh`` or the mesh in context (see
+      :func:`bind_sharding`). Any other leaf is plain.
+    saved: saved tensors by path; each has ``shape`` and ``dtype`` (a
+      name, as :func:`dtype_name` gives).
+    where: what saved them, for messages (``"the checkpoint"``,
+      ``"step 7"``).
+    mesh: the concrete mesh for abstract shardings.
+    aliases: also look a leaf up with or without a Flax box's trailing
+      ``/value`` (Orbax saves an nnx variable's array under ``.../value``).
+    values: plain values saved by path (a store's numbers); an array leaf
+      with nothing in ``saved`` but a value here is not a problem.
+
+  Returns:
+    ``(flat, treedef, slots, problems)``: the flattened target (``None``
+    leaves kept), one :class:`Slot` per leaf, and the problems (a leaf's
+    shape or dtype differs from the saved one; an array leaf with a size
+    has nothing saved; a sharding cannot be bound or does not fit).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from types import SimpleNamespace as T
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> tgt = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=s),
+    ...        "step": 0}
+    >>> _, _, slots, problems = match_saved(
+    ...     tgt, {"w": T(shape=(5,), dtype="float32")}, where="step 3")
+    >>> [(x.path, x.saved, x.array) for x in slots], [str(p) for p in problems]
+    ([('step', None, False)], ['w: the target is float32[4], step 3 saved float32[5]'])
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(target,
+                                                       is_leaf=_is_none)
+  slots: list[Slot] = []
+  problems: list[Problem] = []
+  ctx: list = []
+  bound: dict = {}
+  for i, (kp, leaf) in enumerate(flat):
+    name = key_path_name(kp)
+    names = saved_names(kp) if aliases else [name]
+    hit = next((c for c in names if c in saved), None)
+    if isinstance(leaf, jax.Array):  # a live array: its layout is the target
+      leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                  sharding=leaf.sharding)
+    elif not (isinstance(leaf, jax.ShapeDtypeStruct)
+              and leaf.sharding is not None):
+      slots.append(Slot(i, name, leaf, hit, False))
+      continue
+    s = leaf.sharding
+    if is_abstract(s):
+      if s not in bound:
+        bound[s] = bind_sharding(s, name, mesh, ctx)
+      s, why = bound[s]
+      if why is not None:
+        problems.append(dataclasses.replace(why, path=name))
+        continue
+      leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
+    shape = tuple(int(n) for n in leaf.shape)
+    if hit is None:
+      if math.prod(shape) and name not in values:
+        problems.append(_missing(name, leaf_kind(leaf), saved, where))
+        continue
+      slots.append(Slot(i, name, leaf, None, True))
+      continue
+    differs = _differs(name, shape, dtype_name(leaf.dtype), saved[hit], where)
+    if differs is not None:
+      problems.append(differs)
+      continue
+    if type(s) is NamedSharding:
+      fit = _fit_problem(name, shape, s)
+      if fit is not None:
+        problems.append(fit)
+        continue
+    slots.append(Slot(i, name, leaf, hit, True))
+  return flat, treedef, slots, problems
+
+
+def bind_target(target: Any, mesh: Mesh | None = None) -> Any:
+  """``target`` with every ``jax.ShapeDtypeStruct`` whose sharding is on an
+  ``AbstractMesh`` placed on ``mesh`` (default: the mesh in context); other
+  leaves are kept as they are.
+
+  Raises:
+    TreeError: some shardings cannot be bound (no concrete mesh, or another
+      mesh); names every such leaf.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    >>> t = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=
+    ...     NamedSharding(mesh.abstract_mesh, P("x"))), "step": 0}
+    >>> bind_target(t, mesh)["w"].sharding == NamedSharding(mesh, P("x"))
+    True
+  """
+  flat, treedef = jax.tree_util.tree_flatten(target, is_leaf=_is_none)
+  if not any(isinstance(x, jax.ShapeDtypeStruct) and is_abstract(x.sharding)
+             for x in flat):
+    return target
+  paths = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_none)[0]
+  ctx: list = []
+  bound: dict = {}
+  problems: list[Problem] = []
+  out = []
+  for (kp, x) in paths:
+    if isinstance(x, jax.ShapeDtypeStruct) and is_abstract(x.sharding):
+      name = key_path_name(kp)
+      if x.sharding not in bound:
+        bound[x.sharding] = bind_sharding(x.sharding, name, mesh, ctx)
+      s, why = bound[x.sharding]
+      if why is not None:
+        problems.append(dataclasses.replace(why, path=name))
+        s = None
+      x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    out.append(x)
+  raise_tree_problems("the target's shardings cannot be placed", problems)
+  return treedef.unflatten(out)
+
+
+def raise_tree_problems(header: str, problems: Sequence[Problem | str]
+                        ) -> None:
+  """Raises :class:`TreeError` listing ``problems`` (grouped, see
+  :func:`tenplex_jax._problems.raise_problems`) when there are any.
+
+  >>> raise_tree_problems("the target does not match", [])
+  >>> raise_tree_problems("the target does not match", [Problem("w", "bad")])
+  Traceback (most recent call last):
+  ...
+  tenplex_jax.errors.TreeError: the target does not match (1 leaves):
+    w: bad
+  """
+  if problems:
+    n = len({p.path if isinstance(p, Problem) else p for p in problems})
+    raise_problems(TreeError, f"{header} ({n} leaves)", problems)

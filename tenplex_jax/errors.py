@@ -34,6 +34,10 @@ class ReshardError(TenplexError, RuntimeError):
 class ReplicationWarning(UserWarning):
   """A dimension the new mesh cannot divide falls back to replication."""
 
+
+class UnmatchedRuleWarning(UserWarning):
+  """Layout rules match no tensor (allowed by ``allow_unmatched=True``)."""
+
 class DataError(TenplexError, ValueError):
   """A dataset, its index or an iterator state is malformed or does not match."""
 
@@ -65,10 +69,13 @@ class TLSError(StoreError):
   TLS; names the location."""
 
 
-class TreeError(StoreError, ValueError):
-  """A tree given to ``store.save``, or a restore target, has leaves the
-  store cannot handle or that do not match the saved state; names every such
-  leaf's path with the saved and the given shape, dtype or type."""
+class TreeError(TenplexError, ValueError):
+  """A tree given to ``store.save``, or a restore or convert target, has
+  leaves the store cannot handle or that do not match the saved state; names
+  every such leaf's path with the saved and the given shape, dtype or type.
+
+  Not a :class:`StoreError`: nothing failed to read or write, the input is
+  wrong (the CLI exits 2, and no fallback to another copy is tried)."""
 
 
 class UnsafePathError(StoreError):

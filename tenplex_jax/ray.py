@@ -94,11 +94,13 @@ from tenplex_jax.store.launch import (
     CA_ENV,
     TOKEN_ENV,
     check_tls_options,
+    ResizeExit,
     initialize,
     resize_due,
     restore_or_init,
     save_and_exit,
     save_snapshot,
+    set_resize_source,
 )
 
 __all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
@@ -108,16 +110,6 @@ __all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
 
 NAMESPACE = "tenplex"
 _MARGIN = 3  # steps ahead of the furthest worker for a request
-
-
-class ResizeExit(BaseException):
-  """Raised by :func:`save_and_exit` in a Ray worker after its save: the
-  worker catches it and reports the resize (a ``BaseException``, so a
-  script's ``except Exception`` does not swallow it)."""
-
-  def __init__(self, procs: int, step: int):
-    super().__init__(f"resize to {procs} workers at step {step}")
-    self.procs, self.step = int(procs), int(step)
 
 
 # ------------------------------------------------------------ worker side
@@ -227,6 +219,7 @@ class _Worker:
   def run(self, train: str | Callable, args: Sequence[str],
           env: Mapping[str, str]) -> dict:
     os.environ.update(env)
+    set_resize_source(_resize_due)  # resize_due asks this job's controller
     out: dict = {"pid": os.getpid()}
     try:
       if callable(train):

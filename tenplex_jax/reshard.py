@@ -46,7 +46,8 @@ from tenplex_jax.layout import (PTC, _dtype_info, _placement_by_arithmetic,
                                 placement_of, sharding_from_description)
 from tenplex_jax.planner import Plan, Template, _plan_template, fmt_bytes, plan
 
-__all__ = ["ReshardReport", "reshard", "reshard_with_report", "resolve_targets"]
+__all__ = ["ReshardReport", "key_data_sharding", "reshard", "reshard_with_report",
+           "resolve_targets"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +131,14 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _key_data_sharding(sharding: Sharding, ndim: int, extra: int) -> Sharding:
-  """The sharding of ``key_data(k)`` for keys ``k`` sharded by ``sharding``."""
+def key_data_sharding(sharding: Sharding, ndim: int, extra: int) -> Sharding:
+  """The sharding of ``key_data(k)`` for keys ``k`` sharded by ``sharding``
+  (``ndim``: the keys' rank; ``extra``: the key data's trailing dimensions).
+
+  >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  >>> key_data_sharding(s, 1, 1) == s
+  True
+  """
   if isinstance(sharding, NamedSharding):
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec) + extra)
     return NamedSharding(sharding.mesh, PartitionSpec(*spec),
@@ -1237,7 +1244,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
       continue
     if _is_key(leaf):
       extra = jax.random.key_data(leaf).ndim - leaf.ndim
-      s_data = _key_data_sharding(s, leaf.ndim, extra)
+      s_data = key_data_sharding(s, leaf.ndim, extra)
       phys.append((name, jax.random.key_data(leaf), s_data,
                    jax.random.key_impl(leaf)))
     else:

@@ -36,9 +36,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax.errors import StoreError, TreeError, UnreachableError
+from tenplex_jax._targets import match_saved, raise_tree_problems
+from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 key_path_name, relative_index)
+from tenplex_jax.plain import decode_plain
 from tenplex_jax.planner import plan
 
 __all__ = ["AssembleReport", "Source", "SourceTensor", "StoreCopy",
@@ -164,7 +166,6 @@ class StoreSource(Source):
   def __init__(self, root: str, *, step: int | None = None,
                round: str | None = None):
     from tenplex_jax.errors import NoCopyError
-    from tenplex_jax.store.api import _decode_extra
     from tenplex_jax.store.format import HostStore, round_id
     self.store = HostStore(root)
     self.store.require_store()
@@ -203,7 +204,7 @@ class StoreSource(Source):
     first = next(iter(self.manifests.values()))
     self.step = int(first["step"])
     self.job = PTC.from_json(first["job"])
-    self.plain = {k: _decode_extra(v) for k, v in first["extras"].items()}
+    self.plain = {k: decode_plain(v) for k, v in first["extras"].items()}
     self._held: dict[str, list[tuple[Box, int]]] = {}
     info: dict[str, dict] = {}
     for k, m in sorted(self.manifests.items()):
@@ -250,7 +251,7 @@ class StoreSource(Source):
                  if all(h0 <= a and b <= h1
                         for (a, b), (h0, h1) in zip(box, held))), None)
     if proc is None:
-      raise TreeError(f"{self.name}: no box of {path!r} holds {list(box)}")
+      raise StoreError(f"{self.name}: no box of {path!r} holds {list(box)}")
     if out.dtype == t.storage and out.dtype.itemsize == storage.itemsize:
       self.store.read_into(path, box, out.view(storage), proc=proc,
                            round=self.round)
@@ -529,96 +530,49 @@ class AssembleReport:
     return dataclasses.asdict(self)
 
 
-def _is_none(x) -> bool:
-  return x is None
-
-
 def _is_key_dtype(dtype) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _candidates(kp) -> list[str]:
-  """Names under which a target leaf may have been saved: its key path name,
-  and the same with or without Flax boxes' trailing ``value``."""
-  name = key_path_name(kp)
-  full = "/".join(key_path_name([k]) for k in kp) if kp else "."
-  out = [name, full]
-  if not full.endswith("/value"):
-    out.append(full + "/value")
-  return list(dict.fromkeys(out))
-
-
-def match_target(target: Any, held: Mapping[str, SourceTensor]):
-  """Pairs the array leaves of ``target`` with the tensors a source holds.
+def match_target(target: Any, held: Mapping[str, SourceTensor], *,
+                 mesh: jax.sharding.Mesh | None = None):
+  """Pairs the array leaves of ``target`` with the tensors a source holds
+  (:func:`tenplex_jax._targets.match_saved`).
 
   Args:
     target: a pytree; leaves that are ``jax.Array``s or
-      ``jax.ShapeDtypeStruct``s with a sharding are restored, any other
-      leaf (a Python number, ``None``, a ``ShapeDtypeStruct`` without a
-      sharding) is a *plain* leaf.
+      ``jax.ShapeDtypeStruct``s with a sharding are restored (a sharding on
+      an ``AbstractMesh`` is bound to ``mesh`` or the mesh in context), any
+      other leaf (a Python number, ``None``, a ``ShapeDtypeStruct`` without
+      a sharding) is a *plain* leaf.
     held: the source's tensors.
+    mesh: the concrete mesh for shardings on an ``AbstractMesh``.
 
   Returns:
     ``(flat, treedef, arrays, plain)``: the flattened target, ``arrays``
-    maps leaf index -> (saved path, target leaf), ``plain`` maps leaf index
-    -> saved path (or ``None`` when nothing is saved there).
+    maps leaf index -> (saved path or ``None`` for a zero-size array,
+    target leaf on a concrete sharding), ``plain`` maps leaf index -> saved
+    path (or ``None`` when nothing is saved there).
 
   Raises:
     TreeError: some array leaves are not in the source or their shape or
       dtype differs (every such leaf is named, with both shapes/dtypes).
   """
-  flat, treedef = jax.tree_util.tree_flatten_with_path(target,
-                                                       is_leaf=_is_none)
-  arrays, plain, problems = {}, {}, []
-  for i, (kp, leaf) in enumerate(flat):
-    saved = next((c for c in _candidates(kp) if c in held), None)
-    is_arr = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and \
-        getattr(leaf, "sharding", None) is not None
-    if not is_arr:
-      plain[i] = saved
-      continue
-    name = key_path_name(kp)
-    if math.prod(leaf.shape) == 0:  # no data; Orbax does not store these
-      arrays[i] = (None, leaf)
-      continue
-    if saved is None:
-      near = [p for p in held if p.rsplit("/", 1)[-1]
-              == name.rsplit("/", 1)[-1]][:3]
-      problems.append(f"{name}: not in the checkpoint"
-                      + (f" (same leaf name: {near})" if near else ""))
-      continue
-    t = held[saved]
-    shape = tuple(int(n) for n in leaf.shape)
-    if _is_key_dtype(leaf.dtype):
-      kshape = jax.eval_shape(jax.random.key_data, leaf).shape
-      ok = t.stored_shape == tuple(kshape) and t.storage == np.uint32
-      if not ok:
-        problems.append(f"{name}: target is a {leaf.dtype} key array of shape"
-                        f" {shape} (key data {tuple(kshape)}), saved"
-                        f" {t.dtype} {t.stored_shape}")
-        continue
-    else:
-      if shape != t.shape or t.extra:
-        problems.append(f"{name}: saved shape {t.shape} {t.dtype}, target"
-                        f" shape {shape} {np.dtype(leaf.dtype).name}")
-        continue
-      if t.key_impl:
-        problems.append(f"{name}: saved a PRNG key array ({t.dtype}), the"
-                        f" target is {np.dtype(leaf.dtype).name}")
-        continue
-    arrays[i] = (saved, leaf)
-  if problems:
-    raise TreeError("the target does not match the checkpoint:\n  "
-                    + "\n  ".join(problems))
+  flat, treedef, slots, problems = match_saved(
+      target, held, where="the checkpoint", mesh=mesh)
+  raise_tree_problems("the target does not match the checkpoint", problems)
+  arrays = {x.index: (x.saved if math.prod(x.leaf.shape) else None, x.leaf)
+            for x in slots if x.array}  # Orbax stores no zero-size arrays
+  plain = {x.index: x.saved for x in slots if not x.array}
   return flat, treedef, arrays, plain
 
 
 def _physical(leaf) -> tuple[jax.ShapeDtypeStruct, str | None]:
   """The leaf as stored: a key array's key data, with its sharding."""
   if _is_key_dtype(leaf.dtype):
-    from tenplex_jax.reshard import _key_data_sharding
+    from tenplex_jax.reshard import key_data_sharding
     data = jax.eval_shape(jax.random.key_data, leaf)
-    s = _key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
+    s = key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
     return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=s), \
         _impl_name(leaf.dtype)
   return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
@@ -691,8 +645,9 @@ def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
       shape)
 
 
-def assemble(source: Source, target: Any, *,
-             inflight_bytes: int = 32 << 20) -> tuple[Any, AssembleReport]:
+def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
+             mesh: jax.sharding.Mesh | None = None
+             ) -> tuple[Any, AssembleReport]:
   """Restores ``target``'s arrays from ``source``; call in every process.
 
   Each process reads only the boxes its own devices hold: per tensor, the
@@ -713,6 +668,8 @@ def assemble(source: Source, target: Any, *,
       at their path when there is one (a whole-array read), else pass
       through.
     inflight_bytes: bound on the source bytes being read at once.
+    mesh: the concrete mesh for target shardings on an ``AbstractMesh``
+      (default: the mesh in context, ``jax.set_mesh``).
 
   Returns:
     ``(tree, report)``.
@@ -734,7 +691,7 @@ def assemble(source: Source, target: Any, *,
   """
   t0 = time.perf_counter()
   held = source.tensors()
-  flat, treedef, arrays, plain = match_target(target, held)
+  flat, treedef, arrays, plain = match_target(target, held, mesh=mesh)
   phys, impls, dtypes = {}, {}, {}
   empty = {i for i, (saved, _) in arrays.items() if saved is None}
   for i in empty:

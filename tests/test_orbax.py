@@ -199,8 +199,10 @@ def test_paths_steps_items_and_errors(tmp_path):
   with pytest.raises(TreeError) as e:
     tor.restore(mgr, target)
   msg = str(e.value)
-  assert "params/dense/kernel: saved shape (64, 48) float32, target shape" \
-      " (64, 40)" in msg and "extra: not in the checkpoint" in msg
+  assert "params/dense/kernel: the target is float32[64, 40], the checkpoint" \
+      " saved float32[64, 48]" in msg, msg
+  assert "extra: the target is int32[], the checkpoint saved nothing at this" \
+      " path" in msg, msg
 
 
 def test_plain_leaves_and_boxed_targets(tmp_path):

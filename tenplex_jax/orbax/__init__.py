@@ -33,8 +33,8 @@ __all__ = ["Location", "MappedSource", "OrbaxSource", "convert", "inspect",
 
 def restore_with_report(path: str, target: Any, *, step: int | None = None,
                         item: str | None = None,
-                        inflight_bytes: int = 32 << 20
-                        ) -> tuple[Any, AssembleReport]:
+                        inflight_bytes: int = 32 << 20,
+                        mesh: Any = None) -> tuple[Any, AssembleReport]:
   """Like :func:`restore`, and also returns the
   :class:`tenplex_jax.sources.AssembleReport` (bytes read, seconds).
 
@@ -51,11 +51,12 @@ def restore_with_report(path: str, target: Any, *, step: int | None = None,
     ([12.0, 13.0], 64, 64)
   """
   with OrbaxSource(path, step=step, item=item) as src:
-    return assemble(src, target, inflight_bytes=inflight_bytes)
+    return assemble(src, target, inflight_bytes=inflight_bytes, mesh=mesh)
 
 
 def restore(path: str, target: Any, *, step: int | None = None,
-            item: str | None = None, inflight_bytes: int = 32 << 20) -> Any:
+            item: str | None = None, inflight_bytes: int = 32 << 20,
+            mesh: Any = None) -> Any:
   """Restores an Orbax checkpoint onto the target layout; call in every
   process.
 
@@ -71,11 +72,16 @@ def restore(path: str, target: Any, *, step: int | None = None,
     target: a pytree of ``jax.ShapeDtypeStruct``s with shardings (live
       ``jax.Array``s and Flax boxes such as ``nn.LogicallyPartitioned`` or
       ``nnx`` variables holding them work too; PRNG key arrays are key
-      dtypes). Any other leaf takes the saved value at its path (a Python
-      number stays one), or passes through when nothing is saved there.
+      dtypes). Shardings on an ``AbstractMesh`` (what ``nnx.eval_shape``
+      gives under ``jax.set_mesh``) are placed on ``mesh``, else on the
+      mesh in context. Any other leaf takes the saved value at its path (a
+      Python number stays one), or passes through when nothing is saved
+      there.
     step: see ``path``.
     item: the item of a step (default ``default`` or the only one).
     inflight_bytes: bound on the checkpoint bytes being decoded at once.
+    mesh: the concrete ``jax.sharding.Mesh`` for target shardings on an
+      ``AbstractMesh`` (default: the mesh in context).
 
   Returns:
     The tree, with arrays on the target shardings, bitwise equal to what
@@ -101,7 +107,7 @@ def restore(path: str, target: Any, *, step: int | None = None,
     (True, [4.0, 5.0], 1)
   """
   return restore_with_report(path, target, step=step, item=item,
-                             inflight_bytes=inflight_bytes)[0]
+                             inflight_bytes=inflight_bytes, mesh=mesh)[0]
 
 
 def save(tree: Any, path: str, *, step: int | None = None) -> str:

@@ -21,6 +21,7 @@ over another source: rename leaves, stack per-layer trees into a scanned
 from __future__ import annotations
 
 import base64
+import dataclasses
 import collections
 import concurrent.futures as cf
 import json
@@ -30,12 +31,17 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from tenplex_jax.errors import LayoutError, TreeError, UsageError
+from tenplex_jax._problems import Problem
+from tenplex_jax._targets import (leaf_kind, match_layout, match_saved,
+                                  raise_tree_problems)
+from tenplex_jax.errors import (LayoutError, TreeError, UnmatchedRuleWarning,
+                                UsageError)
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
                                 _named_placement, box_volume,
                                 relative_index)
@@ -288,8 +294,40 @@ def unscan_mapping(tensors: Mapping[str, SourceTensor], *,
 
 
 # -- target layouts ----------------------------------------------------------
+_SPEC_KEYS = ("mesh", "rules", "devices_per_process", "device_ids")
+
+
+def _spec_error(spec: Mapping) -> str | None:
+  """What is wrong with a layout spec document's shape, or None."""
+  unknown = [k for k in spec if k not in _SPEC_KEYS]
+  if unknown:
+    return (f"a layout spec has unknown keys {unknown}; it takes"
+            f" {list(_SPEC_KEYS)}")
+  mesh = spec.get("mesh")
+  if not isinstance(mesh, Mapping) or not mesh or not all(
+      isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+      and v > 0 for k, v in mesh.items()):
+    return ("a layout spec needs 'mesh': {axis: size, ...} with positive"
+            f" integer sizes, got {mesh!r:.80}")
+  rules = spec.get("rules", [])
+  if not isinstance(rules, Sequence) or isinstance(rules, str):
+    return f"'rules' must be a list of [regex, spec] pairs, got {rules!r:.80}"
+  for i, r in enumerate(rules):
+    if not (isinstance(r, Sequence) and not isinstance(r, str) and len(r) == 2
+            and isinstance(r[0], str) and isinstance(r[1], Sequence)
+            and not isinstance(r[1], str)):
+      return (f"rule {i} must be [regex, [axis or null or [axes], ...]],"
+              f" got {r!r:.80}")
+    try:
+      re.compile(r[0])
+    except re.error as e:
+      return f"rule {i}: regex {r[0]!r} does not compile: {e}"
+  return None
+
+
 def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
-                     saved: Mapping[str, Mapping] | None = None) -> PTC:
+                     saved: Mapping[str, Mapping] | None = None, *,
+                     allow_unmatched: bool = False) -> PTC:
   """A target PTC from a mesh shape and rules, without devices.
 
   Args:
@@ -301,10 +339,18 @@ def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
     tensors: the source's tensors.
     saved: per path, the saved sharding description (``inspect``'s
       ``sharding``), for unmatched tensors.
+    allow_unmatched: a rule whose regex matches no tensor (a typo such as
+      ``params/.*/kernal``) is a warning naming it, not an error.
 
   Raises:
-    LayoutError: a spec does not fit its tensor (names path, dimension and
-      sizes), or the spec document is malformed.
+    LayoutError: the spec document is malformed (an unknown key, no
+      ``mesh``, a rule that is not ``[regex, spec]``), a rule matches no
+      tensor (unless ``allow_unmatched``), or a spec does not fit its
+      tensor (names path, dimension and sizes).
+
+  Warns:
+    UnmatchedRuleWarning: with ``allow_unmatched``, rules that match no
+      tensor.
 
   Example:
     >>> t = SourceTensor("w", (8, 4), "float32", np.dtype(np.float32))
@@ -312,9 +358,15 @@ def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
     ...                         "rules": [["w", [None, "tensor"]]]}, {"w": t})
     >>> ptc["w"].shard_box(1), len(ptc.processes)
     (((0, 8), (2, 4)), 4)
+    >>> layout_from_spec({"mesh": {"tensor": 2}, "rules": [["v", [None]]]},
+    ...                  {"w": t})
+    Traceback (most recent call last):
+    ...
+    tenplex_jax.errors.LayoutError: layout rules match no tensor: 'v' (rule 0); the source holds ['w'] (pass allow_unmatched=True, or --allow-unmatched, to go on with a warning)
   """
-  if not isinstance(spec.get("mesh"), Mapping):
-    raise LayoutError("a layout spec needs 'mesh': {axis: size, ...}")
+  why = _spec_error(spec)
+  if why is not None:
+    raise LayoutError(why)
   mesh = tuple((str(k), int(v)) for k, v in spec["mesh"].items())
   n = math.prod(v for _, v in mesh)
   ids = tuple(spec.get("device_ids") or range(n))
@@ -342,27 +394,63 @@ def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
     out.append(TensorLayout(path, t.shape, t.dtype,
                             t.storage.itemsize * math.prod(t.extra),
                             placement, desc))
+  unmatched = [i for i in range(len(rules))
+               if not any(rules[i][0].fullmatch(p) for p in tensors)]
+  if unmatched:
+    listed = ", ".join(f"{rules[i][0].pattern!r} (rule {i})"
+                       for i in unmatched)
+    held = list(tensors)
+    msg = (f"layout rules match no tensor: {listed}; the source holds"
+           f" {held[:8]}{' and more' if len(held) > 8 else ''}")
+    if not allow_unmatched:
+      raise LayoutError(msg + " (pass allow_unmatched=True, or"
+                        " --allow-unmatched, to go on with a warning)")
+    warnings.warn(msg, UnmatchedRuleWarning, stacklevel=3)
   return PTC(tuple(out), tuple((d, i // per) for i, d in enumerate(ids)))
 
 
-def _target_ptc(target, tensors, saved) -> PTC:
+def _target_ptc(target, tensors, saved, *, allow_unmatched: bool = False,
+                mesh=None) -> PTC:
+  """The target layout of a conversion, every tensor under its saved path.
+
+  Raises :class:`LayoutError` (one line) for a target that names no layout
+  (a dict that is no spec, a tree without shardings) and
+  :class:`TreeError` for tensors that do not match the source.
+  """
   if target is None:  # the saved layout: every tensor keeps its chunks
     return PTC((), ())
+  if isinstance(target, Mapping) and target.get("format") == \
+      "tenplex_jax.PTC":
+    target = PTC.from_json(target)
+  elif isinstance(target, Mapping) and any(k in target for k in _SPEC_KEYS):
+    target = layout_from_spec(target, tensors, saved,
+                              allow_unmatched=allow_unmatched)
   if isinstance(target, PTC):
-    return target
-  if isinstance(target, Mapping) and "mesh" in target:
-    return layout_from_spec(target, tensors, saved)
-  if isinstance(target, Mapping) and target.get("format") == "tenplex_jax.PTC":
-    return PTC.from_json(target)
-  from tenplex_jax.layout import key_path_name
+    paths, problems = match_layout(target, tensors, where="the source")
+    raise_tree_problems("the target does not match the source", problems)
+    return PTC(tuple(dataclasses.replace(t, path=paths[t.path])
+                     if paths[t.path] != t.path else t for t in target),
+               target.processes)
   import jax
-  flat = jax.tree_util.tree_flatten_with_path(target)[0]
-  named = {}
-  for kp, leaf in flat:
-    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and \
-        getattr(leaf, "sharding", None) is not None:
-      named[key_path_name(kp)] = leaf
-  return PTC.from_tree(named)
+  _, _, slots, problems = match_saved(target, tensors, where="the source",
+                                      mesh=mesh)
+  if not any(x.array for x in slots) and not problems:
+    what = (f"a dict with keys {list(target)[:6]}"
+            if isinstance(target, Mapping) else f"a {type(target).__name__}")
+    raise LayoutError(
+        "the target names no layout: give a tenplex_jax.PTC (or its JSON),"
+        ' {"mesh": {axis: size}, "rules": [[regex, spec], ...]}, or a'
+        f" pytree of jax.ShapeDtypeStructs with shardings; got {what}")
+  for x in slots:
+    if not x.array and x.leaf is not None:
+      problems.append(Problem(
+          x.path, f"the target leaf is {leaf_kind(x.leaf)}, not a"
+          " jax.ShapeDtypeStruct with a sharding", "target leaves that are"
+          " not jax.ShapeDtypeStructs with shardings"))
+  raise_tree_problems("the target does not match the source", problems)
+  return PTC.from_tree({x.saved: jax.ShapeDtypeStruct(
+      x.leaf.shape, x.leaf.dtype, sharding=x.leaf.sharding)
+      for x in slots if x.array and x.saved is not None})
 
 
 # -- writing -----------------------------------------------------------------
@@ -441,7 +529,8 @@ def convert(src: str, dst: str, target: Any = None, *,
             mapping: Mapping[str, Any] | None = None,
             step: int | None = None, item: str | None = None,
             progress: bool | None = None, workers: int = 4,
-            ocdbt: bool = False) -> dict:
+            ocdbt: bool = False, allow_unmatched: bool = False,
+            mesh: Any = None) -> dict:
   """Converts an Orbax checkpoint to another layout, offline.
 
   Streams chunk by chunk: at most about ``memory_limit`` bytes of chunk
@@ -467,7 +556,9 @@ def convert(src: str, dst: str, target: Any = None, *,
       dict), a pytree of ``jax.ShapeDtypeStruct`` with shardings, or
       ``{"mesh": {...}, "rules": [...]}`` (see :func:`layout_from_spec`).
       Tensors the target does not name keep their saved chunking and
-      shardings; ``None``: all of them do.
+      shardings; ``None``: all of them do. A target that names no layout
+      (a dict that is no spec or PTC, a tree without shardings) is an
+      error, not the saved layout.
     memory_limit: bytes, or a string such as ``"512MiB"``.
     mapping: a structural mapping (see :class:`MappedSource`), applied
       before the target layout.
@@ -478,6 +569,10 @@ def convert(src: str, dst: str, target: Any = None, *,
     ocdbt: write the arrays into one OCDBT key-value store (``manifest.ocdbt``
       and ``d/`` in the item, as Orbax does by default) instead of one
       directory per array; both are zarr v3.
+    allow_unmatched: a layout rule that matches no tensor is a warning
+      (:class:`tenplex_jax.errors.UnmatchedRuleWarning`), not an error.
+    mesh: the concrete mesh for target shardings on an ``AbstractMesh``
+      (default: the mesh in context).
 
   Returns:
     A report: ``bytes``, ``seconds``, ``gb_per_s``, ``tensors``, ``chunks``,
@@ -485,6 +580,8 @@ def convert(src: str, dst: str, target: Any = None, *,
 
   Raises:
     UsageError: ``dst`` exists, or ``src`` is not a checkpoint.
+    LayoutError: the target names no layout, a spec is malformed or has a
+      rule that matches no tensor; nothing is written.
     NoCopyError: a store source holds no complete snapshot (of ``step``).
     LayoutError: the target does not fit a tensor (names it).
     TreeError: the target's shapes or dtypes differ from the source's (or
@@ -509,7 +606,7 @@ def convert(src: str, dst: str, target: Any = None, *,
   if os.path.exists(dst):
     raise UsageError(f"{dst} exists; convert writes a new checkpoint")
   t0 = time.perf_counter()
-  base = _open_base(src, step, item, limit // 16)
+  base = open_base(src, step, item, limit // 16)
   source: Source = MappedSource(base, mapping) if mapping else base
   try:
     held = source.tensors()
@@ -520,25 +617,8 @@ def convert(src: str, dst: str, target: Any = None, *,
                     len(held[e.name].shape) if e.name in held else None)
       if d:
         saved[e.name] = d
-    new = _target_ptc(target, held, saved)
-    if any(t.path not in held and t.path + "/value" in held for t in new):
-      # Flax boxes: the target names ``.../kernel``, Orbax saved
-      # ``.../kernel/value``.
-      import dataclasses
-      new = PTC(tuple(dataclasses.replace(t, path=t.path + "/value")
-                      if t.path not in held and t.path + "/value" in held
-                      else t for t in new), new.processes)
-    problems = []
-    for t in new:
-      h = held.get(t.path)
-      if h is None:
-        problems.append(f"{t.path}: in the target, not in the source")
-      elif tuple(t.shape) != h.shape or t.dtype != h.dtype:
-        problems.append(f"{t.path}: source {h.shape} {h.dtype}, target"
-                        f" {tuple(t.shape)} {t.dtype}")
-    if problems:
-      raise TreeError("the target does not match the source:\n  "
-                      + "\n  ".join(problems))
+    new = _target_ptc(target, held, saved, allow_unmatched=allow_unmatched,
+                      mesh=mesh)
     cap = max(1 << 20, limit // 16)
     # The destination layout, physical: every chunk is a box.
     chunks: dict[str, tuple[int, ...]] = {}
@@ -683,8 +763,8 @@ def convert(src: str, dst: str, target: Any = None, *,
           "chunks": len(jobs), "memory_limit": limit}
 
 
-def _open_base(src: str, step: int | None, item: str | None,
-               cache_bytes: int):
+def open_base(src: str, step: int | None, item: str | None,
+              cache_bytes: int):
   """The source of a conversion: an Orbax checkpoint, or a tenplex_jax store
   directory (a :class:`tenplex_jax.sources.StoreSource`, given the Orbax
   tree metadata a checkpoint would have)."""

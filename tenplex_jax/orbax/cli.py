@@ -7,6 +7,7 @@ import argparse
 import json
 import pathlib
 import sys
+import warnings
 
 __all__ = ["register"]
 
@@ -58,18 +59,27 @@ def _convert(args) -> int:
       raise UsageError(f"--map {args.map}: {e}") from e
   if args.scan or args.unscan:
     from tenplex_jax.orbax import scan_mapping, unscan_mapping
-    from tenplex_jax.orbax._convert import _open_base
-    with _open_base(args.src, args.step, args.item, 0) as src:
+    from tenplex_jax.orbax._convert import open_base
+    with open_base(args.src, args.step, args.item, 0) as src:
       held = src.tensors()
       mapping = dict(mapping or {})
       if args.scan:
         mapping.update(scan_mapping(list(held), axis=args.axis))
       if args.unscan:
         mapping.update(unscan_mapping(held, axis=args.axis))
-  rep = convert(args.src, args.dst, layout, memory_limit=args.memory_limit,
-                mapping=mapping, step=args.step, item=args.item,
-                ocdbt=args.ocdbt,
-                progress=not args.quiet and sys.stderr.isatty())
+  from tenplex_jax.errors import UnmatchedRuleWarning
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", UnmatchedRuleWarning)
+    rep = convert(args.src, args.dst, layout,
+                  memory_limit=args.memory_limit, mapping=mapping,
+                  step=args.step, item=args.item, ocdbt=args.ocdbt,
+                  allow_unmatched=args.allow_unmatched,
+                  progress=not args.quiet and sys.stderr.isatty())
+  for w in caught:
+    if issubclass(w.category, UnmatchedRuleWarning):
+      print(f"tenplex-jax: warning: {w.message}", file=sys.stderr)
+    else:
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
   print(json.dumps(rep))
   return 0
 
@@ -93,7 +103,11 @@ def register(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--layout", default=None, help="a PTC JSON file, or JSON"
                  ' {"mesh": {"data": 2, "tensor": 4}, "rules":'
                  ' [["regex", [null, "tensor"]], ...]} (default: the saved'
-                 " layout)")
+                 " layout); anything else, an unknown key, or a rule that"
+                 " matches no tensor is an error")
+  s.add_argument("--allow-unmatched", action="store_true", help="a --layout"
+                 " rule whose regex matches no tensor is a warning naming it"
+                 " (default: an error)")
   s.add_argument("--memory-limit", default="512MiB")
   s.add_argument("--map", default=None, help="JSON mapping new path -> rule"
                  " (rename, stack, unstack, reshape)")

@@ -17,7 +17,6 @@ directory and its server's URL) are recognised by the store's id.
 
 from __future__ import annotations
 
-import base64
 import collections
 import dataclasses
 import os
@@ -31,13 +30,17 @@ import jax
 import numpy as np
 
 from tenplex_jax._hostmem import host_empty
+from tenplex_jax._problems import Problem
+from tenplex_jax._targets import (bind_target, leaf_kind, match_saved,
+                                  raise_tree_problems)
 from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
                                 UsageError)
+from tenplex_jax.plain import decode_plain, encode_plain
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
 from tenplex_jax.planner import plan
-from tenplex_jax.reshard import _key_data_sharding
+from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.sources import StoreCopy, fetch_pieces, place
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
@@ -100,36 +103,8 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _encode_extra(x):
-  """The JSON form of a non-array leaf; ``TypeError`` if it has none."""
-  if x is None or isinstance(x, (bool, int, float, str)):
-    return x
-  if isinstance(x, complex):
-    return {"__complex__": [x.real, x.imag]}
-  if isinstance(x, (np.ndarray, np.generic)):
-    a = np.asarray(x)
-    if a.dtype.hasobject:
-      raise TypeError("a numpy array of Python objects")
-    # ``str`` spells numpy's own dtypes exactly ('<U3'); ml_dtypes' (bfloat16,
-    # int4) need their name.
-    dt = a.dtype.str if np.dtype(a.dtype.str) == a.dtype else a.dtype.name
-    return {"__ndarray__": base64.b64encode(a.tobytes()).decode(),
-            "dtype": dt, "shape": list(a.shape),
-            "scalar": isinstance(x, np.generic)}
-  raise TypeError(f"a {type(x).__module__}.{type(x).__qualname__}")
-
-
-def _decode_extra(v):
-  """The saved non-array leaf, with its saved type (numpy scalars keep their
-  dtype)."""
-  if isinstance(v, dict) and "__ndarray__" in v:
-    import jax.numpy as jnp
-    a = np.frombuffer(base64.b64decode(v["__ndarray__"]),
-                      dtype=jnp.dtype(v["dtype"])).reshape(v["shape"]).copy()
-    return a[()] if v.get("scalar") else a
-  if isinstance(v, dict) and "__complex__" in v:
-    return complex(*v["__complex__"])
-  return v
+# The JSON form of plain leaves (shared with the store's readers).
+_encode_extra, _decode_extra = encode_plain, decode_plain
 
 
 def _is_none(x) -> bool:
@@ -606,65 +581,58 @@ def _saved_state(sources, rid, wanted):
   return holding, job, src_ptc, tinfo, lost, src2, src_host, missing
 
 
-def _kind(x) -> str:
-  if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
-    return f"{x.dtype}{list(x.shape)}"
-  if isinstance(x, np.ndarray):
-    return f"numpy {x.dtype}{list(x.shape)}"
-  return f"{type(x).__name__} {x!r}"[:80]
+def _match_target(target, src_ptc, extras, step, mesh=None):
+  """Matches the target's leaves with the saved state
+  (:func:`tenplex_jax._targets.match_saved`).
 
-
-def _match_target(flat, src_ptc, extras, step):
-  """Matches the target's leaves with the saved state.
-
-  Returns ``(arrays, values)``: the ``ShapeDtypeStruct`` of each array to
-  restore, by path, and the value of every other leaf, by its position in
-  ``flat``. Raises :class:`TreeError` naming every leaf that does not fit.
+  Returns ``(flat, treedef, arrays, values)``: the flattened target, the
+  ``ShapeDtypeStruct`` of each array to restore (on a concrete sharding), by
+  path, and the value of every other leaf, by its position in ``flat``.
+  Raises :class:`TreeError` naming every leaf that does not fit.
   """
   saved = {t.path: t for t in src_ptc}
-  arrays, values, bad = {}, {}, []
-  for i, (kp, leaf) in enumerate(flat):
-    name = key_path_name(kp)
-    t = saved.get(name)
-    if isinstance(leaf, jax.Array):  # a live array: its layout is the target
-      leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                  sharding=leaf.sharding)
-    is_sds = isinstance(leaf, jax.ShapeDtypeStruct)
-    if is_sds and leaf.sharding is not None:
-      if t is not None:
-        dt = str(leaf.dtype) if _is_key(leaf) else np.dtype(leaf.dtype).name
-        if (dt, tuple(leaf.shape)) != (t.dtype, t.shape):
-          bad.append(f"{name}: the target is {dt}{list(leaf.shape)}, step"
-                     f" {step} saved {t.dtype}{list(t.shape)}")
-        else:
-          arrays[name] = leaf
-      elif name in extras and extras[name] is not None:
+  where = f"step {step}"
+  flat, treedef, slots, bad = match_saved(
+      target, saved, where=where, mesh=mesh, aliases=False,
+      values={k: v for k, v in extras.items() if v is not None})
+  arrays, values = {}, {}
+  for x in slots:
+    name, leaf = x.path, x.leaf
+    if x.array and x.saved is not None:
+      arrays[name] = leaf
+    elif x.array:
+      if name in extras and extras[name] is not None:
         try:
-          values[i] = _plain_to_array(_decode_extra(extras[name]), leaf)
+          values[x.index] = _plain_to_array(_decode_extra(extras[name]), leaf)
         except ValueError as e:
-          bad.append(f"{name}: {e}")
+          bad.append(Problem(name, str(e), "a saved value does not fit its"
+                             " target"))
       else:
-        what = ("None" if name in extras else "nothing")
-        bad.append(f"{name}: the target is {_kind(leaf)}, step {step} saved"
-                   f" {what} at this path (saved arrays:"
-                   f" {[u.path for u in src_ptc][:6]})")
+        bad.append(Problem(
+            name, f"the target is {leaf_kind(leaf)}, {where} saved nothing"
+            f" at this path (saved arrays: {list(saved)[:6]})",
+            f"the target has arrays where {where} saved nothing"))
     elif name in extras:  # a plain leaf (or a placeholder): the saved value
-      values[i] = _decode_extra(extras[name])
-    elif t is not None:
-      bad.append(f"{name}: the target is {_kind(leaf)}"
-                 f"{' without a sharding' if is_sds else ''}, step {step}"
-                 f" saved an array {t.dtype}{list(t.shape)}; give a"
-                 " jax.ShapeDtypeStruct with a sharding on the new mesh, or"
-                 " leave the path out of the target to skip it")
-    elif is_sds:
-      bad.append(f"{name}: the target is {_kind(leaf)} without a sharding"
-                 f" and step {step} saved nothing at this path")
+      values[x.index] = _decode_extra(extras[name])
+    elif name in saved:
+      t = saved[name]
+      sds = isinstance(leaf, jax.ShapeDtypeStruct)
+      bad.append(Problem(
+          name, f"the target is {leaf_kind(leaf)}"
+          f"{' without a sharding' if sds else ''}, {where} saved an array"
+          f" {t.dtype}{list(t.shape)}; give a jax.ShapeDtypeStruct with a"
+          " sharding on the new mesh, or leave the path out of the target to"
+          " skip it", "the target has no sharding where an array is saved"))
+    elif isinstance(leaf, jax.ShapeDtypeStruct):
+      bad.append(Problem(
+          name, f"the target is {leaf_kind(leaf)} without a sharding and"
+          f" {where} saved nothing at this path", "the target has no"
+          " sharding and nothing is saved"))
     else:  # nothing saved here: the target's value passes through
-      values[i] = leaf
-  if bad:
-    raise TreeError(f"the restore target does not match the saved state"
-                    f" ({len(bad)} leaves): " + "; ".join(bad))
-  return arrays, values
+      values[x.index] = leaf
+  raise_tree_problems("the restore target does not match the saved state",
+                      bad)
+  return flat, treedef, arrays, values
 
 
 def _plain_to_array(v, sds):
@@ -672,8 +640,8 @@ def _plain_to_array(v, sds):
   a = np.asarray(v)
   dt = np.dtype(sds.dtype)
   if a.dtype.hasobject or _is_key(sds) or a.shape != tuple(sds.shape):
-    raise ValueError(f"the target is {_kind(sds)}, the saved value is"
-                     f" {_kind(v)}")
+    raise ValueError(f"the target is {leaf_kind(sds)}, the saved value is"
+                     f" {leaf_kind(v)}")
   b = a.astype(dt)
   if not np.array_equal(b.astype(a.dtype), a, equal_nan=a.dtype.kind in "fc"):
     raise ValueError(f"the saved value {v!r} does not fit the target"
@@ -706,7 +674,8 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
                         checkpoint: str | None = None,
                         timeout: float = 30.0, retries: int = 2,
                         workers: int = 8, token: str | None = None,
-                        ca_file: str | None = None
+                        ca_file: str | None = None,
+                        mesh: jax.sharding.Mesh | None = None
                         ) -> tuple[Any, RestoreReport]:
   """Like :func:`restore`, and also returns a :class:`RestoreReport`.
 
@@ -715,6 +684,7 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
   stores; if any could not, all restore from the checkpoint.
   """
   t0 = time.perf_counter()
+  target = bind_target(target, mesh)  # shardings on an AbstractMesh
   if isinstance(locations, str):
     locations = [locations]
   me = jax.process_index()
@@ -777,9 +747,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       why += "; unreachable: " + "; ".join(unreachable.values())
     raise _Fallback(why, step, (), fallbacks, dead)
   newest = rounds[0][1] if step is None else step
-  flat, treedef = jax.tree_util.tree_flatten_with_path(target,
-                                                       is_leaf=_is_none)
-  wanted = {key_path_name(kp) for kp, x in flat
+  wanted = {key_path_name(kp) for kp, x in
+            jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_none)[0]
             if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))}
   reason = None
   for rid, st, run, seq in rounds:
@@ -823,7 +792,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
   old_proc = src_ptc.process_of
   # New layout (physical: what each device must hold).
-  dst_sds, values = _match_target(flat, src_ptc, extras, step)
+  flat, treedef, dst_sds, values = _match_target(target, src_ptc, extras,
+                                                step)
   dst_ptc = PTC.from_tree(dst_sds)
   dst2 = PTC(dst_ptc.tensors, tuple(
       (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
@@ -951,7 +921,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     key_impl = info.get("key_impl")
     sharding = leaf.sharding
     if key_impl:
-      sharding = _key_data_sharding(sharding, len(t.shape), len(extra))
+      sharding = key_data_sharding(sharding, len(t.shape), len(extra))
     hosts = {}
     for dev in sharding.addressable_devices:
       dbox = t.shard_box(dev.id)
@@ -1005,7 +975,9 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
       servers' token; default the ``TENPLEX_JAX_STORE_TOKEN`` environment
       variable), ``ca_file`` (the CA file ``https://`` servers are verified
       against; default ``$TENPLEX_JAX_STORE_CA``; with one set, ``http://``
-      locations are refused with :class:`TLSError`).
+      locations are refused with :class:`TLSError`), ``mesh`` (the concrete
+      mesh for target shardings on an ``AbstractMesh``, as ``nnx.eval_shape``
+      gives under ``jax.set_mesh``; default: the mesh in context).
 
   Restores one round (see :func:`save`): the newest whose boxes all have
   a copy, never a mix of rounds. Reads only: nothing is written to the

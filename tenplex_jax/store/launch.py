@@ -63,6 +63,30 @@ RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
 
 
+class ResizeExit(BaseException):
+  """Raised by :func:`save_and_exit` in a Ray worker after its save: the
+  worker catches it and reports the resize (a ``BaseException``, so a
+  script's ``except Exception`` does not swallow it). Exported as
+  ``tenplex_jax.ray.ResizeExit``."""
+
+  def __init__(self, procs: int, step: int):
+    super().__init__(f"resize to {procs} workers at step {step}")
+    self.procs, self.step = int(procs), int(step)
+
+
+# Who decides resize_due in a process another controller runs (a
+# tenplex_jax.ray worker asks its job's controller actor), set with
+# set_resize_source; None: the launcher's schedule file and requests.
+_resize_source: list = []
+
+
+def set_resize_source(fn: Callable[[int], int | None] | None) -> None:
+  """Makes ``fn(step)`` answer :func:`resize_due` in this process (the Ray
+  integration's workers ask their controller); ``None``: the launcher's
+  schedule and requests again."""
+  _resize_source[:] = [] if fn is None else [fn]
+
+
 def _text(path: str) -> str:
   with open(path) as f:
     return f.read()
@@ -285,9 +309,8 @@ def resize_due(step: int) -> int | None:
   after this generation's start step) and resize requests.
   """
   _progress(step)
-  if _env("TENPLEX_RAY_JOB"):  # under tenplex_jax.ray: its controller decides
-    from tenplex_jax.ray import _resize_due
-    return _resize_due(step)
+  if _resize_source:  # under tenplex_jax.ray: its controller decides
+    return _resize_source[0](step)
   start = int(_env("TENPLEX_START_STEP", "0"))
   n = int(_env("TENPLEX_NUM_PROCS", "1"))
   for s, m in _schedule():
@@ -346,14 +369,13 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
   Every process calls it at the same step. The launcher relaunches the
   script with the new process count, whose :func:`restore_or_init` restores
   the state. Under :mod:`tenplex_jax.ray` it raises
-  ``tenplex_jax.ray.ResizeExit`` instead of exiting (the Ray worker catches
+  :class:`ResizeExit` (``tenplex_jax.ray.ResizeExit``) instead of exiting (the Ray worker catches
   it, shuts ``jax.distributed`` down and reports the resize to the driver).
   """
   import jax
   procs = procs or resize_due(step) or int(_env("TENPLEX_NUM_PROCS", "1"))
   save_snapshot(state, step, replicas=replicas)
   if _env("TENPLEX_RAY_JOB"):
-    from tenplex_jax.ray import ResizeExit
     raise ResizeExit(procs, step)
   job = _env("TENPLEX_JOB_DIR")
   if job:
