@@ -58,6 +58,12 @@ class UnreachableError(StoreError):
   """A store server did not answer (dead, or every attempt timed out)."""
 
 
+class LocationError(StoreError):
+  """An object-storage location cannot be used: its bucket does not exist,
+  the credentials are refused, or its server does not answer. The message
+  names the location and the environment variables that chose the server."""
+
+
 class TreeError(StoreError, ValueError):
   """A tree given to ``store.save``, or a restore target, has leaves the
   store cannot handle or that do not match the saved state; names every such

@@ -1,0 +1,158 @@
+"""Object storage (``s3://``, ``gs://``): URLs, file systems and kvstores.
+
+The one place that knows how to reach a bucket. Small objects (listings,
+manifests, ``CURRENT``, JSON metadata) go through fsspec (``s3fs``,
+``gcsfs``); array bytes through tensorstore's ``s3``/``gcs`` kvstores.
+Endpoint and credentials follow each ecosystem's standard environment:
+
+* S3 and S3-compatible stores: the AWS SDK's variables
+  ``AWS_ENDPOINT_URL`` (or ``AWS_ENDPOINT_URL_S3``),
+  ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION`` (or
+  ``AWS_DEFAULT_REGION``), and the SDK's other sources of credentials.
+* GCS: the Google client libraries' (application default credentials;
+  ``STORAGE_EMULATOR_HOST`` for an emulator). tensorstore's ``gcs``
+  driver does not read ``STORAGE_EMULATOR_HOST``; when it is set (and
+  tensorstore's own ``TENSORSTORE_GCS_HTTP_URL`` is not), this module sets
+  ``TENSORSTORE_GCS_HTTP_URL`` to it and, as emulators take any token,
+  ``GOOGLE_AUTH_TOKEN_FOR_TESTING`` to a placeholder unless set: the
+  only environment this library writes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from tenplex_jax.errors import LocationError, UsageError
+
+__all__ = ["OBJECT_SCHEMES", "filesystem", "join", "kvstore_spec",
+           "location_error", "split_url"]
+
+OBJECT_SCHEMES = ("s3", "gs")
+_FS_PROTOCOL = {"s3": "s3", "gs": "gcs"}
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]$")
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+  """``(scheme, bucket, key prefix)`` of ``s3://BUCKET/KEY`` or
+  ``gs://BUCKET/KEY`` (the key without leading or trailing ``/``).
+
+  Raises:
+    UsageError: not such a URL, or the bucket name is malformed.
+
+  Example:
+    >>> split_url("s3://ckpts/run1/")
+    ('s3', 'ckpts', 'run1')
+  """
+  scheme, sep, rest = str(url).partition("://")
+  if not sep or scheme not in OBJECT_SCHEMES:
+    raise UsageError(f"{url!r} is not an object-storage URL (schemes:"
+                     f" {', '.join(s + '://' for s in OBJECT_SCHEMES)})")
+  bucket, _, key = rest.partition("/")
+  if not _BUCKET.match(bucket):
+    raise UsageError(f"{url}: {bucket!r} is not a bucket name (3-63"
+                     " lower-case letters, digits, '.', '-' or '_')")
+  key = key.strip("/")
+  if any(p in ("", ".", "..") for p in key.split("/")) and key:
+    raise UsageError(f"{url}: the key {key!r} has an empty, '.' or '..'"
+                     " component")
+  return scheme, bucket, key
+
+
+def join(url: str, *parts: str) -> str:
+  """``url`` with ``parts`` appended, one ``/`` between each."""
+  return "/".join([url.rstrip("/")] + [p.strip("/") for p in parts if p])
+
+
+def _gcs_emulator() -> None:
+  host = os.environ.get("STORAGE_EMULATOR_HOST")
+  if not host or os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
+    return
+  if "://" not in host:
+    host = "http://" + host
+  os.environ["TENSORSTORE_GCS_HTTP_URL"] = host
+  os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+
+
+def filesystem(scheme: str):
+  """An fsspec file system for ``scheme`` (listings are never cached: a
+  store changes under its readers)."""
+  import fsspec
+  proto = _FS_PROTOCOL[scheme]
+  kw: dict[str, Any] = {"use_listings_cache": False,
+                        "skip_instance_cache": True}
+  if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
+    kw["token"] = "anon"
+  return fsspec.filesystem(proto, **kw)
+
+
+def fs_path(url: str) -> str:
+  """The path of ``url`` in :func:`filesystem`'s terms (``BUCKET/KEY``)."""
+  _, bucket, key = split_url(url)
+  return f"{bucket}/{key}" if key else bucket
+
+
+def kvstore_spec(url: str) -> dict:
+  """The tensorstore kvstore spec of ``url`` (a key prefix ending in ``/``
+  unless the URL names the bucket only), endpoint and region from the
+  environment.
+
+  Example:
+    >>> import os
+    >>> os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9000"
+    >>> os.environ["AWS_REGION"] = "us-east-1"
+    >>> spec = kvstore_spec("s3://ckpts/run1")
+    >>> spec["driver"], spec["bucket"], spec["path"], spec["endpoint"]
+    ('s3', 'ckpts', 'run1/', 'http://127.0.0.1:9000')
+    >>> del os.environ["AWS_ENDPOINT_URL"], os.environ["AWS_REGION"]
+  """
+  scheme, bucket, key = split_url(url)
+  path = key + "/" if key else ""
+  if scheme == "gs":
+    _gcs_emulator()
+    return {"driver": "gcs", "bucket": bucket, "path": path}
+  spec = {"driver": "s3", "bucket": bucket, "path": path}
+  endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or \
+      os.environ.get("AWS_ENDPOINT_URL")
+  if endpoint:
+    spec["endpoint"] = endpoint
+  region = os.environ.get("AWS_REGION") or os.environ.get(
+      "AWS_DEFAULT_REGION")
+  if region:
+    spec["aws_region"] = region
+  return spec
+
+
+def _server(scheme: str) -> str:
+  if scheme == "gs":
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    return f"STORAGE_EMULATOR_HOST={host}" if host else "storage.googleapis.com"
+  ep = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+      "AWS_ENDPOINT_URL")
+  return f"AWS_ENDPOINT_URL={ep}" if ep else "AWS's default endpoint"
+
+
+def location_error(url: str, exc: BaseException, doing: str
+                   ) -> LocationError:
+  """One clear line for a failed object-storage call: what was done, on
+  which location and server, and the kind of failure (no such bucket,
+  credentials refused, unreachable), then the library's message."""
+  scheme = url.partition("://")[0]
+  msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+  low = msg.lower()
+  if "nosuchbucket" in low or "bucket does not exist" in low or \
+      ("bucket" in low and ("not found" in low or "404" in low)):
+    why = "the bucket does not exist"
+  elif any(w in low for w in ("accessdenied", "access denied", "forbidden",
+                              "403", "invalidaccesskeyid", "signature",
+                              "credentials", "401", "unauthorized")):
+    why = "the credentials were refused"
+  elif any(w in low for w in ("connect", "timed out", "timeout",
+                              "unavailable", "refused", "reset",
+                              "unreachable", "name resolution")):
+    why = "the server does not answer"
+  else:
+    why = "the request failed"
+  return LocationError(f"{url}: {doing} failed: {why} (server: "
+                       f"{_server(scheme)}): {msg[:300]}")
