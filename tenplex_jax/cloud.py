@@ -26,8 +26,9 @@ from typing import Any
 
 from tenplex_jax.errors import LocationError, UsageError
 
-__all__ = ["OBJECT_SCHEMES", "filesystem", "join", "kvstore_spec",
-           "location_error", "split_url"]
+__all__ = ["COMMIT_MARKERS", "OBJECT_SCHEMES", "Listing", "filesystem",
+           "fs_path", "join", "kvstore_spec", "location_error", "split_url",
+           "upload_tree"]
 
 OBJECT_SCHEMES = ("s3", "gs")
 _FS_PROTOCOL = {"s3": "s3", "gs": "gcs"}
@@ -156,3 +157,109 @@ def location_error(url: str, exc: BaseException, doing: str
     why = "the request failed"
   return LocationError(f"{url}: {doing} failed: {why} (server: "
                        f"{_server(scheme)}): {msg[:300]}")
+
+
+class Listing:
+  """Every object under ``url``, listed once, as a read-only tree of
+  directories and files (object stores have no directories: a key prefix
+  followed by ``/`` is one).
+
+  Raises:
+    LocationError: the bucket does not exist, the credentials are refused
+      or the server does not answer.
+  """
+
+  def __init__(self, url: str):
+    scheme, _, _ = split_url(url)
+    self.url = url.rstrip("/")
+    self.fs = filesystem(scheme)
+    self._base = fs_path(self.url)
+    try:
+      found = self.fs.find(self._base)
+      if not found:  # an empty prefix, or no bucket at all
+        self.fs.ls(self._base.split("/")[0])
+    except Exception as e:
+      raise location_error(self.url, e, "listing") from e
+    n = len(self._base) + 1
+    self.files = {f[n:] for f in found if f.startswith(self._base + "/")}
+    self.dirs: dict[str, set[str]] = {}
+    for k in self.files:
+      parts = k.split("/")
+      for i in range(len(parts)):
+        self.dirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
+    self.bytes_read = 0
+
+  def rel(self, url: str) -> str | None:
+    """``url``'s key relative to the listed prefix; None if outside it."""
+    url = url.rstrip("/")
+    if url == self.url:
+      return ""
+    if url.startswith(self.url + "/"):
+      return url[len(self.url) + 1:]
+    return None
+
+  def isfile(self, url: str) -> bool:
+    return self.rel(url) in self.files
+
+  def isdir(self, url: str) -> bool:
+    return self.rel(url) in self.dirs
+
+  def listdir(self, url: str) -> list[str]:
+    """The names under directory ``url``; FileNotFoundError if none."""
+    names = self.dirs.get(self.rel(url))
+    if names is None:
+      raise FileNotFoundError(url)
+    return sorted(names)
+
+  def read(self, url: str) -> bytes:
+    """The bytes of object ``url``; FileNotFoundError if not listed."""
+    rel = self.rel(url)
+    if rel not in self.files:
+      raise FileNotFoundError(url)
+    try:
+      data = self.fs.cat_file(f"{self._base}/{rel}")
+    except Exception as e:
+      raise location_error(url, e, "reading") from e
+    self.bytes_read += len(data)
+    return data
+
+
+#: Files that mark a checkpoint or snapshot complete: uploaded last.
+COMMIT_MARKERS = ("manifest.json", "_CHECKPOINT_METADATA",
+                  "commit_success.txt")
+
+
+def upload_tree(local_dir: str, url: str) -> None:
+  """Uploads directory ``local_dir`` to ``url``, one object per file, the
+  commit markers (:data:`COMMIT_MARKERS`) after everything else, deepest
+  first, so a reader never sees a marker before the data it vouches for.
+
+  Raises:
+    UsageError: ``url`` already holds objects.
+    LocationError: the bucket or server refused (one line).
+  """
+  scheme, _, _ = split_url(url)
+  fs = filesystem(scheme)
+  base = fs_path(url)
+  try:
+    if fs.find(base):
+      raise UsageError(f"{url} exists (holds objects); this writes a new"
+                       " checkpoint")
+    files = []
+    for d, _, names in os.walk(local_dir):
+      for n in sorted(names):
+        full = os.path.join(d, n)
+        files.append((full, os.path.relpath(full, local_dir).replace(
+            os.sep, "/")))
+    data = [(f, r) for f, r in files
+            if r.rsplit("/", 1)[-1] not in COMMIT_MARKERS]
+    marks = sorted((x for x in files if x not in data),
+                   key=lambda x: -x[1].count("/"))
+    if data:
+      fs.put([f for f, _ in data], [f"{base}/{r}" for _, r in data])
+    for f, r in marks:
+      fs.put_file(f, f"{base}/{r}")
+  except UsageError:
+    raise
+  except Exception as e:
+    raise location_error(url, e, "uploading") from e
