@@ -83,8 +83,6 @@ def filesystem(scheme: str):
   proto = _FS_PROTOCOL[scheme]
   kw: dict[str, Any] = {"use_listings_cache": False,
                         "skip_instance_cache": True}
-  if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
-    kw["token"] = "anon"
   return fsspec.filesystem(proto, **kw)
 
 
