@@ -140,17 +140,22 @@ def location_error(url: str, exc: BaseException, doing: str
   scheme = url.partition("://")[0]
   msg = f"{type(exc).__name__}: {exc}".replace("\n", " ")
   low = msg.lower()
-  if "nosuchbucket" in low or "bucket does not exist" in low or \
-      ("bucket" in low and ("not found" in low or "404" in low)):
+
+  def has(*words):
+    return any(re.search(r"\b" + re.escape(w) + r"\b", low) for w in words)
+
+  if has("nosuchbucket", "bucket does not exist", "the specified bucket does"
+         " not exist") or ("bucket" in low and has("not found", "404")):
     why = "the bucket does not exist"
-  elif any(w in low for w in ("accessdenied", "access denied", "forbidden",
-                              "403", "invalidaccesskeyid", "signature",
-                              "credentials", "401", "unauthorized")):
-    why = "the credentials were refused"
-  elif any(w in low for w in ("connect", "timed out", "timeout",
-                              "unavailable", "refused", "reset",
-                              "unreachable", "name resolution")):
+  elif has("could not connect", "failed to connect", "connection refused",
+           "timed out", "timeout", "unavailable", "connection reset",
+           "cannot connect", "name resolution", "unreachable",
+           "connecterror", "clientconnectorerror", "endpointconnectionerror"):
     why = "the server does not answer"
+  elif has("accessdenied", "access denied", "forbidden", "403", "401",
+           "invalidaccesskeyid", "signaturedoesnotmatch", "access key id",
+           "unauthorized", "permissionerror", "credentials"):
+    why = "the credentials were refused"
   else:
     why = "the request failed"
   return LocationError(f"{url}: {doing} failed: {why} (server: "

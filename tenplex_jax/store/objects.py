@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -231,6 +232,17 @@ class ObjectStore(HostStore):
           else data.view(w.storage).reshape(())
     return dest.nbytes
 
+  def read_storage(self, path, box, *, proc=None, step=None, round=None
+                   ) -> np.ndarray:
+    """Reads sub-box ``box`` of ``path`` in its storage dtype (see
+    :meth:`read_into`)."""
+    _, t, _, _, _ = self._locate(path, box, proc, step, round)
+    box = tuple(tuple(r) for r in box)
+    out = np.empty(tuple(hi - lo for lo, hi in box) + tuple(t["extra"]),
+                   np.dtype(t["storage"]))
+    self.read_into(path, box, out, proc=proc, step=step, round=round)
+    return out
+
   def read_segments(self, *args, **kwargs):
     raise StoreError(f"store {self.root}: a store server serves local"
                      " directories only")
@@ -249,7 +261,7 @@ def upload_snapshot(url: str, local_root: str, proc: int, local_snap: str,
   directory ``local_root``) to the store at ``url``; returns the snapshot's
   URL.
 
-  Order: ``STORE_ID`` if the store has none, every chunk object, then the
+  Order: ``STORE_ID`` (a new id) if the store has none, every chunk object, then the
   manifest (the commit), then ``CURRENT``; then this process's snapshots
   beyond ``keep`` (and those of an abandoned run, as a local save) are
   deleted, each manifest first. An upload that fails raises
@@ -261,8 +273,8 @@ def upload_snapshot(url: str, local_root: str, proc: int, local_snap: str,
   name = os.path.basename(local_snap)
   pkey = f"procs/{int(proc)}"
   try:
-    if not fs.exists(f"{base}/STORE_ID"):
-      fs.put_file(os.path.join(local_root, "STORE_ID"), f"{base}/STORE_ID")
+    if not fs.exists(f"{base}/STORE_ID"):  # a new store: its own id
+      fs.pipe_file(f"{base}/STORE_ID", uuid.uuid4().hex.encode())
     files = [(full, rel) for full, rel in _walk(local_snap)
              if rel != "manifest.json"]
     if files:
