@@ -120,6 +120,10 @@ def kvstore_spec(url: str) -> dict:
       "AWS_DEFAULT_REGION")
   if region:
     spec["aws_region"] = region
+  if os.environ.get("AWS_ACCESS_KEY_ID"):
+    # The SDK's chain would take these first too; naming them skips its
+    # probing of ~/.aws files.
+    spec["aws_credentials"] = {"type": "environment"}
   return spec
 
 
