@@ -85,6 +85,12 @@ class UnsafePathError(StoreError):
   the fix. Raised before anything is written there or read from it."""
 
 
+class LocationError(StoreError):
+  """An object-storage location cannot be used: its bucket does not exist,
+  the credentials are refused, or its server does not answer. The message
+  names the location and the environment variables that chose the server."""
+
+
 class UsageError(TenplexError, ValueError):
   """A command-line verb or a library call got input it cannot use (a bad
   flag value, a missing file, a path that is not what it should be). The CLI

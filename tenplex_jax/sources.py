@@ -300,8 +300,12 @@ class StoreCopy(Source):
     self.round = round
     self.manifest = manifest
     self.maps = maps
-    self.local = isinstance(handle, HostStore)
-    self.preference = HOST if self.local else PEER
+    # Box-by-box reads (a directory, or an object-storage bucket) or many
+    # pieces per request (a peer's store server).
+    self.direct = isinstance(handle, HostStore)
+    self.local = self.direct and not handle.remote
+    self.preference = HOST if self.local else (
+        PERSISTENT if self.direct else PEER)
 
   def tensors(self) -> Mapping[str, SourceTensor]:
     out = {}
@@ -315,7 +319,7 @@ class StoreCopy(Source):
   def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
     """Reads in the storage dtype (``out``: the box's shape, then the
     trailing key-data dimensions)."""
-    if self.local:
+    if self.direct:
       self.handle.read_into(path, box, out, proc=self.proc, maps=self.maps,
                             round=self.round)
     else:
@@ -323,7 +327,7 @@ class StoreCopy(Source):
 
   def read_batch(self, items) -> None:
     """Reads ``[(path, box, out), ...]``: one request to a peer."""
-    if self.local:
+    if self.direct:
       for path, box, out in items:
         self.read_into(path, box, out)
       return

@@ -29,6 +29,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -42,6 +43,8 @@ from tenplex_jax._targets import (leaf_kind, match_layout, match_saved,
                                   raise_tree_problems)
 from tenplex_jax.errors import (LayoutError, TreeError, UnmatchedRuleWarning,
                                 UsageError)
+from tenplex_jax.cloud import upload_tree
+from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
                                 _named_placement, box_volume,
                                 relative_index)
@@ -601,8 +604,21 @@ def convert(src: str, dst: str, target: Any = None, *,
   import tensorstore as ts
 
   from tenplex_jax.orbax._read import OrbaxSource, _read_json
+  dloc = parse_location(dst)
+  if dloc.kind == OBJECT:  # written here, then uploaded (markers last)
+    with tempfile.TemporaryDirectory(prefix="tenplex-jax-convert-") as tmp:
+      rep = convert(src, os.path.join(tmp, "ck"), target,
+                    memory_limit=memory_limit, mapping=mapping, step=step,
+                    item=item, progress=progress, workers=workers,
+                    ocdbt=ocdbt)
+      upload_tree(os.path.join(tmp, "ck"), dloc.target)
+    rep["dst"] = dloc.target + rep["dst"][len(os.path.join(tmp, "ck")):]
+    return rep
+  if dloc.kind != LOCAL:
+    raise UsageError(f"convert: {dst} is a store server; the new checkpoint"
+                     " goes to a directory, s3:// or gs://")
   limit = _parse_bytes(memory_limit)
-  dst = os.path.abspath(os.fspath(dst))
+  dst = os.path.abspath(dloc.target)
   if os.path.exists(dst):
     raise UsageError(f"{dst} exists; convert writes a new checkpoint")
   t0 = time.perf_counter()
@@ -744,8 +760,8 @@ def convert(src: str, dst: str, target: Any = None, *,
     _write_metadata(tmp_item, held, chunks, names, new, params, base,
                     bool(mapping), ocdbt)
     if tmp_item != tmp:  # a manager step directory
-      ck = (_read_json(os.path.join(loc.step_dir, "_CHECKPOINT_METADATA"))
-            if loc.step_dir else None) or {}
+      ck = (_read_json(os.path.join(loc.step_dir, "_CHECKPOINT_METADATA"),
+                       loc.files) if loc.step_dir else None) or {}
       now = time.time_ns()
       _dump(os.path.join(os.path.dirname(tmp_item), "_CHECKPOINT_METADATA"), {
           "item_handlers": {"default": _HANDLER}, "metrics": {},

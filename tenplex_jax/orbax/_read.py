@@ -16,7 +16,12 @@ Layout of what current orbax-checkpoint writes (0.12), which this reads:
   ``ocdbt.process_<i>/``), without it one directory per parameter; each
   array is zarr v3 (``zarr.json``) or zarr v2 (``.zarray``).
 
-Everything here opens files read-only.
+Everything here opens files read-only. A checkpoint may also be on object
+storage (``s3://BUCKET/DIR``, ``gs://BUCKET/DIR``, e.g. uploaded object by
+object with ``aws s3 sync``): its objects are listed once
+(:class:`tenplex_jax.cloud.Listing`), the JSON files read through fsspec and
+the arrays through tensorstore's ``s3``/``gcs`` kvstore (under ``ocdbt``
+when the checkpoint uses it).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from tenplex_jax.cloud import Listing, kvstore_spec
 from tenplex_jax.errors import StoreError, UsageError
+from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
                                 _named_placement)
 from tenplex_jax.sources import PERSISTENT, Source, SourceTensor
@@ -58,39 +65,70 @@ class Location:
   step: int | None = None
   step_dir: str | None = None
   manager_dir: str | None = None
+  files: Any = dataclasses.field(default=None, compare=False, repr=False)
 
 
-def _is_item(d: str) -> bool:
-  return any(os.path.isfile(os.path.join(d, f))
+class _LocalFiles:
+  """The local file system, as :class:`tenplex_jax.cloud.Listing` answers
+  for a bucket."""
+
+  isfile = staticmethod(os.path.isfile)
+  isdir = staticmethod(os.path.isdir)
+  listdir = staticmethod(os.listdir)
+
+  @staticmethod
+  def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+      return f.read()
+
+
+_LOCAL = _LocalFiles()
+
+
+def _files_of(path) -> tuple[str, Any]:
+  """(the path, absolute or a URL; its file system)."""
+  loc = parse_location(path)
+  if loc.kind == OBJECT:
+    return loc.target, Listing(loc.target)
+  if loc.kind != LOCAL:
+    raise UsageError(f"{path}: an Orbax checkpoint is read from a directory,"
+                     " s3://BUCKET/DIR or gs://BUCKET/DIR, not a store"
+                     " server")
+  return os.path.abspath(loc.target), _LOCAL
+
+
+def _is_item(d: str, fs=_LOCAL) -> bool:
+  return any(fs.isfile(os.path.join(d, f))
              for f in ("_METADATA", "manifest.ocdbt"))
 
 
-def _items_of(d: str) -> list[str]:
+def _items_of(d: str, fs=_LOCAL) -> list[str]:
   try:
-    names = sorted(os.listdir(d))
+    names = sorted(fs.listdir(d))
   except OSError:
     return []
   return [n for n in names if _TMP not in n
-          and os.path.isdir(os.path.join(d, n)) and _is_item(os.path.join(d, n))]
+          and fs.isdir(os.path.join(d, n))
+          and _is_item(os.path.join(d, n), fs)]
 
 
-def _steps_of(d: str) -> dict[int, str]:
+def _steps_of(d: str, fs=_LOCAL) -> dict[int, str]:
   out = {}
   try:
-    names = os.listdir(d)
+    names = fs.listdir(d)
   except OSError:
     return out
   for n in names:
     m = _STEP_RE.match(n)
     full = os.path.join(d, n)
-    if m and _TMP not in n and os.path.isdir(full) and (
-        _is_item(full) or _items_of(full)):
+    if m and _TMP not in n and fs.isdir(full) and (
+        _is_item(full, fs) or _items_of(full, fs)):
       out.setdefault(int(m.group(2)), full)
   return out
 
 
-def _pick_item(step_dir: str, item: str | None) -> str:
-  items = _items_of(step_dir)
+def _pick_item(step_dir: str, item: str | None, fs=_LOCAL) -> str:
+  items = _items_of(step_dir, fs)
   if item is not None:
     if item not in items:
       raise UsageError(f"{step_dir} has no item {item!r}; items: {items}")
@@ -130,24 +168,26 @@ def locate(path: str, *, step: int | None = None,
     >>> loc.step, os.path.relpath(loc.item, d), locate(d, step=5).step
     (10, '10/default', 5)
   """
-  path = os.path.abspath(os.fspath(path))
-  if not os.path.isdir(path):
+  path, fs = _files_of(path)
+  if not fs.isdir(path):
     raise UsageError(f"{path}: no such directory")
-  if _is_item(path):
+  if _is_item(path, fs):
     parent = os.path.dirname(path)
     m = _STEP_RE.match(os.path.basename(parent))
-    if m and os.path.isfile(os.path.join(parent, "_CHECKPOINT_METADATA")):
-      return Location(path, int(m.group(2)), parent, os.path.dirname(parent))
+    if m and fs.isfile(os.path.join(parent, "_CHECKPOINT_METADATA")):
+      return Location(path, int(m.group(2)), parent, os.path.dirname(parent),
+                      fs)
     m = _STEP_RE.match(os.path.basename(path))
-    if m and os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")) \
-        and _steps_of(parent):
-      return Location(path, int(m.group(2)), path, parent)
-    return Location(path)
-  steps = _steps_of(path)
-  if not steps and _items_of(path):  # a step directory
+    if m and fs.isfile(os.path.join(path, "_CHECKPOINT_METADATA")) \
+        and _steps_of(parent, fs):
+      return Location(path, int(m.group(2)), path, parent, fs)
+    return Location(path, files=fs)
+  steps = _steps_of(path, fs)
+  if not steps and _items_of(path, fs):  # a step directory
     m = _STEP_RE.match(os.path.basename(path))
-    return Location(_pick_item(path, item), int(m.group(2)) if m else None,
-                    path, os.path.dirname(path) if m else None)
+    return Location(_pick_item(path, item, fs),
+                    int(m.group(2)) if m else None,
+                    path, os.path.dirname(path) if m else None, fs)
   if not steps:
     raise UsageError(
         f"{path} is not an Orbax checkpoint: no _METADATA or manifest.ocdbt"
@@ -158,15 +198,18 @@ def locate(path: str, *, step: int | None = None,
   if step not in steps:
     raise UsageError(f"{path} has no step {step}; steps: {sorted(steps)}")
   d = steps[step]
-  return Location(d if _is_item(d) else _pick_item(d, item), step, d, path)
+  return Location(d if _is_item(d, fs) else _pick_item(d, item, fs), step, d,
+                  path, fs)
 
 
-def _read_json(path: str) -> Any:
+def _read_json(path: str, fs=None) -> Any:
+  fs = _LOCAL if fs is None else fs
   try:
-    with open(path, "rb") as f:
-      return json.loads(f.read())
+    return json.loads(fs.read(path))
   except FileNotFoundError:
     return None
+  except StoreError:
+    raise
   except (OSError, ValueError) as e:
     raise StoreError(f"{path}: cannot read: {e}") from e
 
@@ -235,10 +278,11 @@ class OrbaxSource(Source):
     import tensorstore as ts
     self.location = locate(path, step=step, item=item)
     d = self.location.item
+    self.fs = self.location.files or _LOCAL
     self.name = f"orbax:{d}"
-    self.meta = _read_json(os.path.join(d, "_METADATA"))
+    self.meta = _read_json(os.path.join(d, "_METADATA"), self.fs)
     self.ocdbt = bool(self.meta.get("use_ocdbt", True)) if self.meta \
-        else os.path.isfile(os.path.join(d, "manifest.ocdbt"))
+        else self.fs.isfile(os.path.join(d, "manifest.ocdbt"))
     zarr3 = self.meta.get("use_zarr3") if self.meta else None
     self._ctx = ts.Context({
         "file_io_concurrency": {"limit": 64},
@@ -259,12 +303,16 @@ class OrbaxSource(Source):
   # -- metadata ------------------------------------------------------------
   def _kvstore(self, param: str | None) -> dict:
     d = self.location.item
+    remote = self.fs is not _LOCAL
     if self.ocdbt:
-      kv = {"driver": "ocdbt", "base": f"file://{d}/",
+      kv = {"driver": "ocdbt",
+            "base": kvstore_spec(d) if remote else f"file://{d}/",
             "cache_pool": "cache_pool#ocdbt"}
       if param is not None:
         kv["path"] = param + "/"
       return kv
+    if remote:
+      return kvstore_spec(os.path.join(d, param) if param else d)
     return {"driver": "file", "path": f"{d}/" + (f"{param}/" if param else "")}
 
   def _list_params(self) -> list[str]:
@@ -273,26 +321,27 @@ class OrbaxSource(Source):
       kv = ts.KvStore.open(self._kvstore(None), context=self._ctx).result()
       keys = [k.decode() for k in kv.list().result()]
     else:
-      d = self.location.item
-      keys = [f"{n}/{f}" for n in os.listdir(d)
-              if os.path.isdir(os.path.join(d, n))
-              for f in os.listdir(os.path.join(d, n))]
+      d, fs = self.location.item, self.fs
+      keys = [f"{n}/{f}" for n in fs.listdir(d)
+              if fs.isdir(os.path.join(d, n))
+              for f in fs.listdir(os.path.join(d, n))]
     return sorted({k.rsplit("/", 1)[0] for k in keys
                    if k.endswith("/zarr.json") or k.endswith("/.zarray")})
 
   def _array_metadatas(self) -> dict[str, dict]:
     d = os.path.join(self.location.item, "array_metadatas")
     out = {}
-    if os.path.isdir(d):
-      for n in sorted(os.listdir(d)):
-        m = _read_json(os.path.join(d, n)) or {}
+    if self.fs.isdir(d):
+      for n in sorted(self.fs.listdir(d)):
+        m = _read_json(os.path.join(d, n), self.fs) or {}
         for a in m.get("array_metadatas", []):
           a = a.get("array_metadata", a)
           out.setdefault(a.get("param_name"), a)
     return out
 
   def _shardings(self) -> dict[str, dict]:
-    raw = _read_json(os.path.join(self.location.item, "_sharding")) or {}
+    raw = _read_json(os.path.join(self.location.item, "_sharding"),
+                     self.fs) or {}
     out = {}
     for k, v in raw.items():
       try:
@@ -517,11 +566,11 @@ def inspect(path: str, *, step: int | None = None,
       zarr = 3 if next(iter(src._stores.values())).spec().to_json()[
           "driver"] == "zarr3" else 2
     ck = _read_json(os.path.join(loc.step_dir or loc.item,
-                                 "_CHECKPOINT_METADATA")) or {}
+                                 "_CHECKPOINT_METADATA"), src.fs) or {}
     return {
         "item": loc.item, "step": loc.step,
-        "steps": sorted(_steps_of(loc.manager_dir)) if loc.manager_dir
-        else None,
+        "steps": sorted(_steps_of(loc.manager_dir, src.fs))
+        if loc.manager_dir else None,
         "format": {"ocdbt": src.ocdbt, "zarr": zarr,
                    "handler": ck.get("item_handlers")},
         "tensors": tensors, "others": src.others,

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ from tenplex_jax._targets import (bind_target, leaf_kind, match_saved,
 from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
                                 UsageError)
 from tenplex_jax.plain import decode_plain, encode_plain
+from tenplex_jax.locations import LOCAL, OBJECT, PEER, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
@@ -47,9 +49,10 @@ from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       _chunk_shape, _take_lock, check_step,
                                       check_tensor_path, ensure_store_id,
                                       from_storage, gc, next_seq,
-                                      prune_snapshots, read_store_id,
+                                      prune_snapshots,
                                       round_id, storage_of, write_current)
-from tenplex_jax.store.server import RemoteStore, is_remote
+from tenplex_jax.store.objects import ObjectStore, upload_snapshot
+from tenplex_jax.store.server import RemoteStore
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
            "save"]
@@ -87,16 +90,25 @@ def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
 
 def open_store(location: str, *, timeout: float = 30.0, retries: int = 2,
                token: str | None = None, ca_file: str | None = None):
-  """A store handle: :class:`HostStore` for a directory, :class:`RemoteStore`
-  for an ``http://HOST:PORT`` or ``https://HOST:PORT`` URL (``token``: the
-  job's store token, default the ``TENPLEX_JAX_STORE_TOKEN`` environment
-  variable; ``ca_file``: the CA that TLS servers are verified against,
-  default ``$TENPLEX_JAX_STORE_CA``; with one set, ``http://`` is
-  refused)."""
-  if is_remote(location):
-    return RemoteStore(location, timeout=timeout, retries=retries,
+  """The store handle of a location (see
+  :func:`tenplex_jax.locations.parse_location`): :class:`HostStore` for a
+  directory, :class:`RemoteStore` for a store server's ``http(s)://HOST:PORT``
+  (``token``: the job's store token, default the ``TENPLEX_JAX_STORE_TOKEN``
+  environment variable; ``ca_file``: the CA that TLS servers are verified
+  against, default ``$TENPLEX_JAX_STORE_CA``; with one set, ``http://`` is
+  refused), :class:`~tenplex_jax.store.objects.ObjectStore` for
+  ``s3://BUCKET/PREFIX`` or ``gs://BUCKET/PREFIX``.
+
+  Raises:
+    UsageError: the location's scheme is unknown.
+  """
+  loc = parse_location(location)
+  if loc.kind == PEER:
+    return RemoteStore(loc.target, timeout=timeout, retries=retries,
                        token=token, ca_file=ca_file)
-  return HostStore(location)
+  if loc.kind == OBJECT:
+    return ObjectStore(loc.target)
+  return HostStore(loc.target)
 
 
 def _is_key(x) -> bool:
@@ -274,23 +286,25 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
     target = central
   else:
     target = location
+  loc = parse_location(target)
+  target = loc.target
   seq = next_seq(target, proc, run)
-  if is_remote(target):
+  if loc.kind == PEER:
     return _upload(RemoteStore(target), proc, nproc, step, ptc, extras,
                    arrays, mode, keep, run, seq)
-  w = SnapshotWriter(target, proc, step=step, seq=seq, run=run)
-  try:
-    for name, leaf, impl, boxes in arrays:
-      t = ptc[name]
-      w.declare(name, dtype=t.dtype, itemsize=t.itemsize, shape=t.shape,
-                key_impl=impl)
-      for box, data in boxes:
-        w.add(name, box, np.asarray(data))
-    snap = w.commit(ptc_json=ptc.to_json(), extras=extras,
-                    num_processes=nproc, mode=mode, keep=keep, run=run)
-  except BaseException:
-    w.abort()
-    raise
+  if loc.kind == OBJECT:
+    # No rename on object storage: the snapshot is written here, then
+    # uploaded chunks first and its manifest (the commit) last.
+    tmp = tempfile.mkdtemp(prefix="tenplex-jax-upload-")
+    try:
+      local = _write_snapshot(tmp, proc, nproc, step, seq, run, ptc, extras,
+                              arrays, mode, keep=0)
+      snap = upload_snapshot(target, tmp, proc, local, keep=keep)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+  else:
+    snap = _write_snapshot(target, proc, nproc, step, seq, run, ptc, extras,
+                           arrays, mode, keep=keep)
   if replicas:
     if not peers or len(peers) < 2:
       raise StoreError(f"replicas={replicas} needs peers=[every process's"
@@ -298,6 +312,23 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
     for k in range(1, min(replicas, len(peers) - 1) + 1):
       replicate(snap, proc, peers[(proc + k) % len(peers)], keep=keep)
   return snap
+
+
+def _write_snapshot(root, proc, nproc, step, seq, run, ptc, extras, arrays,
+                    mode, *, keep):
+  w = SnapshotWriter(root, proc, step=step, seq=seq, run=run)
+  try:
+    for name, leaf, impl, boxes in arrays:
+      t = ptc[name]
+      w.declare(name, dtype=t.dtype, itemsize=t.itemsize, shape=t.shape,
+                key_impl=impl)
+      for box, data in boxes:
+        w.add(name, box, np.asarray(data))
+    return w.commit(ptc_json=ptc.to_json(), extras=extras,
+                    num_processes=nproc, mode=mode, keep=keep, run=run)
+  except BaseException:
+    w.abort()
+    raise
 
 
 def _upload(remote: RemoteStore, proc, nproc, step, ptc, extras, arrays,
@@ -328,8 +359,21 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
               ) -> None:
   """Copies a committed snapshot of process ``proc`` to store ``dest`` (a
   directory, or a store server URL), atomically; ``dest`` then keeps the
-  newest ``keep`` snapshots of ``proc`` (as :func:`save`)."""
-  if is_remote(dest):
+  newest ``keep`` snapshots of ``proc`` (as :func:`save`).
+
+  ``dest`` may be object storage (``s3://``, ``gs://``; see
+  :func:`save`); ``snapshot`` must be a local store's.
+  """
+  if parse_location(snapshot).kind != LOCAL:
+    raise UsageError(f"replicate: {snapshot} is not a local snapshot"
+                     " directory")
+  loc = parse_location(dest)
+  dest = loc.target
+  if loc.kind == OBJECT:
+    upload_snapshot(dest, os.path.dirname(os.path.dirname(os.path.dirname(
+        snapshot))), proc, snapshot, keep=keep)
+    return
+  if loc.kind == PEER:
     src = HostStore(os.path.dirname(os.path.dirname(os.path.dirname(
         snapshot))))
     m = src._snap_manifest(proc, snapshot)
@@ -480,7 +524,7 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
                      ca_file=ca_file)
       if isinstance(h, HostStore):
         h.require_store()
-        sid = read_store_id(h.root) or "dir:" + os.path.realpath(h.root)
+        sid = h.identity()
       else:
         sid = h.store_id or "url:" + h.url
       ms, problems = h.all_rounds()
@@ -499,7 +543,7 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
       if close:
         close()
       continue
-    local = isinstance(h, HostStore)
+    local = isinstance(h, HostStore) and not h.remote
     src = _Source(loc, h, {k: {round_id(m): m for m in v}
                            for k, v in ms.items()}, local,
                   [f"{loc}: {p}" for p in problems])

@@ -31,9 +31,23 @@ def _serve(args) -> int:
   return 0
 
 
-def _store_dir(path: str):
-  """A :class:`HostStore` of ``path``, which must be an existing store."""
+def _store_dir(path: str, verb: str = "this verb"):
+  """The handle of ``path``, which must be an existing store: a directory
+  (:class:`HostStore`) or an object-storage prefix (``ObjectStore``)."""
+  from tenplex_jax.locations import OBJECT, PEER, parse_location
   from tenplex_jax.store.format import HostStore
+  loc = parse_location(path)
+  if loc.kind == PEER:
+    raise UsageError(f"{path}: {verb} takes a store directory or an"
+                     " s3:// or gs:// store, not a store server")
+  if loc.kind == OBJECT:
+    from tenplex_jax.store.objects import ObjectStore
+    st = ObjectStore(loc.target)
+    if not st.is_store():
+      raise UsageError(f"{path} is not a tenplex_jax store (no STORE_ID and"
+                       " no procs/ objects)")
+    return st
+  path = loc.target
   if not os.path.isdir(path):
     raise UsageError(f"{path}: no such directory")
   st = HostStore(path)
@@ -52,10 +66,12 @@ def _when(t) -> str:
 
 
 def _ls(args) -> int:
+  from tenplex_jax.locations import PEER, parse_location
   loc = args.location
-  from tenplex_jax.store.server import RemoteStore, is_remote
-  if is_remote(loc):
-    with RemoteStore(loc, timeout=10, retries=1, ca_file=args.ca_file) as rs:
+  if parse_location(loc).kind == PEER:
+    from tenplex_jax.store.server import RemoteStore
+    with RemoteStore(parse_location(loc).target, timeout=10,
+                     retries=1, ca_file=args.ca_file) as rs:
       rounds, problems = rs.all_rounds()
       current = dict(rs.manifests())
       sid = rs.store_id
@@ -68,7 +84,7 @@ def _ls(args) -> int:
         current[k] = st.manifest(k)
       except StoreError:
         pass
-    sid = st.store_id if os.path.exists(os.path.join(st.root, "STORE_ID")) \
+    sid = st.identity() if not st.identity().startswith(("dir:", "url:")) \
         else None
   print(f"store {loc} (id {sid})")
   if not rounds:
@@ -102,7 +118,7 @@ def _ls(args) -> int:
 def _read(args) -> int:
   import numpy as np
   from tenplex_jax.store.format import check_tensor_path, parse_index
-  st = _store_dir(args.dir)
+  st = _store_dir(args.dir, "store read")
   check_tensor_path(args.path)
   entries = st._round_of(args.path, args.proc, args.step, None)
   shape = entries[0][2]["shape"]
@@ -118,7 +134,7 @@ def _read(args) -> int:
 
 
 def _verify(args) -> int:
-  st = _store_dir(args.dir)
+  st = _store_dir(args.dir, "store verify")
   problems = st.verify()
   rounds, _ = st.all_rounds()
   print(json.dumps({"ok": not problems,
@@ -129,10 +145,14 @@ def _verify(args) -> int:
 
 def _gc(args) -> int:
   from tenplex_jax.store.format import gc
-  st = _store_dir(args.dir)
+  st = _store_dir(args.dir, "store gc")
   if args.min_age < 0:
     raise UsageError(f"--min-age {args.min_age}: must be >= 0")
-  out = gc(st.root, min_age=args.min_age)
+  if st.remote:
+    from tenplex_jax.store.objects import gc_objects
+    out = dict(gc_objects(st.root, min_age=args.min_age), skipped=[])
+  else:
+    out = gc(st.root, min_age=args.min_age)
   print(json.dumps({"bytes_reclaimed": out["bytes"],
                     "removed": out["removed"],
                     "skipped_live": out["skipped"]}, indent=1))
@@ -167,7 +187,8 @@ def register(sub: argparse._SubParsersAction) -> None:
   s.set_defaults(func=_serve)
   s = verbs.add_parser("ls", help="list a store's kept snapshots (step,"
                        " save, run, time, bytes)")
-  s.add_argument("location", help="store directory or http(s)://HOST:PORT")
+  s.add_argument("location", help="store directory, http://HOST:PORT,"
+                 " s3://BUCKET/PREFIX or gs://BUCKET/PREFIX")
   s.add_argument("--ca-file", default=None,
                  help="CA file to verify an https:// server against"
                  " (default: $TENPLEX_JAX_STORE_CA; with one set, http:// is"

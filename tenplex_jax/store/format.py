@@ -395,6 +395,12 @@ def read_current(pdir: str) -> str | None:
     return None
   except OSError as e:
     raise StoreError(f"{pdir}/CURRENT is unreadable: {e}") from e
+  return parse_current(raw, pdir)
+
+
+def parse_current(raw: bytes, pdir: str) -> str:
+  """The snapshot name in the bytes ``raw`` of ``pdir/CURRENT``, checked
+  (see :func:`read_current`)."""
   try:
     lines = raw.decode("ascii").split("\n")
   except UnicodeDecodeError:
@@ -627,7 +633,7 @@ class _Chunk:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ChunkWalk:
+class ChunkWalk:
   """Where a sub-box of a held box lies in the held box's chunk files
   (format version 2: ``chunk_rows`` rows of the held box per file)."""
   storage: np.dtype
@@ -649,7 +655,7 @@ class _ChunkWalk:
 
   @classmethod
   def of(cls, root: str, path: str, box: Box, proc: int, t: dict, b: dict,
-         held: Box, snap: str) -> _ChunkWalk:
+         held: Box, snap: str) -> ChunkWalk:
     extra = tuple((0, e) for e in t["extra"])
     sbox, sheld = tuple(box) + extra, tuple(held) + extra
     hshape = tuple(h1 - h0 for h0, h1 in sheld)
@@ -706,8 +712,10 @@ class ChunkMaps:
     self.mapped = 0  # chunk files mapped (and checksummed)
 
   def payload(self, fname: str, chunk_bytes: int, crc: int,
-              what: str) -> np.ndarray:
-    """The verified payload of chunk file ``fname`` (uint8, read-only).
+              what: str, load=None) -> np.ndarray:
+    """The verified payload of chunk file ``fname`` (uint8, read-only);
+    ``load(fname, chunk_bytes, crc, what)`` reads and checks it (default:
+    a memory map of the local file).
 
     Raises:
       ChecksumError: the file has the wrong size or fails its checksum.
@@ -719,7 +727,7 @@ class ChunkMaps:
         entry = self._maps[fname] = [threading.Lock(), None]
     with entry[0]:
       if entry[1] is None:
-        entry[1] = _map_chunk(fname, chunk_bytes, crc, what)
+        entry[1] = (load or _map_chunk)(fname, chunk_bytes, crc, what)
         with self._lock:
           self.mapped += 1
       return entry[1]
@@ -1064,6 +1072,16 @@ def _lock_is_free(path: str) -> bool:
   return True
 
 
+def snap_key(name: str) -> tuple[int, int, str]:
+  """(step, sequence number, uid) of a snapshot name (orders rounds)."""
+  return _snap_key(name)
+
+
+def is_snapshot_name(name: str) -> bool:
+  """Whether ``name`` has the form of a committed snapshot's name."""
+  return _SNAP_NAME.fullmatch(name) is not None
+
+
 def _snap_key(name: str) -> tuple[int, int, str]:
   m = _SNAP_NAME.fullmatch(name)
   return int(m.group(1)), int(m.group(2) or 0), name
@@ -1297,6 +1315,10 @@ class HostStore:
     [[2.0, 3.0], [6.0, 7.0]]
   """
 
+  #: whether the store is on this host (a directory), as opposed to an
+  #: object-storage bucket read over the network (see ``ObjectStore``)
+  remote = False
+
   def __init__(self, root: str):
     self.root = os.path.abspath(root)
     private.check_dir(self.root)
@@ -1305,6 +1327,30 @@ class HostStore:
     self._snap_manifests: dict[str, dict] = {}
     self._arrays: dict[str, Any] = {}
     self._lock = threading.Lock()
+
+  # The file system primitives the read side uses (object stores override
+  # them): list a directory, test a path, read a small file, CURRENT.
+
+  def _listdir(self, path: str) -> list[str]:
+    """The names in directory ``path``; OSError if it cannot be listed."""
+    return os.listdir(path)
+
+  def _exists(self, path: str) -> bool:
+    return os.path.exists(path)
+
+  def _read_small(self, path: str) -> bytes:
+    """The bytes of a small file (a manifest); OSError if unreadable."""
+    with open(path, "rb") as f:
+      return f.read()
+
+  def _current(self, pdir: str) -> str | None:
+    """The snapshot name ``pdir/CURRENT`` names (see :func:`read_current`)."""
+    return read_current(pdir)
+
+  def identity(self) -> str:
+    """What tells two handles of one store apart from other stores: its
+    ``STORE_ID``, else its real path."""
+    return read_store_id(self.root) or "dir:" + os.path.realpath(self.root)
 
   def is_store(self) -> bool:
     """Whether the directory is a store (has a ``STORE_ID`` or ``procs/``)."""
@@ -1332,14 +1378,16 @@ class HostStore:
   def procs(self) -> list[int]:
     """Processes (of the saving job) with a committed snapshot here."""
     d = os.path.join(self.root, "procs")
-    if not os.path.isdir(d):
+    try:
+      top = self._listdir(d)
+    except OSError:
       return []
     out = []
-    for n in os.listdir(d):
+    for n in top:
       if not (n.isdigit() and n.isascii()):
         continue
       try:
-        names = os.listdir(os.path.join(d, n))
+        names = self._listdir(os.path.join(d, n))
       except OSError:
         continue
       if "CURRENT" in names or any(_SNAP_NAME.fullmatch(x) for x in names):
@@ -1349,7 +1397,7 @@ class HostStore:
   def _names(self, proc: int) -> list[str]:
     """Process ``proc``'s committed snapshot names, oldest first."""
     try:
-      names = os.listdir(self._pdir(proc))
+      names = self._listdir(self._pdir(proc))
     except OSError:
       return []
     return sorted((n for n in names if _SNAP_NAME.fullmatch(n)),
@@ -1363,7 +1411,7 @@ class HostStore:
     out, problems = [], []
     pdir = self._pdir(proc)
     try:
-      read_current(pdir)
+      self._current(pdir)
     except StoreError as e:
       problems.append(str(e))
     for n in self._names(proc):
@@ -1371,7 +1419,7 @@ class HostStore:
       try:
         m = self._snap_manifest(proc, snap)
       except StoreError as e:
-        if os.path.exists(snap):  # not deleted meanwhile by a new commit
+        if self._exists(snap):  # not deleted meanwhile by a new commit
           problems.append(str(e))
         continue
       if (m["step"], int(m.get("seq", 0))) != _snap_key(n)[:2] and \
@@ -1402,7 +1450,7 @@ class HostStore:
     """
     pdir = self._pdir(proc)
     return {_snap_key(n)[0]: os.path.join(pdir, n) for n in self._names(proc)
-            if os.path.exists(os.path.join(pdir, n, "manifest.json"))}
+            if self._exists(os.path.join(pdir, n, "manifest.json"))}
 
   def snapshot_dir(self, proc: int, step: int | None = None,
                    round: str | None = None) -> str:
@@ -1428,7 +1476,7 @@ class HostStore:
         return best[1]
       raise StoreError(f"store {self.root} holds no snapshot of round"
                        f" {round!r} of process {proc}")
-    cur = read_current(pdir)
+    cur = self._current(pdir)
     if cur is None:
       raise StoreError(f"store {self.root} holds no snapshot of process"
                        f" {proc} (it holds {self.procs()})")
@@ -1469,8 +1517,7 @@ class HostStore:
   def _read_manifest(self, proc: int, snap: str) -> dict:
     where = f"store {self.root}: manifest of process {proc} ({snap})"
     try:
-      with open(os.path.join(snap, "manifest.json"), "rb") as f:
-        m = json.loads(f.read())
+      m = json.loads(self._read_small(os.path.join(snap, "manifest.json")))
     except (OSError, ValueError) as e:
       raise StoreError(f"{where} is unreadable: {e}") from e
     return check_manifest(m, where, proc=proc)
@@ -1632,7 +1679,7 @@ class HostStore:
       dest[...] = self.read_storage(path, box, proc=proc, step=step,
                                     round=round)
       return dest.nbytes
-    w = _ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
+    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
     own = maps is None
     if own:
       maps = ChunkMaps()
@@ -1678,7 +1725,7 @@ class HostStore:
     if "chunk_rows" not in b:
       return [self.read_storage(path, box, proc=proc, step=step,
                                 round=round).reshape(-1)]
-    w = _ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
+    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
     if maps is None:
       maps = ChunkMaps()
     out = []

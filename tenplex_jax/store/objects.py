@@ -1,0 +1,380 @@
+"""Stores on object storage: ``s3://BUCKET/PREFIX`` and ``gs://BUCKET/PREFIX``.
+
+The same layout as a store directory (``STORE_ID``, ``procs/<k>/<snapshot>/
+manifest.json``, zarr3 chunk files with crc32c trailers, ``CURRENT``), one
+object per file.
+
+Writing (:func:`upload_snapshot`): :func:`tenplex_jax.store.save` writes
+the snapshot into a local temporary directory as for a local store, then
+uploads its chunk files, then its ``manifest.json``, then ``CURRENT``.
+Object stores have no rename, so the manifest is the commit: readers see
+only snapshots whose manifest exists, and the manifest is written after
+every chunk it names. A save killed half-way leaves chunk objects without
+a manifest, which no restore uses (the previous round stays the newest)
+and :func:`gc_objects` deletes.
+
+Reading (:class:`ObjectStore`): one listing when the handle opens; small
+objects (manifests, ``CURRENT``, ``STORE_ID``) through fsspec; chunk files
+through tensorstore's ``s3``/``gcs`` kvstore, each fetched whole (a chunk
+is at most 16 MiB and is checked against its crc32c before its bytes are
+used) and only once per restore. Reading never creates or changes an
+object.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from tenplex_jax.cloud import (filesystem, fs_path, kvstore_spec,
+                               location_error, split_url)
+from tenplex_jax.errors import ChecksumError, StoreError
+from tenplex_jax.store.format import (ChunkMaps, ChunkWalk, HostStore, crc32c,
+                                      is_snapshot_name, parse_current,
+                                      snap_key)
+
+__all__ = ["ObjectStore", "gc_objects", "upload_snapshot"]
+
+# Chunk paths are resolved against this stand-in root (ChunkWalk checks that
+# a box's directory stays inside its snapshot), then mapped to object keys.
+_KEYROOT = "/tenplex-jax-object-keys"
+_RETRIES = {"max_retries": 3, "initial_delay": "0.1s", "max_delay": "1s"}
+_TIMEOUT_S = 120.0
+
+
+class ObjectStore(HostStore):
+  """Reads a store on object storage (never writes to it).
+
+  Args:
+    url: ``s3://BUCKET/PREFIX`` or ``gs://BUCKET/PREFIX``.
+
+  Attributes:
+    bytes_fetched: bytes read from the bucket by this handle (listings
+      not counted).
+
+  Raises:
+    LocationError: the bucket does not exist, the credentials are refused
+      or the server does not answer (one line naming the location).
+  """
+
+  remote = True
+
+  def __init__(self, url: str):
+    scheme, bucket, key = split_url(url)
+    self.scheme = scheme
+    self.root = self.url = f"{scheme}://{bucket}" + (f"/{key}" if key else "")
+    self._fs = filesystem(scheme)
+    self._fsroot = fs_path(self.root)
+    self._snap_manifests: dict[str, dict] = {}
+    self._arrays: dict[str, Any] = {}
+    self._lock = threading.Lock()
+    self._kv = None
+    self.bytes_fetched = 0
+    self._keys = self._list()
+    self._dirs: dict[str, set[str]] = {}
+    for k in self._keys:
+      parts = k.split("/")
+      for i in range(len(parts)):
+        self._dirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
+
+  def _list(self) -> set[str]:
+    try:
+      found = self._fs.find(self._fsroot)
+      if not found:  # an empty prefix, or no bucket at all
+        self._fs.ls(self._fsroot.split("/")[0])
+    except Exception as e:
+      raise location_error(self.root, e, "listing") from e
+    n = len(self._fsroot) + 1
+    return {f[n:] for f in found if f.startswith(self._fsroot + "/")}
+
+  def _rel(self, path: str) -> str:
+    if path == self.root:
+      return ""
+    if not path.startswith(self.root + "/"):
+      raise StoreError(f"{path} is not inside store {self.root}")
+    return path[len(self.root) + 1:]
+
+  def _listdir(self, path: str) -> list[str]:
+    names = self._dirs.get(self._rel(path))
+    if names is None:
+      raise FileNotFoundError(path)
+    return sorted(names)
+
+  def _exists(self, path: str) -> bool:
+    rel = self._rel(path)
+    return rel in self._keys or rel in self._dirs
+
+  def _read_small(self, path: str) -> bytes:
+    rel = self._rel(path)
+    if rel not in self._keys:
+      raise FileNotFoundError(path)
+    try:
+      data = self._fs.cat_file(f"{self._fsroot}/{rel}")
+    except FileNotFoundError:
+      raise
+    except Exception as e:
+      raise location_error(path, e, "reading") from e
+    with self._lock:
+      self.bytes_fetched += len(data)
+    return data
+
+  def _current(self, pdir: str) -> str | None:
+    try:
+      raw = self._read_small(pdir + "/CURRENT")
+    except FileNotFoundError:
+      return None
+    return parse_current(raw[:4096], pdir)
+
+  def _names(self, proc: int) -> list[str]:
+    # Only committed snapshots: the manifest is written last.
+    pdir = self._pdir(proc)
+    return [n for n in super()._names(proc)
+            if self._exists(f"{pdir}/{n}/manifest.json")]
+
+  def is_store(self) -> bool:
+    return "STORE_ID" in self._keys or "procs" in self._dirs.get("", ())
+
+  def require_store(self) -> None:
+    if not self.is_store():
+      raise StoreError(f"{self.root} is not a tenplex_jax store (no STORE_ID"
+                       " and no procs/ objects)")
+
+  @property
+  def store_id(self) -> str:
+    try:
+      sid = self._read_small(self.root + "/STORE_ID")[:200].decode().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+      sid = ""
+    if not sid:
+      raise StoreError(f"{self.root} is not a tenplex_jax store (no"
+                       " STORE_ID)")
+    return sid
+
+  def identity(self) -> str:
+    try:
+      return self.store_id
+    except StoreError:
+      return "url:" + self.root
+
+  def _array(self, snap: str, rel: str):
+    raise StoreError(f"store {self.root}: {snap} is in store format 1,"
+                     " which object storage does not hold")
+
+  def _kvstore(self):
+    with self._lock:
+      if self._kv is None:
+        import tensorstore as ts
+        spec = kvstore_spec(self.root)
+        retries = "s3_request_retries" if self.scheme == "s3" \
+            else "gcs_request_retries"
+        spec["context"] = {retries: _RETRIES}
+        try:
+          self._kv = ts.KvStore.open(spec).result(timeout=_TIMEOUT_S)
+        except Exception as e:
+          raise location_error(self.root, e, "opening") from e
+      return self._kv
+
+  def _load_chunk(self, fname: str, chunk_bytes: int, crc: int,
+                  what: str) -> np.ndarray:
+    """Fetches chunk object ``fname`` whole and checks it (size, crc32c
+    trailer, the manifest's crc32c)."""
+    key = self._rel(fname)
+    try:
+      r = self._kvstore().read(key).result(timeout=_TIMEOUT_S)
+    except Exception as e:
+      raise location_error(fname, e, f"reading {what}") from e
+    if r.state != "value":
+      raise StoreError(f"{what}: chunk object {fname} is missing")
+    data = np.frombuffer(r.value, np.uint8)
+    with self._lock:
+      self.bytes_fetched += data.nbytes
+    if data.nbytes != chunk_bytes + 4:
+      raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
+                          f" object has {data.nbytes} bytes, not"
+                          f" {chunk_bytes + 4}")
+    payload = data[:chunk_bytes]
+    got = crc32c(payload)
+    if got != int.from_bytes(data[chunk_bytes:].tobytes(), "little") \
+        or got != crc:
+      raise ChecksumError(f"{what}: chunk checksum mismatch (crc32c)")
+    return payload
+
+  def read_into(self, path, box, dest, *, proc=None, maps=None, step=None,
+                round=None) -> int:
+    """Reads sub-box ``box`` of ``path`` (storage dtype) into ``dest``:
+    each chunk it touches is fetched whole once per ``maps`` (one
+    restore), checked, and its rows copied into ``dest``. See
+    :meth:`HostStore.read_into`."""
+    proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    storage = np.dtype(t["storage"])
+    shape = tuple(hi - lo for lo, hi in box) + tuple(t["extra"])
+    if dest.shape != shape or dest.dtype != storage:
+      raise StoreError(f"{path} box {list(box)}: destination is"
+                       f" {dest.dtype}{list(dest.shape)}, needs"
+                       f" {storage}{list(shape)}")
+    if 0 in shape:
+      return 0
+    if "chunk_rows" not in b:
+      self._array(snap, b["dir"])
+    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
+    maps = ChunkMaps() if maps is None else maps
+    for c in w.chunks:
+      fname = snap + c.fname[len(_KEYROOT):]
+      data = maps.payload(fname, w.chunk_bytes, c.crc, c.what,
+                          load=self._load_chunk)
+      part = dest[c.r0 - w.lo:c.r1 - w.lo] if w.ndim else dest
+      part[...] = w.rows_of(data, c) if w.ndim \
+          else data.view(w.storage).reshape(())
+    return dest.nbytes
+
+  def read_storage(self, path, box, *, proc=None, step=None, round=None
+                   ) -> np.ndarray:
+    """Reads sub-box ``box`` of ``path`` in its storage dtype (see
+    :meth:`read_into`)."""
+    _, t, _, _, _ = self._locate(path, box, proc, step, round)
+    box = tuple(tuple(r) for r in box)
+    out = np.empty(tuple(hi - lo for lo, hi in box) + tuple(t["extra"]),
+                   np.dtype(t["storage"]))
+    self.read_into(path, box, out, proc=proc, step=step, round=round)
+    return out
+
+  def read_segments(self, *args, **kwargs):
+    raise StoreError(f"store {self.root}: a store server serves local"
+                     " directories only")
+
+
+def _walk(local: str):
+  for d, _, files in os.walk(local):
+    for f in sorted(files):
+      full = os.path.join(d, f)
+      yield full, os.path.relpath(full, local).replace(os.sep, "/")
+
+
+def upload_snapshot(url: str, local_root: str, proc: int, local_snap: str,
+                    *, keep: int) -> str:
+  """Uploads a committed local snapshot of process ``proc`` (in store
+  directory ``local_root``) to the store at ``url``; returns the snapshot's
+  URL.
+
+  Order: ``STORE_ID`` (a new id) if the store has none, every chunk object, then the
+  manifest (the commit), then ``CURRENT``; then this process's snapshots
+  beyond ``keep`` (and those of an abandoned run, as a local save) are
+  deleted, each manifest first. An upload that fails raises
+  :class:`LocationError` and commits nothing.
+  """
+  scheme, _, _ = split_url(url)
+  fs = filesystem(scheme)
+  base = fs_path(url)
+  name = os.path.basename(local_snap)
+  pkey = f"procs/{int(proc)}"
+  try:
+    if not fs.exists(f"{base}/STORE_ID"):  # a new store: its own id
+      fs.pipe_file(f"{base}/STORE_ID", uuid.uuid4().hex.encode())
+    files = [(full, rel) for full, rel in _walk(local_snap)
+             if rel != "manifest.json"]
+    if files:
+      fs.put([f for f, _ in files],
+             [f"{base}/{pkey}/{name}/{r}" for _, r in files])
+    fs.put_file(os.path.join(local_snap, "manifest.json"),
+                f"{base}/{pkey}/{name}/manifest.json")
+    fs.put_file(os.path.join(local_root, pkey, "CURRENT"),
+                f"{base}/{pkey}/CURRENT")
+  except Exception as e:
+    raise location_error(url, e, f"uploading snapshot {name}") from e
+  _prune(url, fs, base, int(proc), name, keep)
+  return f"{url}/{pkey}/{name}"
+
+
+def _delete(fs, base: str, pkey: str, name: str) -> None:
+  fs.rm_file(f"{base}/{pkey}/{name}/manifest.json")  # uncommit first
+  fs.rm(f"{base}/{pkey}/{name}", recursive=True)
+
+
+def _prune(url: str, fs, base: str, proc: int, current: str,
+           keep: int) -> None:
+  """As :func:`tenplex_jax.store.format.prune_snapshots`, on objects."""
+  st = ObjectStore(url)
+  pkey = f"procs/{proc}"
+  pdir = f"{st.root}/{pkey}"
+  step, seq, _ = snap_key(current)
+
+  def run_of(n):
+    try:
+      return st._snap_manifest(proc, f"{pdir}/{n}").get("run", "")
+    except StoreError:
+      return None
+
+  run = run_of(current)
+  names = [n for n in st._names(proc) if n != current]
+  went_back = any(snap_key(n)[0] > step for n in names)
+  kept = []
+  try:
+    for n in names:
+      st_, sq, _ = snap_key(n)
+      if st_ > step or (st_ == step and (went_back or sq >= seq
+                                         or run_of(n) != run)):
+        _delete(fs, base, pkey, n)
+      else:
+        kept.append(n)
+    kept.sort(key=snap_key)
+    for n in (kept[:max(0, len(kept) + 1 - keep)] if keep else []):
+      _delete(fs, base, pkey, n)
+  except Exception as e:
+    raise location_error(url, e, "deleting old snapshots") from e
+
+
+def _mtime(info: dict) -> float:
+  for k in ("LastModified", "updated", "mtime"):
+    v = info.get(k)
+    if v is None:
+      continue
+    if hasattr(v, "timestamp"):
+      return v.timestamp()
+    try:
+      import datetime
+      return datetime.datetime.fromisoformat(
+          str(v).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+      continue
+  return time.time()
+
+
+def gc_objects(url: str, *, min_age: float = 600.0) -> dict:
+  """Deletes what interrupted saves left in the store at ``url``: the
+  objects of snapshots without a manifest whose newest object is older
+  than ``min_age`` seconds (younger ones may be uploads in progress).
+
+  Returns:
+    ``{"removed": [snapshot URLs], "bytes": bytes deleted}``.
+  """
+  scheme, _, _ = split_url(url)
+  fs = filesystem(scheme)
+  base = fs_path(url)
+  try:
+    infos = fs.find(f"{base}/procs", detail=True)
+  except Exception as e:
+    raise location_error(url, e, "listing") from e
+  snaps: dict[str, list] = {}
+  for full, info in infos.items():
+    parts = full[len(base) + 1:].split("/")
+    if len(parts) >= 4 and parts[0] == "procs" and is_snapshot_name(parts[2]):
+      snaps.setdefault("/".join(parts[:3]), []).append((parts[3:], info))
+  now = time.time()
+  removed, nbytes = [], 0
+  for key, objs in sorted(snaps.items()):
+    if any(p == ["manifest.json"] for p, _ in objs):
+      continue
+    if now - max(_mtime(i) for _, i in objs) < min_age:
+      continue
+    try:
+      fs.rm(f"{base}/{key}", recursive=True)
+    except Exception as e:
+      raise location_error(url, e, f"deleting {key}") from e
+    removed.append(f"{url}/{key}")
+    nbytes += sum(int(i.get("size") or 0) for _, i in objs)
+  return {"removed": removed, "bytes": nbytes}

@@ -1,0 +1,399 @@
+"""Stores and Orbax checkpoints on object storage, against real servers of
+those APIs started here on loopback (moto's S3 server, gcp-storage-emulator),
+and the location registry (an unknown scheme is an error, never a path)."""
+
+import contextlib
+import io
+import os
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tenplex_jax as tj
+import tenplex_jax.orbax as tjo
+from tenplex_jax import cli
+from tenplex_jax.errors import LocationError, StoreError, UsageError
+from tenplex_jax.locations import SCHEMES, parse_location
+from tenplex_jax.store import HostStore, RemoteStore, make_server, open_store
+from tenplex_jax.store.objects import ObjectStore, gc_objects
+
+from objservers import (gcs_env, gcs_server, moto_server, new_bucket,
+                        new_gcs_bucket, s3_env, s3_require_auth,
+                        snapshot_objects, upload_dir)
+
+pytestmark = pytest.mark.filterwarnings(
+    # botocore/aiobotocore and gcsfs internals, not ours to fix.
+    "ignore::DeprecationWarning", "ignore::ResourceWarning",
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+def _mesh(shape, names=("a", "b")):
+  return jax.make_mesh(shape, names, devices=jax.devices()[:np.prod(shape)])
+
+
+def _state(seed=0):
+  m = _mesh((4, 2))
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal((64, 48)).astype(np.float32)
+  b = rng.integers(0, 1 << 30, (48,), dtype=np.int32)
+  return {"w": jax.device_put(w, NamedSharding(m, P("a", "b"))),
+          "b": jax.device_put(b, NamedSharding(m, P())),
+          "step": 7}, {"w": w, "b": b}
+
+
+def _target():
+  m = _mesh((2, 4))
+  return {"w": jax.ShapeDtypeStruct((64, 48), jnp.float32,
+                                    sharding=NamedSharding(m, P("b", "a"))),
+          "b": jax.ShapeDtypeStruct((48,), jnp.int32,
+                                    sharding=NamedSharding(m, P("b"))),
+          "step": 0}
+
+
+def _check(out, want, target):
+  for k in ("w", "b"):
+    np.testing.assert_array_equal(np.asarray(out[k]), want[k])
+    assert out[k].sharding == target[k].sharding
+  assert out["step"] == 7
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+  with moto_server() as srv:
+    yield srv.endpoint
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+  """A fresh bucket on the module's S3 server; the AWS variables set."""
+  s3_env(monkeypatch, s3_server)
+  return new_bucket(s3_server)
+
+
+@pytest.fixture(scope="module")
+def gcs_url():
+  with gcs_server() as url:
+    yield url
+
+
+@pytest.fixture
+def gs(gcs_url, monkeypatch):
+  gcs_env(monkeypatch, gcs_url)
+  return new_gcs_bucket()
+
+
+def _cli(*argv):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    rc = cli.main(list(argv))
+  return rc, out.getvalue()
+
+
+# ------------------------------------------------------------ the registry
+
+
+@pytest.mark.parametrize("loc", ["foo://x", "S4://bucket/p", "hdfs://nn/p"])
+def test_unknown_scheme_is_a_usage_error_never_a_path(loc, tmp_path,
+                                                      monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  state, _ = _state()
+  calls = [lambda: tj.store.save(state, loc),
+           lambda: tj.store.restore([loc], _target()),
+           lambda: open_store(loc),
+           lambda: tjo.inspect(loc),
+           lambda: tjo.restore(loc, _target()),
+           lambda: tjo.convert(str(tmp_path), loc)]
+  for call in calls:
+    with pytest.raises(UsageError) as e:
+      call()
+    assert "unknown scheme" in str(e.value)
+    for s in SCHEMES:
+      assert f"{s}://" in str(e.value)
+  for argv in (["store", "ls", loc], ["store", "verify", loc],
+               ["store", "gc", loc], ["ckpt", "inspect", loc]):
+    rc, _ = _cli(*argv)
+    assert rc == 2, argv
+  assert os.listdir(tmp_path) == []  # nothing written as a local path
+
+
+def test_parse_location_kinds():
+  assert parse_location("s3://b-1/x/").target == "s3://b-1/x"
+  assert parse_location("gs://b-1/x").kind == "object"
+  assert parse_location("https://h:1").kind == "peer"
+  assert parse_location("file:///tmp/x").target == "/tmp/x"
+  assert parse_location("rel/dir").kind == "local"
+  with pytest.raises(UsageError, match="absolute"):
+    parse_location("file://rel")
+
+
+# ------------------------------------------------ every handle, one contract
+
+
+@pytest.fixture(params=["dir", "http", "s3", "gs"])
+def any_store(request, tmp_path):
+  """A store location of each kind, holding two rounds of ``_state``."""
+  state, want = _state()
+  kind = request.param
+  if kind in ("dir", "http"):
+    loc = str(tmp_path / "store")
+  elif kind == "s3":
+    loc = f"s3://{request.getfixturevalue('s3')}/run"
+  else:
+    loc = f"gs://{request.getfixturevalue('gs')}/run"
+  tj.store.save(state, loc, step=6)
+  tj.store.save(state, loc, step=7)
+  if kind != "http":
+    yield kind, loc, want
+    return
+  srv = make_server(loc, 0)
+  th = threading.Thread(target=srv.serve_forever, daemon=True)
+  th.start()
+  try:
+    yield kind, f"http://127.0.0.1:{srv.server_address[1]}", want
+  finally:
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_every_handle_runs_the_contract(any_store):
+  kind, loc, want = any_store
+  h = open_store(loc)
+  try:
+    assert isinstance(h, {"dir": HostStore, "http": RemoteStore,
+                          "s3": ObjectStore, "gs": ObjectStore}[kind])
+    rounds, problems = h.all_rounds()
+    assert problems == []
+    assert [m["step"] for m in rounds[0]] == [6, 7]
+    assert h.manifests()[0]["step"] == 7
+    assert h.store_id
+    got = h.read_storage("w", ((3, 9), (5, 20)), proc=0)
+    np.testing.assert_array_equal(got.view(np.float32), want["w"][3:9, 5:20])
+  finally:
+    close = getattr(h, "close", None)
+    if close:
+      close()
+  target = _target()
+  _check(tj.store.restore([loc], target), want, target)
+
+
+# ------------------------------------------------------------- tenplex stores
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_store_on_object_storage_restores_onto_a_new_mesh(scheme, request,
+                                                          monkeypatch):
+  bucket = request.getfixturevalue("s3" if scheme == "s3" else "gs")
+  url = f"{scheme}://{bucket}/ckpts/run1"
+  state, want = _state()
+  snap = tj.store.save(state, url, step=7)
+  assert snap.startswith(url + "/procs/0/snap-")
+  before = snapshot_objects(scheme, bucket)
+  assert any(k.endswith("/manifest.json") for k in before)
+  fetched = []
+  load = ObjectStore._load_chunk
+
+  def counting(self, *a):
+    data = load(self, *a)
+    fetched.append(data.nbytes + 4)
+    return data
+
+  monkeypatch.setattr(ObjectStore, "_load_chunk", counting)
+  target = _target()
+  out, rep = tj.store.restore_with_report([url], target)
+  _check(out, want, target)
+  # Only the boxes' chunks, each once: the plan's bytes (the whole state,
+  # one process), plus the 4-byte checksum trailers.
+  assert rep.state_bytes == want["w"].nbytes + want["b"].nbytes
+  assert sum(fetched) <= 1.1 * rep.state_bytes, (sum(fetched), rep)
+  # Reading wrote nothing: restore, ls, verify.
+  rc, text = _cli("store", "ls", url, "--tensors")
+  assert rc == 0 and "step        7" in text and "w" in text
+  rc, text = _cli("store", "verify", url)
+  assert rc == 0 and '"ok": true' in text
+  assert snapshot_objects(scheme, bucket) == before
+  assert not os.path.exists("s3:") and not os.path.exists("gs:")
+
+
+def test_store_keeps_rounds_and_prunes_on_s3(s3):
+  url = f"s3://{s3}/p"
+  state, want = _state()
+  for step in (1, 2, 3):
+    tj.store.save(state, url, step=step, keep=2)
+  st = ObjectStore(url)
+  assert [m["step"] for m in st.all_rounds()[0][0]] == [2, 3]
+  assert st.manifest(0)["step"] == 3  # CURRENT
+
+
+def test_interrupted_save_never_becomes_the_newest_round(s3, monkeypatch):
+  url = f"s3://{s3}/p"
+  state, want = _state()
+  tj.store.save(state, url, step=7)
+  import tenplex_jax.store.objects as objects
+  real = objects.filesystem
+
+  class Killed(BaseException):
+    pass
+
+  def dying(scheme):
+    fs = real(scheme)
+    put_file = fs.put_file
+
+    def put(lpath, rpath, **kw):
+      if rpath.endswith("manifest.json"):
+        raise Killed("killed before the commit")
+      return put_file(lpath, rpath, **kw)
+
+    fs.put_file = put
+    return fs
+
+  monkeypatch.setattr(objects, "filesystem", dying)
+  newer = {"w": state["w"] * 2, "b": state["b"], "step": 8}
+  with pytest.raises(Killed):
+    tj.store.save(newer, url, step=8)
+  monkeypatch.setattr(objects, "filesystem", real)
+  # The half-uploaded round's chunks are there, but no manifest.
+  keys = snapshot_objects("s3", s3)
+  partial = {p for k in keys for p in k.split("/")
+             if p.startswith("snap-0000000008")}
+  assert len(partial) == 1
+  assert not any(k.endswith("manifest.json") and "snap-0000000008" in k
+                 for k in keys)
+  target = _target()
+  out = tj.store.restore([url], target)
+  _check(out, want, target)  # the previous round, bitwise
+  assert gc_objects(url, min_age=3600)["removed"] == []  # maybe in flight
+  got = gc_objects(url, min_age=0)
+  assert [r.rsplit("/", 1)[1] for r in got["removed"]] == sorted(partial)
+  assert got["bytes"] > 0
+  assert not any("snap-0000000008" in k for k in snapshot_objects("s3", s3))
+  _check(tj.store.restore([url], target), want, target)
+
+
+def test_missing_bucket_is_one_clear_line(s3_server, monkeypatch):
+  s3_env(monkeypatch, s3_server)
+  url = "s3://no-such-bucket-here/run"
+  for call in (lambda: ObjectStore(url), lambda: tjo.inspect(url),
+               lambda: tj.store.save(_state()[0], url)):
+    with pytest.raises(LocationError) as e:
+      call()
+    msg = str(e.value)
+    assert "no-such-bucket-here" in msg and "bucket does not exist" in msg
+    assert "\n" not in msg
+  with pytest.raises(StoreError, match="no-such-bucket-here.*bucket does not"
+                     " exist"):
+    tj.store.restore([url], _target())
+
+
+def test_wrong_credentials_are_one_clear_line(s3_server, monkeypatch):
+  s3_env(monkeypatch, s3_server)
+  bucket = new_bucket(s3_server)
+  url = f"s3://{bucket}/run"
+  tj.store.save(_state()[0], url)
+  s3_require_auth(s3_server, True)
+  try:
+    s3_env(monkeypatch, s3_server, key="wrong")
+    for call in (lambda: ObjectStore(url), lambda: tjo.inspect(url),
+                 lambda: tj.store.save(_state()[0], url)):
+      with pytest.raises(LocationError) as e:
+        call()
+      msg = str(e.value)
+      assert url in msg and "credentials were refused" in msg, msg
+      assert "\n" not in msg
+  finally:
+    s3_require_auth(s3_server, False)
+
+
+def test_server_killed_mid_read(monkeypatch, tmp_path, gs):
+  """A restore whose S3 server dies after the first chunk: a clear error
+  naming the location; with a replica of the round on GCS, GCS serves."""
+  state, want = _state()
+  local = str(tmp_path / "local")
+  snap = tj.store.save(state, local, step=7)
+  gurl = f"gs://{gs}/replica"
+  tj.store.replicate(snap, 0, gurl)
+  load = ObjectStore._load_chunk
+  for with_replica in (False, True):
+    with moto_server() as srv:
+      s3_env(monkeypatch, srv.endpoint)
+      url = f"s3://{new_bucket(srv.endpoint)}/run"
+      tj.store.replicate(snap, 0, url)
+      calls = []
+
+      def dying(self, *a):
+        if self.scheme == "s3":
+          calls.append(1)
+          if len(calls) == 2:
+            srv.stop()
+        return load(self, *a)
+
+      monkeypatch.setattr(ObjectStore, "_load_chunk", dying)
+      target = _target()
+      if not with_replica:
+        with pytest.raises(StoreError) as e:
+          tj.store.restore([url], target)
+        assert url in str(e.value)
+        assert "server does not answer" in str(e.value)
+      else:
+        out, rep = tj.store.restore_with_report([url, gurl], target)
+        _check(out, want, target)
+        assert rep.fallbacks
+      monkeypatch.setattr(ObjectStore, "_load_chunk", load)
+
+
+# ---------------------------------------------------------- Orbax checkpoints
+
+
+def _orbax_manager_dir(state):
+  d = tempfile.mkdtemp(prefix="tenplex-test-orbax-")
+  with ocp.CheckpointManager(d) as m:
+    m.save(3, args=ocp.args.StandardSave({"w": state["w"],
+                                          "b": state["b"]}))
+    m.save(5, args=ocp.args.StandardSave({"w": state["w"] + 1,
+                                          "b": state["b"]}))
+  return d
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_orbax_checkpoint_on_object_storage(scheme, request):
+  bucket = request.getfixturevalue("s3" if scheme == "s3" else "gs")
+  state, want = _state()
+  d = _orbax_manager_dir(state)
+  try:
+    upload_dir(d, scheme, bucket, "ckpts/orbax")
+  finally:
+    import shutil
+    shutil.rmtree(d)
+  url = f"{scheme}://{bucket}/ckpts/orbax"
+  before = snapshot_objects(scheme, bucket)
+  info = tjo.inspect(url)
+  assert info["step"] == 5 and info["steps"] == [3, 5]
+  assert info["format"]["ocdbt"] is True
+  assert info["tensors"]["w"]["shape"] == [64, 48]
+  assert info["item"] == url + "/5/default"
+  target = {k: v for k, v in _target().items() if k != "step"}
+  out = tjo.restore(url, target)
+  np.testing.assert_array_equal(np.asarray(out["w"]), want["w"] + 1)
+  np.testing.assert_array_equal(np.asarray(out["b"]), want["b"])
+  assert out["w"].sharding == target["w"].sharding
+  out = tjo.restore(url, target, step=3)
+  np.testing.assert_array_equal(np.asarray(out["w"]), want["w"])
+  rc, text = _cli("ckpt", "inspect", url)
+  assert rc == 0 and "w" in text
+  assert snapshot_objects(scheme, bucket) == before  # reading wrote nothing
+  # convert writes a new checkpoint to the bucket, markers last.
+  m = _mesh((8,), ("x",))
+  rep = tjo.convert(url, f"{scheme}://{bucket}/ckpts/conv",
+                    {"w": NamedSharding(m, P(None, "x")),
+                     "b": NamedSharding(m, P())})
+  assert rep["dst"].startswith(f"{scheme}://{bucket}/ckpts/conv")
+  out = tjo.restore(f"{scheme}://{bucket}/ckpts/conv", target)
+  np.testing.assert_array_equal(np.asarray(out["w"]), want["w"] + 1)
+  with pytest.raises(UsageError, match="exists"):
+    tjo.convert(url, f"{scheme}://{bucket}/ckpts/conv")
