@@ -247,6 +247,29 @@ def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, com
   return fn, time.perf_counter() - t0
 
 
+_COMPILES = {"backend": 0, "cache_hits": 0}  # jax's compile events in this process
+
+
+def count_compiles():
+  """Counts this process's XLA compilations (``_COMPILES``) from jax's
+  monitoring events: every backend compile request, and the requests the
+  persistent compilation cache answered (hits; the rest compiled)."""
+  if _COMPILES.get("listening"):
+    return
+
+  def on_duration(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      _COMPILES["backend"] += 1
+
+  def on_event(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+      _COMPILES["cache_hits"] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  jax.monitoring.register_event_listener(on_event)
+  _COMPILES["listening"] = True
+
+
 def _host_scalar(x):
   """A replicated scalar as a Python float (also when other processes hold copies)."""
   return float(np.asarray(x.addressable_data(0)))
@@ -396,6 +419,7 @@ def worker(args, cfg, phases, plan, trainer=None):
   tr = trainer or LM_TRAINER
 
   t_start = time.time()
+  count_compiles()
   n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
   phase = phase_at(phases, int(os.environ.get("TENPLEX_START_STEP", "0")))
   if phase.devices % n:
@@ -424,19 +448,28 @@ def worker(args, cfg, phases, plan, trainer=None):
         "event": "start", "step": step, "generation": info["generation"], "procs": n,
         "devices_per_proc": phase.devices // n, "start_time": tr.process_start,
         "import_s": t_start - tr.process_start, "init_s": t_init - t_start,
-        "restore_s": t_restored - t_init, "restored_time": t_restored, "restore": last_restore.get("report")})
+        "restore_s": t_restored - t_init, "restored_time": t_restored,
+        "restore": last_restore.get("report"),
+        # a standby process (tenplex_jax.store launch): imports done before its rank came
+        "standby": "TENPLEX_STANDBY_ASSIGNED" in os.environ})
   source = tr.dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
   for t in range(step, end):
     tokens, mask, data_state = batches(source, mesh, data_state, gb)
+    before = dict(_COMPILES)
     fn, compile_s = tr.step(cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
                             _compiler_options(args))
+    requests = _COMPILES["backend"] - before["backend"]
+    hits = _COMPILES["cache_hits"] - before["cache_hits"]
     t0 = time.perf_counter()
     state, loss = fn(state, tokens, mask)
     loss = _host_scalar(loss)
     rec = {"event": "step", "step": t, "loss": loss, "step_s": time.perf_counter() - t0,
-           "compile_s": compile_s, "devices": int(mesh.devices.size), "mesh": degrees_of(mesh),
+           "time": time.time(), "compile_s": compile_s,
+           # the step's XLA compilations, and those the persistent cache answered
+           "xla_compiles": requests - hits, "cache_hits": hits,
+           "devices": int(mesh.devices.size), "mesh": degrees_of(mesh),
            "microbatches": mb, "procs": n, "devices_per_proc": phase.devices // n}
     if lead:
       _append(args.records, rec)
@@ -474,10 +507,17 @@ def assemble(records_path, job_dir):
   ``reconfig_s`` from the old processes' save call to the new processes'
   restored state (save, exit, relaunch, imports, ``jax.distributed`` start,
   restore; compilation apart, in ``compile_s``), split into ``relaunch_s``
-  (save call to the new process's start), ``import_s`` (Python, jax, flax),
-  ``init_s`` (``tenplex_jax.store.initialize``) and ``restore_s``; ``reconfig_bytes`` the
-  bytes the new processes read from the stores (``network_bytes`` of them
-  from other hosts' store servers).
+  (save call to the new process's start: for a standby process of the
+  launcher, to the script's start once its rank came), ``import_s`` (Python,
+  jax, flax: what is left of them for a standby), ``distributed_s``
+  (``tenplex_jax.store.initialize``: ``jax.distributed``; also as ``init_s``) and
+  ``restore_s``; ``reconfig_bytes`` the bytes the new processes read from the
+  stores (``network_bytes`` of them from other hosts' store servers). It
+  also has ``resize_s`` (save call to the new step's end: compilation and
+  the step included), ``standby`` (whether process 0 was a standby),
+  ``xla_compiles`` (the step's XLA compilations in process 0; 0 when jax's
+  persistent compilation cache had them all) and ``compile_cache_hit``
+  (``cache_hits`` > 0 and ``xla_compiles`` == 0).
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]
@@ -489,8 +529,9 @@ def assemble(records_path, job_dir):
     elif e["event"] == "start":
       pending = e if e["step"] > 0 else None
     elif e["event"] == "step":
-      rec = {k: e[k] for k in ("step", "loss", "step_s", "compile_s", "devices", "mesh",
-                               "microbatches", "procs", "devices_per_proc")}
+      rec = {k: e[k] for k in ("step", "loss", "step_s", "compile_s", "xla_compiles",
+                               "cache_hits", "devices", "mesh", "microbatches", "procs",
+                               "devices_per_proc")}
       rec.update(reconfig_s=0.0, reconfig_bytes=0)
       if pending is not None and pending["step"] == e["step"]:
         save = saves[e["step"]]
@@ -498,7 +539,9 @@ def assemble(records_path, job_dir):
         rec.update(reconfig_s=pending["restored_time"] - save["time"],
                    relaunch_s=pending["start_time"] - save["time"],
                    import_s=pending["import_s"], init_s=pending["init_s"],
-                   restore_s=pending["restore_s"],
+                   distributed_s=pending["init_s"], restore_s=pending["restore_s"],
+                   resize_s=e["time"] - save["time"], standby=pending["standby"],
+                   compile_cache_hit=e["cache_hits"] > 0 and e["xla_compiles"] == 0,
                    reconfig_bytes=local + net, network_bytes=net,
                    resized_from=prev["mesh"], procs_from=prev["procs"])
         pending = None

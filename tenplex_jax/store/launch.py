@@ -542,17 +542,21 @@ class _Child:
   for a SIGKILL, which leaves no report."""
 
   def __init__(self, index: int, cmd: Sequence[str], env: dict,
-               wake: threading.Event):
-    r, w = os.pipe()
-    try:
-      self.popen = subprocess.Popen(list(cmd), env=env, pass_fds=(w,),
-                                    start_new_session=True,
-                                    preexec_fn=_no_orphans())
-    except BaseException:
-      os.close(r)
-      raise
-    finally:
-      os.close(w)
+               wake: threading.Event, standby: _Standby | None = None):
+    if standby is not None:  # already started: hand it its rank
+      self.popen, r = standby.assign(cmd, env)
+    else:
+      r, w = os.pipe()
+      try:
+        self.popen = subprocess.Popen(list(cmd), env=env, pass_fds=(w,),
+                                      start_new_session=True,
+                                      preexec_fn=_no_orphans())
+      except BaseException:
+        os.close(r)
+        raise
+      finally:
+        os.close(w)
+    self.standby = standby is not None
     self.index, self.exit_time, self.eof_time = index, None, None
     self._wake = wake
     self._threads = [threading.Thread(target=self._wait, daemon=True),
@@ -588,6 +592,106 @@ class _Child:
 
   def join(self, timeout: float) -> None:
     self._threads[0].join(timeout)
+
+
+_STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
+                    "flax.training.train_state", "optax",
+                    "tenplex_jax.store.api")
+
+
+def _standby_form(cmd: Sequence[str]) -> tuple[str, str] | None:
+  """``("path", SCRIPT)`` for ``python SCRIPT ARGS``, ``("module", MODULE)``
+  for ``python -m MODULE ARGS``; ``None`` for any other command (no
+  standby processes then)."""
+  cmd = list(cmd)
+  if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
+    return None
+  if cmd[1] == "-m" and len(cmd) > 2:
+    return "module", cmd[2]
+  if cmd[1].endswith(".py") and os.path.isfile(cmd[1]):
+    return "path", cmd[1]
+  return None
+
+
+class _Standby:
+  """A process of a later generation, started ahead of need: Python with
+  the heavy modules imported (``tenplex_jax.store._standby``), waiting on
+  a pipe for its rank and environment (:meth:`assign`). Its own process
+  group, and the kernel kills it with the launcher, as a child's."""
+
+  def __init__(self, cmd: Sequence[str], form: tuple[str, str], env: dict):
+    r, self._w = os.pipe()  # the assignment: only this process and we
+    watch_r, watch_w = os.pipe()  # its end, seen as a _Child's
+    try:
+      self.popen = subprocess.Popen(
+          [cmd[0], "-m", "tenplex_jax.store._standby", str(r), *form],
+          env=env, pass_fds=(r, watch_w), start_new_session=True,
+          preexec_fn=_no_orphans())
+    except BaseException:
+      os.close(self._w)
+      os.close(watch_r)
+      raise
+    finally:
+      os.close(r)
+      os.close(watch_w)
+    self._watch = watch_r
+    self.started = time.time()
+
+  def alive(self) -> bool:
+    return self._w is not None and self.popen.poll() is None
+
+  def assign(self, cmd: Sequence[str], env: dict
+             ) -> tuple[subprocess.Popen, int]:
+    """Hands the process its command line and environment; returns it and
+    the read end of its death-watch pipe. Raises OSError when it died."""
+    w, self._w = self._w, None
+    argv = list(cmd)[2:] if cmd[1] == "-m" else list(cmd)[1:]
+    try:
+      os.write(w, json.dumps({"argv": argv, "env": env}).encode())
+    except OSError:
+      os.close(self._watch)
+      raise
+    finally:
+      os.close(w)
+    return self.popen, self._watch
+
+  def kill(self) -> None:
+    """Ends an unassigned standby (its group) and reaps it."""
+    if self._w is not None:
+      os.close(self._w)
+      self._w = None
+      os.close(self._watch)
+    _signal_group(self.popen, signal.SIGKILL)
+    self.popen.wait()
+
+
+def _start_child(index: int, cmd: Sequence[str], env: dict,
+                 wake: threading.Event, standbys: list[_Standby]) -> _Child:
+  """A generation's process: a live standby's (taken from ``standbys``),
+  else a new one."""
+  while standbys:
+    sb = standbys.pop(0)
+    if sb.alive():
+      try:
+        return _Child(index, cmd, env, wake, standby=sb)
+      except OSError:  # it died just now
+        pass
+    sb.kill()
+  return _Child(index, cmd, env, wake)
+
+
+def _cache_env(job_dir: str, cache: bool | str) -> dict[str, str]:
+  """The environment that points jax's persistent compilation cache at the
+  job's (see :func:`launch`'s ``compilation_cache``)."""
+  if cache is False or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return {}
+  path = os.path.join(job_dir, "compilation_cache") if cache is True \
+      else os.path.abspath(cache)
+  os.makedirs(path, mode=0o700, exist_ok=True)
+  return {"JAX_COMPILATION_CACHE_DIR": path,
+          # every executable, however fast it compiled or small it is
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
 def _stop(children: list[_Child], wake: threading.Event,
@@ -788,20 +892,25 @@ def _hang_culprit(children: list[_Child], job_dir: str, gen: int
 def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
           gen: int, pending: dict, t_end: float | None,
           step_timeout: float | None,
-          first_step: Callable[[float], None]) -> dict:
+          first_step: Callable[[float], None],
+          tick: Callable[[], None] | None = None) -> dict:
   """Waits for the generation to end: all processes done, or the first
   failure (then stops the others at once). Returns ``codes``, ``first``
   (the index of the first process that failed, or None), and for a
   failure ``kind``, ``error``, ``failed_at``, ``detected_at``,
   ``stopped_at``. Calls ``first_step(time)`` when a process first reports
-  a step."""
+  a step, and ``tick()`` about once a second after that."""
   start = time.time()
   n = len(children)
   stepped = False
+  ticked = start
   while True:
     wake.wait(0.05)
     wake.clear()
     now = time.time()
+    if stepped and tick is not None and now - ticked > 1:
+      ticked = now
+      tick()
     if not stepped:
       seen = [os.stat(p).st_mtime for p in (
           os.path.join(job_dir, f"progress_{i}") for i in range(n))
@@ -850,7 +959,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            max_generations: int = 16, timeout: float | None = None,
            max_restarts: int = 3, on_failure: str = "same",
            checkpoint: str | None = None, replicas: int = 0,
-           step_timeout: float | None = None) -> int:
+           step_timeout: float | None = None,
+           compilation_cache: bool | str = True,
+           standby: bool = True,
+           standby_imports: Sequence[str] | None = None) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -877,6 +989,26 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       this many seconds (the first step counts from the generation's start,
       so allow for compilation and the restore) is hung: the launcher names
       it, stops the generation and relaunches. Default: no limit.
+    compilation_cache: jax's persistent compilation cache for every
+      generation's processes (``JAX_COMPILATION_CACHE_DIR``, every
+      executable written, however fast it compiled): ``True`` (default)
+      puts it in ``JOB_DIR/compilation_cache``, a string names the
+      directory, ``False`` leaves jax's settings alone. A mesh the job ran
+      before then loads its compiled steps instead of compiling them. A
+      ``JAX_COMPILATION_CACHE_DIR`` in the launcher's environment wins.
+    standby: keep processes for the next generation started, with Python
+      and ``standby_imports`` imported, waiting for their rank before
+      ``jax.distributed`` starts (``tenplex_jax.store._standby``): a resize
+      or a restart hands them the process count and ranks over a pipe
+      instead of starting interpreters. As many as the largest generation
+      so far, started once a generation has reported its first step; an
+      unused or dead one costs only its memory and is replaced; all are
+      killed when the job ends. Only for ``python SCRIPT ...`` and
+      ``python -m MODULE ...`` commands (others always start afresh).
+    standby_imports: the modules a standby imports (default: jax, numpy,
+      flax, flax.linen, flax.training.train_state, optax and the store's
+      restore path; those not installed are skipped). Import nothing whose
+      import has effects the script relies on seeing later.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -916,6 +1048,23 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           " when the job succeeds)", flush=True)
   token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
   base_env = {**os.environ, "PYTHONPATH": _pythonpath(), TOKEN_ENV: token}
+  base_env.update(_cache_env(job_dir, compilation_cache))
+  form = _standby_form(cmd) if standby else None
+  standby_env = {**base_env, "TENPLEX_STANDBY_IMPORTS": ",".join(
+      _STANDBY_IMPORTS if standby_imports is None else standby_imports)}
+  standbys: list[_Standby] = []
+  most = procs  # standbys to keep: the largest generation so far
+
+  def refill():
+    """Replaces dead standbys and starts missing ones (after a generation's
+    first step, so that their imports do not slow its start)."""
+    if form is None:
+      return
+    for sb in [sb for sb in standbys if not sb.alive()]:
+      standbys.remove(sb)
+      sb.kill()
+    while len(standbys) < most:
+      standbys.append(_Standby(cmd, form, standby_env))
   servers: dict[int, tuple[subprocess.Popen, str]] = {}
   children: list[_Child] = []
   wake = threading.Event()
@@ -996,18 +1145,19 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           env["TENPLEX_SCHEDULE"] = os.path.abspath(schedule)
         if checkpoint:
           env["TENPLEX_CHECKPOINT"] = os.path.abspath(checkpoint)
-        children.append(_Child(i, cmd, env, wake))
+        children.append(_start_child(i, cmd, env, wake, standbys))
       if record is not None:  # the relaunch after a failure is under way
         record["relaunched_s"] = round(time.time() - record["failed_at"], 3)
 
       def first_step(at):
         nonlocal record
+        refill()
         if record is not None:  # the new generation trains again
           record["resumed_s"] = round(at - record["failed_at"], 3)
           write_record()
           record = None
       out = _wait(children, wake, job_dir, gen, pending, t_end, step_timeout,
-                  first_step)
+                  first_step, refill)
       codes, first = out["codes"], out["first"]
       _stop(children, wake, 0)  # whatever the children left behind
       if all(c == 0 for c in codes):
@@ -1018,6 +1168,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         print(f"tenplex-jax launch: generation {gen}: {n} -> {info['procs']}"
               f" processes at step {info['step']}", flush=True)
         n, start_step = int(info["procs"]), int(info["step"])
+        most = max(most, n)
         failed_step = None
         continue
       if first is None:  # some finished, some exited for a resize
@@ -1068,6 +1219,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     # Nothing outlives the launcher: the generation's process groups, then
     # the store servers.
     _stop(children, wake)
+    for sb in standbys:
+      sb.kill()
     for p, _ in servers.values():
       _signal_group(p, signal.SIGTERM)
     for p, _ in servers.values():
@@ -1127,7 +1280,10 @@ def _launch_cmd(args) -> int:
                 schedule=args.schedule, job_dir=args.job_dir,
                 timeout=args.timeout, max_restarts=args.max_restarts,
                 on_failure=args.on_failure, checkpoint=args.checkpoint,
-                replicas=args.replicas, step_timeout=args.step_timeout)
+                replicas=args.replicas, step_timeout=args.step_timeout,
+                compilation_cache=(args.compilation_cache
+                                   or not args.no_compilation_cache),
+                standby=not args.no_standby)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -1155,5 +1311,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                  " process counts as hung and the job is relaunched"
                  " (default: no limit; the first step counts from the"
                  " start, compilation and restore included)")
+  p.add_argument("--compilation-cache", metavar="DIR", default=None,
+                 help="jax's persistent compilation cache for every"
+                 " generation (default: JOB_DIR/compilation_cache)")
+  p.add_argument("--no-compilation-cache", action="store_true",
+                 help="leave jax's compilation cache settings alone")
+  p.add_argument("--no-standby", action="store_true",
+                 help="start every generation's processes afresh instead of"
+                 " keeping standby processes (Python and jax imported)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)
