@@ -550,6 +550,13 @@ def assemble(records_path, job_dir):
   return out
 
 
+# What the launcher's standby processes import before their rank comes (the
+# launcher's default list, and this script's own modules that only define).
+STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
+                   "flax.training.train_state", "optax", "tenplex_jax",
+                   "tenplex_jax.store.api", "tenplex_jax.data", "config", "model", "data")
+
+
 def run_procs(args, cfg, phases, plan, log=print, trainer=None):
   """Runs the elastic job across processes with ``tenplex-jax launch``;
   returns ``(records, final params)``. ``trainer`` (default
@@ -577,7 +584,10 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
       # The launcher's children exec at once (no jax in them before exec).
       warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
       code = launch(cmd, procs=plan[0], devices_per_proc=phases[0].devices // plan[0],
-                    job_dir=job, timeout=args.timeout, max_restarts=0)
+                    job_dir=job, timeout=args.timeout, max_restarts=0,
+                    standby=not getattr(args, "no_standby", False),
+                    compilation_cache=not getattr(args, "no_compilation_cache", False),
+                    standby_imports=STANDBY_IMPORTS)
     if code != 0:
       raise SystemExit(f"the job across processes failed (exit code {code}); its"
                        f" directory {job} is kept (logs, failures.jsonl)")
@@ -676,6 +686,13 @@ def main(argv=None):
   ap.add_argument("--fast-compile", action="store_true",
                   help="compile with XLA optimisation level 0 (faster compiles, slower steps;"
                   " not with --deterministic, whose bits it would change)")
+  ap.add_argument("--no-standby", action="store_true",
+                  help="(with --procs) start each generation's processes afresh instead of"
+                  " handing the resize to the launcher's standby processes (Python, jax,"
+                  " flax, optax imported)")
+  ap.add_argument("--no-compilation-cache", action="store_true",
+                  help="(with --procs) no persistent compilation cache in the job"
+                  " directory: every generation compiles its step")
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")
   ap.add_argument("--records", metavar="PATH",
