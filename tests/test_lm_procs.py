@@ -67,6 +67,9 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   assert not new["compile_cache_hit"], new
   assert back["procs_from"] == 1 and back["mesh"] == first["mesh"], back
   assert back["xla_compiles"] == 0 and back["cache_hits"] > 0, back
+  # none of the processes compiled: each found its programs in the cache
+  assert len(back["xla_compiles_procs"]) == 2, back
+  assert all(c == 0 and h > 0 for c, h in back["xla_compiles_procs"]), back
   assert back["compile_cache_hit"], back
   assert new["standby"] and back["standby"], (new, back)
   for r in (new, back):  # the components, each within the resize

@@ -102,6 +102,8 @@ def initialize() -> dict:
     jax.config.update("jax_num_cpu_devices", int(devices))
   if n > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if _env("TENPLEX_COMPILATION_CACHE"):
+      _one_cache_key_for_every_process()
     jax.distributed.initialize(coordinator_address=_env("TENPLEX_COORDINATOR"),
                                num_processes=n, process_id=i,
                                initialization_timeout=120)
@@ -110,6 +112,40 @@ def initialize() -> dict:
           "store": _env("TENPLEX_STORE"), "job_dir": _env("TENPLEX_JOB_DIR"),
           "generation": int(_env("TENPLEX_GENERATION", "0")),
           "checkpoint": _env("TENPLEX_CHECKPOINT")}
+
+
+def _one_cache_key_for_every_process() -> None:
+  """Makes jax's persistent compilation cache key of a CPU program the same in
+  every process of the job.
+
+  jax hashes the devices' topology into the key, and on CPU that fingerprint
+  differs from process to process (each sees its own devices as the local
+  ones), while only process 0 writes cache entries: without this, processes
+  other than 0 never find their programs in the cache, compile them anew and
+  make process 0 wait for them in the first collective. In place of the
+  fingerprint this hashes what it stands for on CPU, the same in every
+  process: each device's id, process and kind, in the program's order (jax
+  itself shares one compiled binary between processes with
+  ``jax_share_binary_between_hosts``). Other platforms keep jax's hash. A
+  jax without ``jax._src.cache_key._hash_accelerator_config`` is left alone.
+  """
+  try:
+    from jax._src import cache_key
+  except ImportError:
+    return
+  original = getattr(cache_key, "_hash_accelerator_config", None)
+  if original is None or getattr(original, "_tenplex", False):
+    return
+
+  def hash_accelerator_config(hash_obj, accelerators):
+    devices = list(accelerators.flat)
+    if not devices or any(d.platform != "cpu" for d in devices):
+      return original(hash_obj, accelerators)
+    hash_obj.update("|".join(f"{d.id}:{d.process_index}:{d.device_kind}"
+                             for d in devices).encode())
+
+  hash_accelerator_config._tenplex = True
+  cache_key._hash_accelerator_config = hash_accelerator_config
 
 
 _hooks: dict = {}
@@ -688,7 +724,7 @@ def _cache_env(job_dir: str, cache: bool | str) -> dict[str, str]:
   path = os.path.join(job_dir, "compilation_cache") if cache is True \
       else os.path.abspath(cache)
   os.makedirs(path, mode=0o700, exist_ok=True)
-  return {"JAX_COMPILATION_CACHE_DIR": path,
+  return {"JAX_COMPILATION_CACHE_DIR": path, "TENPLEX_COMPILATION_CACHE": "1",
           # every executable, however fast it compiled or small it is
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
