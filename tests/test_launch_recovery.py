@@ -244,3 +244,65 @@ def test_temporary_job_dir_is_removed_after_success_and_token_is_kept(
   job = re.search(r"job directory (\S+) \(temporary", out).group(1)
   assert out.count("ok") == 2 and not os.path.exists(job), out
   assert "secret-tok" not in out
+
+
+def _standbys_of(launcher_pid):
+  """The launcher's standby processes (its children running
+  tenplex_jax.store._standby)."""
+  out = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      ppid = int(_text(f"/proc/{pid}/stat").split(")")[-1].split()[1])
+      cmdline = _text(f"/proc/{pid}/cmdline").split("\0")
+    except (OSError, ValueError, IndexError):
+      continue
+    if ppid == launcher_pid and "tenplex_jax.store._standby" in cmdline \
+        and _alive(int(pid)):
+      out.append(int(pid))
+  return sorted(out)
+
+
+def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
+  # 2 processes, then 1 from step 4 (schedule), then 2 from step 8: the
+  # launcher keeps 2 standbys (Python and jax imported) from generation 0's
+  # first step on; a standby killed before its turn is replaced; the
+  # relaunched generations run in standby processes (their pid files name
+  # standby pids), the training state is right, and when the job ends no
+  # standby is left.
+  job = os.path.join(tmp, "job")
+  sched = os.path.join(tmp, "sched.txt")
+  with open(sched, "w") as f:
+    f.write("step 4 procs 1\nstep 8 procs 2\n")
+  with launcher(tmp, train(10), "--procs", "2", "--schedule", sched,
+                TRAIN_SLEEP=0.3) as (p, log, seen):
+    standbys, t0 = [], time.time()
+    while len(standbys) < 2:  # started after generation 0's first step
+      assert p.poll() is None and time.time() - t0 < 60, finish(p, log)[1]
+      standbys = _standbys_of(p.pid)
+      time.sleep(0.05)
+    observed = set(standbys)  # every standby pid seen
+    seen.update(standbys)
+    os.kill(standbys[0], signal.SIGKILL)  # a failed standby: replaced
+    replaced, t0 = [], time.time()
+    while not replaced:
+      assert time.time() - t0 < 30, finish(p, log)[1]
+      replaced = [x for x in _standbys_of(p.pid) if x not in standbys]
+      observed.update(replaced)
+      seen.update(replaced)
+      time.sleep(0.05)
+    while p.poll() is None:  # later generations' standbys too
+      observed.update(_standbys_of(p.pid))
+      seen.update(observed)
+      time.sleep(0.05)
+    rc, out = finish(p, log)
+    seen.update(pids_of(job))
+  assert rc == 0, out[-5000:]
+  assert "generation 0: 2 -> 1 processes at step 4" in out, out[-3000:]
+  assert "generation 1: 1 -> 2 processes at step 8" in out, out[-3000:]
+  check_final(job, procs=2, step=10, generation=2)
+  gen1 = int(_text(os.path.join(job, "pid_1_0.txt")))
+  gen2 = {int(_text(os.path.join(job, f"pid_2_{i}.txt"))) for i in (0, 1)}
+  assert gen1 in observed - {standbys[0]} and gen2 <= observed, (
+      gen1, gen2, observed)
+  assert standbys[0] not in gen2 | {gen1}
+  assert not [pid for pid in seen if _alive(pid)], out  # nothing left

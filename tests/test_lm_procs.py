@@ -36,3 +36,45 @@ def _param_shapes():
   import jax
   from model import abstract_params
   return [x.shape for x in jax.tree.leaves(abstract_params(config.TINY))]
+
+
+def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
+  # 2 processes x 2 devices (stage 2, data 2), 1 x 4 (stage 4) from step 2,
+  # and back to 2 x 2 (stage 2, data 2) from step 4: the launcher's
+  # persistent compilation cache has generation 0's step, so the last
+  # resize's step compiles nothing (jax's compile events, counted in the
+  # worker: every request a cache hit), while the step 2 resize onto a new
+  # mesh compiles; the generations after the first run in the launcher's
+  # standby processes, and the losses still follow the static run.
+  import json
+  out = os.path.join(tmp, "lm.json")
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  (run,) = procs.run_all([[
+      sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
+      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
+      "--fast-compile", "--json", out, "--timeout", "400"]], timeout=450, env=env)
+  assert run.returncode == 0, run.stdout[-5000:]
+  with open(out) as f:
+    log = json.load(f)
+  el, st = log["elastic"], log["static"]
+  assert [(r["step"], r["procs"]) for r in el] == [(0, 2), (1, 2), (2, 1), (3, 1), (4, 2),
+                                                   (5, 2)]
+  first, new, back = el[0], el[2], el[4]
+  assert first["xla_compiles"] > 0 and first["cache_hits"] == 0, first
+  assert new["procs_from"] == 2 and new["xla_compiles"] > 0, new
+  assert not new["compile_cache_hit"], new
+  assert back["procs_from"] == 1 and back["mesh"] == first["mesh"], back
+  assert back["xla_compiles"] == 0 and back["cache_hits"] > 0, back
+  # none of the processes compiled: each found its programs in the cache
+  assert len(back["xla_compiles_procs"]) == 2, back
+  assert all(c == 0 and h > 0 for c, h in back["xla_compiles_procs"]), back
+  assert back["compile_cache_hit"], back
+  assert new["standby"] and back["standby"], (new, back)
+  for r in (new, back):  # the components, each within the resize
+    parts = ("relaunch_s", "import_s", "distributed_s", "restore_s")
+    assert all(r[k] >= 0 for k in parts), r
+    assert r["reconfig_s"] <= r["resize_s"], r
+  np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
+  assert log["max_abs_param_diff"] < 1e-5

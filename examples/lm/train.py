@@ -60,6 +60,7 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import warnings  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -247,6 +248,64 @@ def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, com
   return fn, time.perf_counter() - t0
 
 
+_COMPILES = {}  # jax's compile events in this process, per thread: {ident: {kind: count}}
+
+
+def count_compiles():
+  """Counts this process's XLA compilations (``_COMPILES``, per thread) from
+  jax's monitoring events: every backend compile request, and the requests
+  the persistent compilation cache answered (hits; the rest compiled)."""
+  if _COMPILES.get("listening"):
+    return
+
+  def add(kind):
+    mine = _COMPILES.setdefault(threading.get_ident(), {"backend": 0, "cache_hits": 0})
+    mine[kind] += 1
+
+  def on_duration(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      add("backend")
+
+  def on_event(event, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+      add("cache_hits")
+
+  jax.monitoring.register_event_duration_secs_listener(on_duration)
+  jax.monitoring.register_event_listener(on_event)
+  _COMPILES["listening"] = True
+
+
+def counted_step(tr, *args):
+  """``tr.step(*args)`` -> ``(step, compile seconds, XLA compilations, cache hits)``, the
+  compile events counted in this thread."""
+  mine = _COMPILES.setdefault(threading.get_ident(), {"backend": 0, "cache_hits": 0})
+  before = dict(mine)
+  fn, compile_s = tr.step(*args)
+  hits = mine["cache_hits"] - before["cache_hits"]
+  return fn, compile_s, mine["backend"] - before["backend"] - hits, hits
+
+
+class _Background(threading.Thread):
+  """``fn(*args)`` in a thread; :meth:`result` joins it (re-raising its error)."""
+
+  def __init__(self, fn, *args):
+    super().__init__(daemon=True)
+    self._fn, self._args, self._out, self._error = fn, args, None, None
+    self.start()
+
+  def run(self):
+    try:
+      self._out = self._fn(*self._args)
+    except BaseException as e:  # noqa: BLE001  (re-raised by result())
+      self._error = e
+
+  def result(self):
+    self.join()
+    if self._error is not None:
+      raise self._error
+    return self._out
+
+
 def _host_scalar(x):
   """A replicated scalar as a Python float (also when other processes hold copies)."""
   return float(np.asarray(x.addressable_data(0)))
@@ -396,6 +455,7 @@ def worker(args, cfg, phases, plan, trainer=None):
   tr = trainer or LM_TRAINER
 
   t_start = time.time()
+  count_compiles()
   n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
   phase = phase_at(phases, int(os.environ.get("TENPLEX_START_STEP", "0")))
   if phase.devices % n:
@@ -412,6 +472,13 @@ def worker(args, cfg, phases, plan, trainer=None):
     tr.check_deterministic([phase], args.deterministic, [(mesh, rules, mb)])
   init, abstract = tr.state(cfg, mesh, rules, lr)
   target = {"train": abstract, "data": ""}
+  # The step compiles (or loads from the launcher's compilation cache) while the state is
+  # restored: it needs the state's shapes and shardings, not its values.
+  spec = NamedSharding(mesh, P(("data", "fsdp")))
+  batch = (jax.ShapeDtypeStruct((gb, cfg.seq_len + 1), jnp.int32, sharding=spec),
+           jax.ShapeDtypeStruct((gb,), jnp.float32, sharding=spec))
+  compiling = _Background(counted_step, tr, cfg, mesh, rules, mb, abstract, *batch,
+                          args.deterministic, _compiler_options(args))
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
@@ -424,20 +491,39 @@ def worker(args, cfg, phases, plan, trainer=None):
         "event": "start", "step": step, "generation": info["generation"], "procs": n,
         "devices_per_proc": phase.devices // n, "start_time": tr.process_start,
         "import_s": t_start - tr.process_start, "init_s": t_init - t_start,
-        "restore_s": t_restored - t_init, "restored_time": t_restored, "restore": last_restore.get("report")})
+        "restore_s": t_restored - t_init, "restored_time": t_restored,
+        "restore": last_restore.get("report"),
+        # a standby process (tenplex_jax.store launch): imports done before its rank came
+        "standby": "TENPLEX_STANDBY_ASSIGNED" in os.environ})
   source = tr.dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
   for t in range(step, end):
     tokens, mask, data_state = batches(source, mesh, data_state, gb)
-    fn, compile_s = tr.step(cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
-                            _compiler_options(args))
+    if compiling is not None:  # the first step: compiled while restoring
+      t0 = time.perf_counter()
+      fn, compile_s, compiles, hits = compiling.result()
+      compile_wait_s, compiling = time.perf_counter() - t0, None
+    else:
+      fn, compile_s, compiles, hits = counted_step(
+          tr, cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
+          _compiler_options(args))
+      compile_wait_s = compile_s
     t0 = time.perf_counter()
     state, loss = fn(state, tokens, mask)
     loss = _host_scalar(loss)
     rec = {"event": "step", "step": t, "loss": loss, "step_s": time.perf_counter() - t0,
-           "compile_s": compile_s, "devices": int(mesh.devices.size), "mesh": degrees_of(mesh),
+           "time": time.time(), "compile_s": compile_s,
+           # of which not overlapped with the restore (the first step's compile runs with it)
+           "compile_wait_s": compile_wait_s,
+           # the step's XLA compilations, and those the persistent cache answered
+           "xla_compiles": compiles, "cache_hits": hits,
+           "devices": int(mesh.devices.size), "mesh": degrees_of(mesh),
            "microbatches": mb, "procs": n, "devices_per_proc": phase.devices // n}
+    if t == step and info["job_dir"]:  # every process's first step: its compilations
+      with open(os.path.join(info["job_dir"], f"compiles_{info['generation']}_"
+                             f"{info['process_id']}.json"), "w") as f:
+        json.dump({"xla_compiles": compiles, "cache_hits": hits}, f)
     if lead:
       _append(args.records, rec)
       print(f"step {t:3d}  {n} procs x {phase.devices // n} devices  {degrees_of(mesh)}"
@@ -467,6 +553,17 @@ def _restore_bytes(job_dir, generation):
   return local, net
 
 
+def _compiles(job_dir, generation):
+  """Each process's first-step ``(XLA compilations, cache hits)`` in ``generation``."""
+  out = {}
+  for name in os.listdir(job_dir):
+    if name.startswith(f"compiles_{generation}_") and name.endswith(".json"):
+      with open(os.path.join(job_dir, name)) as f:
+        r = json.load(f)
+      out[int(name[:-5].split("_")[-1])] = (r["xla_compiles"], r["cache_hits"])
+  return [out[i] for i in sorted(out)]
+
+
 def assemble(records_path, job_dir):
   """The per-step log of a run across processes, in the in-process format.
 
@@ -474,10 +571,18 @@ def assemble(records_path, job_dir):
   ``reconfig_s`` from the old processes' save call to the new processes'
   restored state (save, exit, relaunch, imports, ``jax.distributed`` start,
   restore; compilation apart, in ``compile_s``), split into ``relaunch_s``
-  (save call to the new process's start), ``import_s`` (Python, jax, flax),
-  ``init_s`` (``tenplex_jax.store.initialize``) and ``restore_s``; ``reconfig_bytes`` the
-  bytes the new processes read from the stores (``network_bytes`` of them
-  from other hosts' store servers).
+  (save call to the new process's start: for a standby process of the
+  launcher, to the script's start once its rank came), ``import_s`` (Python,
+  jax, flax: what is left of them for a standby), ``distributed_s``
+  (``tenplex_jax.store.initialize``: ``jax.distributed``; also as ``init_s``) and
+  ``restore_s``; ``reconfig_bytes`` the bytes the new processes read from the
+  stores (``network_bytes`` of them from other hosts' store servers). It
+  also has ``resize_s`` (save call to the new step's end: compilation and
+  the step included), ``standby`` (whether process 0 was a standby),
+  ``xla_compiles`` (the step's XLA compilations in process 0; 0 when jax's
+  persistent compilation cache had them all), ``xla_compiles_procs`` (each
+  process's ``[compilations, cache hits]``) and ``compile_cache_hit`` (no
+  process compiled, every one loaded from the cache).
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]
@@ -489,8 +594,10 @@ def assemble(records_path, job_dir):
     elif e["event"] == "start":
       pending = e if e["step"] > 0 else None
     elif e["event"] == "step":
-      rec = {k: e[k] for k in ("step", "loss", "step_s", "compile_s", "devices", "mesh",
-                               "microbatches", "procs", "devices_per_proc")}
+      rec = {k: e[k] for k in ("step", "loss", "step_s", "compile_s", "compile_wait_s",
+                               "xla_compiles",
+                               "cache_hits", "devices", "mesh", "microbatches", "procs",
+                               "devices_per_proc")}
       rec.update(reconfig_s=0.0, reconfig_bytes=0)
       if pending is not None and pending["step"] == e["step"]:
         save = saves[e["step"]]
@@ -498,13 +605,24 @@ def assemble(records_path, job_dir):
         rec.update(reconfig_s=pending["restored_time"] - save["time"],
                    relaunch_s=pending["start_time"] - save["time"],
                    import_s=pending["import_s"], init_s=pending["init_s"],
-                   restore_s=pending["restore_s"],
+                   distributed_s=pending["init_s"], restore_s=pending["restore_s"],
+                   resize_s=e["time"] - save["time"], standby=pending["standby"],
+                   xla_compiles_procs=_compiles(job_dir, pending["generation"]),
                    reconfig_bytes=local + net, network_bytes=net,
                    resized_from=prev["mesh"], procs_from=prev["procs"])
+        rec["compile_cache_hit"] = bool(rec["xla_compiles_procs"]) and all(
+            c == 0 and h > 0 for c, h in rec["xla_compiles_procs"])
         pending = None
       out.append(rec)
       prev = rec
   return out
+
+
+# What the launcher's standby processes import before their rank comes (the
+# launcher's default list, and this script's own modules that only define).
+STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
+                   "flax.training.train_state", "optax", "tenplex_jax",
+                   "tenplex_jax.store.api", "tenplex_jax.data", "config", "model", "data")
 
 
 def run_procs(args, cfg, phases, plan, log=print, trainer=None):
@@ -534,7 +652,10 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
       # The launcher's children exec at once (no jax in them before exec).
       warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
       code = launch(cmd, procs=plan[0], devices_per_proc=phases[0].devices // plan[0],
-                    job_dir=job, timeout=args.timeout, max_restarts=0)
+                    job_dir=job, timeout=args.timeout, max_restarts=0,
+                    standby=not getattr(args, "no_standby", False),
+                    compilation_cache=not getattr(args, "no_compilation_cache", False),
+                    standby_imports=STANDBY_IMPORTS)
     if code != 0:
       raise SystemExit(f"the job across processes failed (exit code {code}); its"
                        f" directory {job} is kept (logs, failures.jsonl)")
@@ -633,6 +754,13 @@ def main(argv=None):
   ap.add_argument("--fast-compile", action="store_true",
                   help="compile with XLA optimisation level 0 (faster compiles, slower steps;"
                   " not with --deterministic, whose bits it would change)")
+  ap.add_argument("--no-standby", action="store_true",
+                  help="(with --procs) start each generation's processes afresh instead of"
+                  " handing the resize to the launcher's standby processes (Python, jax,"
+                  " flax, optax imported)")
+  ap.add_argument("--no-compilation-cache", action="store_true",
+                  help="(with --procs) no persistent compilation cache in the job"
+                  " directory: every generation compiles its step")
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")
   ap.add_argument("--records", metavar="PATH",

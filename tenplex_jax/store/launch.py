@@ -127,6 +127,8 @@ def initialize() -> dict:
     jax.config.update("jax_num_cpu_devices", int(devices))
   if n > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if _env("TENPLEX_COMPILATION_CACHE"):
+      _one_cache_key_for_every_process()
     jax.distributed.initialize(coordinator_address=_env("TENPLEX_COORDINATOR"),
                                num_processes=n, process_id=i,
                                initialization_timeout=120)
@@ -135,6 +137,40 @@ def initialize() -> dict:
           "store": _env("TENPLEX_STORE"), "job_dir": _env("TENPLEX_JOB_DIR"),
           "generation": int(_env("TENPLEX_GENERATION", "0")),
           "checkpoint": _env("TENPLEX_CHECKPOINT")}
+
+
+def _one_cache_key_for_every_process() -> None:
+  """Makes jax's persistent compilation cache key of a CPU program the same in
+  every process of the job.
+
+  jax hashes the devices' topology into the key, and on CPU that fingerprint
+  differs from process to process (each sees its own devices as the local
+  ones), while only process 0 writes cache entries: without this, processes
+  other than 0 never find their programs in the cache, compile them anew and
+  make process 0 wait for them in the first collective. In place of the
+  fingerprint this hashes what it stands for on CPU, the same in every
+  process: each device's id, process and kind, in the program's order (jax
+  itself shares one compiled binary between processes with
+  ``jax_share_binary_between_hosts``). Other platforms keep jax's hash. A
+  jax without ``jax._src.cache_key._hash_accelerator_config`` is left alone.
+  """
+  try:
+    from jax._src import cache_key
+  except ImportError:
+    return
+  original = getattr(cache_key, "_hash_accelerator_config", None)
+  if original is None or getattr(original, "_tenplex", False):
+    return
+
+  def hash_accelerator_config(hash_obj, accelerators):
+    devices = list(accelerators.flat)
+    if not devices or any(d.platform != "cpu" for d in devices):
+      return original(hash_obj, accelerators)
+    hash_obj.update("|".join(f"{d.id}:{d.process_index}:{d.device_kind}"
+                             for d in devices).encode())
+
+  hash_accelerator_config._tenplex = True
+  cache_key._hash_accelerator_config = hash_accelerator_config
 
 
 _hooks: dict = {}
@@ -572,17 +608,21 @@ class _Child:
   for a SIGKILL, which leaves no report."""
 
   def __init__(self, index: int, cmd: Sequence[str], env: dict,
-               wake: threading.Event):
-    r, w = os.pipe()
-    try:
-      self.popen = subprocess.Popen(list(cmd), env=env, pass_fds=(w,),
-                                    start_new_session=True,
-                                    preexec_fn=_no_orphans())
-    except BaseException:
-      os.close(r)
-      raise
-    finally:
-      os.close(w)
+               wake: threading.Event, standby: _Standby | None = None):
+    if standby is not None:  # already started: hand it its rank
+      self.popen, r = standby.assign(cmd, env)
+    else:
+      r, w = os.pipe()
+      try:
+        self.popen = subprocess.Popen(list(cmd), env=env, pass_fds=(w,),
+                                      start_new_session=True,
+                                      preexec_fn=_no_orphans())
+      except BaseException:
+        os.close(r)
+        raise
+      finally:
+        os.close(w)
+    self.standby = standby is not None
     self.index, self.exit_time, self.eof_time = index, None, None
     self._wake = wake
     self._threads = [threading.Thread(target=self._wait, daemon=True),
@@ -618,6 +658,106 @@ class _Child:
 
   def join(self, timeout: float) -> None:
     self._threads[0].join(timeout)
+
+
+_STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
+                    "flax.training.train_state", "optax",
+                    "tenplex_jax.store.api")
+
+
+def _standby_form(cmd: Sequence[str]) -> tuple[str, str] | None:
+  """``("path", SCRIPT)`` for ``python SCRIPT ARGS``, ``("module", MODULE)``
+  for ``python -m MODULE ARGS``; ``None`` for any other command (no
+  standby processes then)."""
+  cmd = list(cmd)
+  if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
+    return None
+  if cmd[1] == "-m" and len(cmd) > 2:
+    return "module", cmd[2]
+  if cmd[1].endswith(".py") and os.path.isfile(cmd[1]):
+    return "path", cmd[1]
+  return None
+
+
+class _Standby:
+  """A process of a later generation, started ahead of need: Python with
+  the heavy modules imported (``tenplex_jax.store._standby``), waiting on
+  a pipe for its rank and environment (:meth:`assign`). Its own process
+  group, and the kernel kills it with the launcher, as a child's."""
+
+  def __init__(self, cmd: Sequence[str], form: tuple[str, str], env: dict):
+    r, self._w = os.pipe()  # the assignment: only this process and we
+    watch_r, watch_w = os.pipe()  # its end, seen as a _Child's
+    try:
+      self.popen = subprocess.Popen(
+          [cmd[0], "-m", "tenplex_jax.store._standby", str(r), *form],
+          env=env, pass_fds=(r, watch_w), start_new_session=True,
+          preexec_fn=_no_orphans())
+    except BaseException:
+      os.close(self._w)
+      os.close(watch_r)
+      raise
+    finally:
+      os.close(r)
+      os.close(watch_w)
+    self._watch = watch_r
+    self.started = time.time()
+
+  def alive(self) -> bool:
+    return self._w is not None and self.popen.poll() is None
+
+  def assign(self, cmd: Sequence[str], env: dict
+             ) -> tuple[subprocess.Popen, int]:
+    """Hands the process its command line and environment; returns it and
+    the read end of its death-watch pipe. Raises OSError when it died."""
+    w, self._w = self._w, None
+    argv = list(cmd)[2:] if cmd[1] == "-m" else list(cmd)[1:]
+    try:
+      os.write(w, json.dumps({"argv": argv, "env": env}).encode())
+    except OSError:
+      os.close(self._watch)
+      raise
+    finally:
+      os.close(w)
+    return self.popen, self._watch
+
+  def kill(self) -> None:
+    """Ends an unassigned standby (its group) and reaps it."""
+    if self._w is not None:
+      os.close(self._w)
+      self._w = None
+      os.close(self._watch)
+    _signal_group(self.popen, signal.SIGKILL)
+    self.popen.wait()
+
+
+def _start_child(index: int, cmd: Sequence[str], env: dict,
+                 wake: threading.Event, standbys: list[_Standby]) -> _Child:
+  """A generation's process: a live standby's (taken from ``standbys``),
+  else a new one."""
+  while standbys:
+    sb = standbys.pop(0)
+    if sb.alive():
+      try:
+        return _Child(index, cmd, env, wake, standby=sb)
+      except OSError:  # it died just now
+        pass
+    sb.kill()
+  return _Child(index, cmd, env, wake)
+
+
+def _cache_env(job_dir: str, cache: bool | str) -> dict[str, str]:
+  """The environment that points jax's persistent compilation cache at the
+  job's (see :func:`launch`'s ``compilation_cache``)."""
+  if cache is False or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return {}
+  path = os.path.join(job_dir, "compilation_cache") if cache is True \
+      else os.path.abspath(cache)
+  os.makedirs(path, mode=0o700, exist_ok=True)
+  return {"JAX_COMPILATION_CACHE_DIR": path, "TENPLEX_COMPILATION_CACHE": "1",
+          # every executable, however fast it compiled or small it is
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
 def _stop(children: list[_Child], wake: threading.Event,
@@ -818,20 +958,25 @@ def _hang_culprit(children: list[_Child], job_dir: str, gen: int
 def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
           gen: int, pending: dict, t_end: float | None,
           step_timeout: float | None,
-          first_step: Callable[[float], None]) -> dict:
+          first_step: Callable[[float], None],
+          tick: Callable[[], None] | None = None) -> dict:
   """Waits for the generation to end: all processes done, or the first
   failure (then stops the others at once). Returns ``codes``, ``first``
   (the index of the first process that failed, or None), and for a
   failure ``kind``, ``error``, ``failed_at``, ``detected_at``,
   ``stopped_at``. Calls ``first_step(time)`` when a process first reports
-  a step."""
+  a step, and ``tick()`` about once a second after that."""
   start = time.time()
   n = len(children)
   stepped = False
+  ticked = start
   while True:
     wake.wait(0.05)
     wake.clear()
     now = time.time()
+    if stepped and tick is not None and now - ticked > 1:
+      ticked = now
+      tick()
     if not stepped:
       seen = [os.stat(p).st_mtime for p in (
           os.path.join(job_dir, f"progress_{i}") for i in range(n))
@@ -881,7 +1026,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            max_restarts: int = 3, on_failure: str = "same",
            checkpoint: str | None = None, replicas: int = 0,
            step_timeout: float | None = None, tls_cert: str | None = None,
-           tls_key: str | None = None, tls_ca: str | None = None) -> int:
+           tls_key: str | None = None, tls_ca: str | None = None,
+           compilation_cache: bool | str = True,
+           standby: bool = True,
+           standby_imports: Sequence[str] | None = None) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -919,6 +1067,26 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     tls_ca: the CA file the processes verify the servers against, handed to
       them as ``TENPLEX_JAX_STORE_CA`` (default: the launcher's own
       ``$TENPLEX_JAX_STORE_CA``, else the system's CAs).
+    compilation_cache: jax's persistent compilation cache for every
+      generation's processes (``JAX_COMPILATION_CACHE_DIR``, every
+      executable written, however fast it compiled): ``True`` (default)
+      puts it in ``JOB_DIR/compilation_cache``, a string names the
+      directory, ``False`` leaves jax's settings alone. A mesh the job ran
+      before then loads its compiled steps instead of compiling them. A
+      ``JAX_COMPILATION_CACHE_DIR`` in the launcher's environment wins.
+    standby: keep processes for the next generation started, with Python
+      and ``standby_imports`` imported, waiting for their rank before
+      ``jax.distributed`` starts (``tenplex_jax.store._standby``): a resize
+      or a restart hands them the process count and ranks over a pipe
+      instead of starting interpreters. As many as the largest generation
+      so far, started once a generation has reported its first step; an
+      unused or dead one costs only its memory and is replaced; all are
+      killed when the job ends. Only for ``python SCRIPT ...`` and
+      ``python -m MODULE ...`` commands (others always start afresh).
+    standby_imports: the modules a standby imports (default: jax, numpy,
+      flax, flax.linen, flax.training.train_state, optax and the store's
+      restore path; those not installed are skipped). Import nothing whose
+      import has effects the script relies on seeing later.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -964,6 +1132,23 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   base_env = {**os.environ, "PYTHONPATH": _pythonpath(), TOKEN_ENV: token}
   if tls_ca:
     base_env[CA_ENV] = tls_ca
+  base_env.update(_cache_env(job_dir, compilation_cache))
+  form = _standby_form(cmd) if standby else None
+  standby_env = {**base_env, "TENPLEX_STANDBY_IMPORTS": ",".join(
+      _STANDBY_IMPORTS if standby_imports is None else standby_imports)}
+  standbys: list[_Standby] = []
+  most = procs  # standbys to keep: the largest generation so far
+
+  def refill():
+    """Replaces dead standbys and starts missing ones (after a generation's
+    first step, so that their imports do not slow its start)."""
+    if form is None:
+      return
+    for sb in [sb for sb in standbys if not sb.alive()]:
+      standbys.remove(sb)
+      sb.kill()
+    while len(standbys) < most:
+      standbys.append(_Standby(cmd, form, standby_env))
   servers: dict[int, tuple[subprocess.Popen, str]] = {}
   children: list[_Child] = []
   wake = threading.Event()
@@ -1045,18 +1230,19 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           env["TENPLEX_SCHEDULE"] = os.path.abspath(schedule)
         if checkpoint:
           env["TENPLEX_CHECKPOINT"] = os.path.abspath(checkpoint)
-        children.append(_Child(i, cmd, env, wake))
+        children.append(_start_child(i, cmd, env, wake, standbys))
       if record is not None:  # the relaunch after a failure is under way
         record["relaunched_s"] = round(time.time() - record["failed_at"], 3)
 
       def first_step(at):
         nonlocal record
+        refill()
         if record is not None:  # the new generation trains again
           record["resumed_s"] = round(at - record["failed_at"], 3)
           write_record()
           record = None
       out = _wait(children, wake, job_dir, gen, pending, t_end, step_timeout,
-                  first_step)
+                  first_step, refill)
       codes, first = out["codes"], out["first"]
       _stop(children, wake, 0)  # whatever the children left behind
       if all(c == 0 for c in codes):
@@ -1067,6 +1253,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         print(f"tenplex-jax launch: generation {gen}: {n} -> {info['procs']}"
               f" processes at step {info['step']}", flush=True)
         n, start_step = int(info["procs"]), int(info["step"])
+        most = max(most, n)
         failed_step = None
         continue
       if first is None:  # some finished, some exited for a resize
@@ -1117,6 +1304,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     # Nothing outlives the launcher: the generation's process groups, then
     # the store servers.
     _stop(children, wake)
+    for sb in standbys:
+      sb.kill()
     for p, _ in servers.values():
       _signal_group(p, signal.SIGTERM)
     for p, _ in servers.values():
@@ -1207,7 +1396,10 @@ def _launch_cmd(args) -> int:
                 on_failure=args.on_failure, checkpoint=args.checkpoint,
                 replicas=args.replicas, step_timeout=args.step_timeout,
                 tls_cert=args.tls_cert, tls_key=args.tls_key,
-                tls_ca=args.tls_ca)
+                tls_ca=args.tls_ca,
+                compilation_cache=(args.compilation_cache
+                                   or not args.no_compilation_cache),
+                standby=not args.no_standby)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -1243,5 +1435,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                  help="CA file the processes verify the store servers"
                  " against (TENPLEX_JAX_STORE_CA; default: the launcher's"
                  " own $TENPLEX_JAX_STORE_CA)")
+  p.add_argument("--compilation-cache", metavar="DIR", default=None,
+                 help="jax's persistent compilation cache for every"
+                 " generation (default: JOB_DIR/compilation_cache)")
+  p.add_argument("--no-compilation-cache", action="store_true",
+                 help="leave jax's compilation cache settings alone")
+  p.add_argument("--no-standby", action="store_true",
+                 help="start every generation's processes afresh instead of"
+                 " keeping standby processes (Python and jax imported)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)
