@@ -282,7 +282,8 @@ def _permute_batch(x: jax.Array, virtual_workers: int, n: int) -> jax.Array:
 
 def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
                    mesh: Mesh, batch_axis: str | Sequence[str] = "data",
-                   rng_argnums: Sequence[int] = ()) -> Callable[..., tuple]:
+                   rng_argnums: Sequence[int] = (),
+                   pipeline_axis: str | None = None) -> Callable[..., tuple]:
   """``jax.value_and_grad`` of a global-batch mean, bitwise independent of the mesh.
 
   The global batch is split into ``virtual_workers`` equal slices;
@@ -305,6 +306,15 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     rng_argnums: indices into ``args`` of PRNG keys; virtual worker ``w``
       receives ``fold_in(args[i], w)`` (:func:`worker_key`) instead of
       ``args[i]``, so dropout masks depend on ``(key, w)`` only.
+    pipeline_axis: the mesh axis of a :func:`tenplex_jax.pipeline` that
+      ``loss_fn`` runs (``"stage"``), or ``None``. The workers' ``shard_map``
+      is manual over every other axis and leaves this one to the pipeline's
+      own ``shard_map``, which then runs inside each virtual worker: the
+      params stay split over stages, each stage computes its layers of the
+      worker's slice. A worker's gradient has the same bits for every stage
+      count (the pipeline applies the same layers to the same microbatches
+      and adds their gradients in the same order), so the stage count may
+      change too.
 
   Returns:
     ``f(params, batch, *args) -> (loss, grads)``, usable inside or outside
@@ -338,6 +348,15 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   if missing:
     raise UsageError(f"batch axis {missing} not in the mesh, whose axes are"
                      f" {dict(mesh.shape)}")
+  if pipeline_axis is not None:
+    if pipeline_axis not in mesh.shape:
+      raise UsageError(f"pipeline_axis {pipeline_axis!r} not in the mesh, whose"
+                       f" axes are {dict(mesh.shape)}")
+    if pipeline_axis in axes:
+      raise UsageError(f"pipeline_axis {pipeline_axis!r} is also a batch axis"
+                       f" {axes}: the stages of a pipeline split the layers,"
+                       " not the batch")
+  manual = frozenset(a for a in mesh.axis_names if a != pipeline_axis)
   n = math.prod(mesh.shape[a] for a in axes)
   if virtual_workers % n:
     raise UsageError(
@@ -426,7 +445,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     smap = jax.shard_map(
         body, mesh=mesh,
         in_specs=(P(), P(spec_axes), *arg_specs),
-        out_specs=(P(), P()), check_vma=False)
+        out_specs=(P(), P()), axis_names=manual, check_vma=False)
     return smap(params, batch, *args)
 
   cache: dict[Any, Callable] = {}

@@ -111,6 +111,28 @@ def _check(stage_fn, stacked_params, x, mesh: Mesh, stage_axis: str,
   return layers, stages, batch
 
 
+def _shard_map_mesh(mesh: Mesh, stage_axis: str):
+  """``mesh``, or the enclosing ``shard_map``'s mesh when called inside one.
+
+  Inside a ``shard_map`` that is manual over other axes of the same mesh (as
+  :func:`tenplex_jax.determinism.value_and_grad` with ``pipeline_axis``),
+  the pipeline's ``shard_map`` must name the context's abstract mesh, whose
+  axis types record which axes are already manual.
+  """
+  ctx = jax.sharding.get_abstract_mesh()
+  if ctx.empty or not ctx.manual_axes:
+    return mesh
+  if dict(ctx.shape) != dict(mesh.shape):
+    raise UsageError(f"pipeline: called inside a shard_map over a mesh"
+                     f" {dict(ctx.shape)}, not the pipeline's {dict(mesh.shape)}")
+  if stage_axis in ctx.manual_axes:
+    raise UsageError(f"pipeline: called inside a shard_map that is already"
+                     f" manual over the stage axis {stage_axis!r}; leave it"
+                     " automatic there (determinism.value_and_grad:"
+                     f" pipeline_axis={stage_axis!r})")
+  return ctx
+
+
 def pipeline(stage_fn: Callable[[Any, Any], Any], stacked_params: Any, x: Any,
              *, mesh: Mesh, stage_axis: str = "stage", microbatches: int = 1,
              remat: bool = False) -> Any:
@@ -234,7 +256,8 @@ def pipeline(stage_fn: Callable[[Any, Any], Any], stacked_params: Any, x: Any,
   param_specs = jax.tree.map(lambda _: PartitionSpec(stage_axis),
                              stacked_params)
   x_specs = jax.tree.map(lambda _: PartitionSpec(), xm)
-  out = jax.shard_map(per_stage, mesh=mesh, in_specs=(param_specs, x_specs),
+  out = jax.shard_map(per_stage, mesh=_shard_map_mesh(mesh, stage_axis),
+                      in_specs=(param_specs, x_specs),
                       out_specs=x_specs, axis_names={stage_axis})(
                           stacked_params, xm)
   return jax.tree.map(join, out)

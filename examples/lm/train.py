@@ -33,8 +33,8 @@ devices per process), and they restore the state onto their mesh
 With ``--deterministic V`` the gradient of each global batch is summed over V
 virtual workers in one fixed order (``tenplex_jax.determinism``): the run is
 bitwise identical to the static run when every phase's data-parallel degree
-(data x fsdp) divides V. Each virtual worker runs the whole model, so every
-phase needs ``stage=1`` (see ``check_deterministic``).
+(data x fsdp) divides V, whatever its tensor and stage degrees: each virtual
+worker's slice runs through the pipeline over ``stage`` (see ``make_step``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ if __name__ == "__main__" and "--worker" not in sys.argv:
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import math  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -131,11 +132,9 @@ def check_deterministic(phases, virtual_workers, layouts):
   """Raises ValueError unless ``--deterministic V`` can hold on every phase.
 
   ``layouts`` are the phases' ``(mesh, rules, microbatches)``. Each phase's
-  data-parallel degree (data x fsdp) must divide V, and its stage degree must
-  be 1: ``tenplex_jax.determinism.value_and_grad`` runs each virtual worker's
-  loss inside one ``shard_map`` that is manual over every mesh axis (the
-  params gathered), which leaves no automatic ``stage`` axis for
-  ``tenplex_jax.pipeline``'s own ``shard_map``.
+  data-parallel degree (data x fsdp) must divide V. Any stage count works:
+  each virtual worker's loss runs the pipeline over ``stage`` inside
+  ``tenplex_jax.determinism.value_and_grad`` (``pipeline_axis="stage"``).
   """
   if virtual_workers < 1:
     raise ValueError(f"--deterministic {virtual_workers}: V must be a positive number of"
@@ -146,39 +145,42 @@ def check_deterministic(phases, virtual_workers, layouts):
       raise ValueError(f"--deterministic {virtual_workers}: the phase at step {p.step} has"
                        f" data-parallel degree {dp} (data {mesh.shape['data']} x fsdp"
                        f" {mesh.shape['fsdp']}), which does not divide {virtual_workers}")
-    if mesh.shape["stage"] > 1:
-      raise ValueError(f"--deterministic {virtual_workers}: the phase at step {p.step} has"
-                       f" stage={mesh.shape['stage']}; deterministic mode runs each virtual"
-                       " worker's whole model inside determinism.value_and_grad's shard_map"
-                       " (manual over every mesh axis), which cannot contain the pipeline's"
-                       " shard_map over 'stage': use stage=1 layouts (data, fsdp, tensor)")
 
 
-def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=None):
+def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=None,
+              state_shardings=None):
   """The jitted train step for a mesh: the pipeline runs over its stage axis.
 
   With ``deterministic=V`` the loss and gradient come from
-  ``tenplex_jax.determinism.value_and_grad`` over V virtual workers (the
-  layer stack then runs as a ``lax.scan``; ``check_deterministic``). The loss
-  is then the mean over the batch of the masked per-sequence losses (the
-  same as the normal step's when no sequence is masked out).
+  ``tenplex_jax.determinism.value_and_grad`` over V virtual workers; each
+  worker's slice runs through the pipeline over ``stage`` in
+  ``gcd(cfg.microbatches, slice)`` microbatches, the same number on every
+  phase (another split would add the microbatches' gradients in another
+  order), so ``microbatches`` does not apply. The loss is then the mean over
+  the batch of the masked per-sequence losses (the same as the normal
+  step's when no sequence is masked out).
   """
   if deterministic is not None:
     from tenplex_jax import determinism
 
-    model = LM(dataclasses.replace(cfg, pipeline=False))
-
     def worker_loss(params, batch):
+      mb = math.gcd(cfg.microbatches, batch["tokens"].shape[0])
+      model = LM(dataclasses.replace(cfg, microbatches=mb), mesh)
       logits = model.apply({"params": params}, batch["tokens"][:, :-1])
       per_seq = optax.softmax_cross_entropy_with_integer_labels(
           logits, batch["tokens"][:, 1:]).mean(-1)
       return (per_seq * batch["mask"]).mean()
 
     grad = determinism.value_and_grad(worker_loss, virtual_workers=deterministic, mesh=mesh,
-                                      batch_axis=("data", "fsdp"))
+                                      batch_axis=("data", "fsdp"), pipeline_axis="stage")
 
     def det_step(state, tokens, mask):
       loss, grads = grad(state.params, {"tokens": tokens, "mask": mask})
+      if state_shardings is not None:
+        # The gradients leave the workers' shard_map with a stage sharding
+        # of XLA's choice; the update runs on the params' own shards (the
+        # FSDP shards' update then has the static run's bits).
+        grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
       return state.apply_gradients(grads=grads), loss
 
     # XLA:CPU at optimisation level 0 does not give the same bits for a whole
@@ -186,7 +188,11 @@ def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=N
     # data 4 -> 1 resize), so --fast-compile does not apply here.
     opts = {k: v for k, v in (compiler_options or {}).items()
             if k != "xla_backend_optimization_level"}
-    return determinism.jit(det_step, donate_argnums=0, compiler_options=opts)
+    # The new state keeps the old one's shardings (``state_shardings``).
+    out = None if state_shardings is None else (state_shardings,
+                                                NamedSharding(mesh, P()))
+    return determinism.jit(det_step, donate_argnums=0, compiler_options=opts,
+                           out_shardings=out)
 
   model = LM(dataclasses.replace(cfg, microbatches=microbatches), mesh)
 
@@ -243,7 +249,8 @@ def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, com
     return _COMPILED[key], 0.0
   t0 = time.perf_counter()
   fn = make_step(cfg, mesh, mb, deterministic=deterministic,
-                 compiler_options=compiler_options).lower(state, tokens, mask).compile()
+                 compiler_options=compiler_options,
+                 state_shardings=jax.tree.map(lambda x: x.sharding, state)).lower(state, tokens, mask).compile()
   _COMPILED[key] = fn
   return fn, time.perf_counter() - t0
 
