@@ -176,7 +176,8 @@ def register(sub: argparse._SubParsersAction) -> None:
   s.add_argument("--ready-file", default=None,
                  help="write HOST:PORT here once listening")
   s.add_argument("--token-file", default=None,
-                 help="file holding the job's token (default:"
+                 help="file holding the job's token, readable by you only:"
+                 " chmod 600, else refused (default:"
                  " $TENPLEX_JAX_STORE_TOKEN)")
   s.add_argument("--read-only", action="store_true",
                  help="refuse uploads (serve only)")
