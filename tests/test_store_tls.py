@@ -36,7 +36,8 @@ ENV.update(PYTHONPATH=ROOT, XLA_FLAGS="", JAX_PLATFORMS="cpu")
 
 @pytest.fixture(autouse=True)
 def _no_tls_env(monkeypatch):
-  """No CA or token from the caller's environment leaks into a test."""
+  """No CA or token from the caller's environment leaks into a test (tests
+  set them with monkeypatch, so none leaks out either)."""
   monkeypatch.delenv(CA_ENV, raising=False)
   monkeypatch.delenv(TOKEN_ENV, raising=False)
 
@@ -154,7 +155,8 @@ def tls_server(tmp_path, pki):
 
 
 def test_restore_over_https_from_two_cli_servers_is_bitwise(tmp_path, pki,
-                                                            token_file):
+                                                            token_file,
+                                                            monkeypatch):
   # Two `store serve --tls-cert --tls-key` processes, one store each; a
   # restore through https:// only (no local directory), with the CA from
   # the environment variable, onto a different mesh.
@@ -168,13 +170,13 @@ def test_restore_over_https_from_two_cli_servers_is_bitwise(tmp_path, pki,
                  name="b") as (ub, _):
     log_a.seek(0)
     assert f"on {ua} (token required" in log_a.read()
-    os.environ[CA_ENV] = pki["ca"]  # removed by the autouse fixture
+    monkeypatch.setenv(CA_ENV, pki["ca"])
     out, rep = api.restore_with_report([ua, ub], _target(), token=TOKEN)
     _check(out, want)
     assert rep.network_bytes > 0 and rep.local_bytes == 0
     assert set(rep.per_source_bytes) <= {ua, ub}
     # The explicit argument does the same without the variable.
-    del os.environ[CA_ENV]
+    monkeypatch.delenv(CA_ENV)
     out = api.restore([ub], _target(), token=TOKEN, ca_file=pki["ca"])
     _check(out, want)
 
@@ -301,11 +303,12 @@ def test_tls_server_refuses_plain_clients_and_keeps_serving(tls_server, pki):
     assert rs.manifests()[0]["step"] == 5
 
 
-def test_upload_and_replicate_over_https(tls_server, pki, tmp_path):
+def test_upload_and_replicate_over_https(tls_server, pki, tmp_path,
+                                         monkeypatch):
   # https:// is a remote location for save (central mode) and replicate.
   url = tls_server["url"]
-  os.environ[CA_ENV] = pki["ca"]
-  os.environ[TOKEN_ENV] = TOKEN
+  monkeypatch.setenv(CA_ENV, pki["ca"])
+  monkeypatch.setenv(TOKEN_ENV, TOKEN)
   tree, want = _tree()
   api.save(tree, str(tmp_path / "unused"), step=9, mode="central",
            central=url, run="central-run")
