@@ -1,6 +1,18 @@
 """Test set-up: 8 simulated CPU devices, configured before jax initialises."""
 
 import os
+import shutil
+import tempfile
+
+# Every temporary file of the run (doctests' mkdtemp, pytest's own tmp_path
+# base, subprocesses, Ray's session directories) goes under one directory
+# that the run removes at its end, so a run leaves nothing in /tmp. The
+# controller makes it; xdist workers and every subprocess inherit TMPDIR.
+_SUITE_TMP = None
+if "TENPLEX_SUITE_TMP" not in os.environ:
+  _SUITE_TMP = tempfile.mkdtemp(prefix="tenplex-suite-")
+  os.environ["TENPLEX_SUITE_TMP"] = os.environ["TMPDIR"] = _SUITE_TMP
+  tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 # Must run before jax creates its backends; conftest is imported first.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -9,9 +21,6 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
-
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -37,3 +46,8 @@ _LONG_FIRST = ("test_ray.py", "test_lm_procs.py", "test_examples_nnx.py",
 def pytest_collection_modifyitems(config, items):
   rank = {name: i for i, name in enumerate(_LONG_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(_LONG_FIRST)))
+
+
+def pytest_unconfigure(config):
+  if _SUITE_TMP is not None:
+    shutil.rmtree(_SUITE_TMP, ignore_errors=True)

@@ -314,7 +314,10 @@ def test_peer_killed_during_multiprocess_restore(tmp, replicas):
     else:  # process 1's boxes had no other copy: every process falls back
       assert rep["from_checkpoint"] and rep["step"] == 4, rep
       assert rep["steps_lost"] == 3 and rep["lost_processes"] == [1], rep
-      assert any("every copy failed" in f for f in rep["fallbacks"]), rep
+      # Which failure the client saw first (refused at the listing, or
+      # cut mid-read: "every copy failed") is a race; that the reasons
+      # name the dead peer is not.
+      assert any(dying in f for f in rep["fallbacks"]), rep["fallbacks"]
 
 
 def test_launch_resizes_by_schedule(tmp):
