@@ -36,7 +36,8 @@ ENV.update(PYTHONPATH=ROOT, XLA_FLAGS="", JAX_PLATFORMS="cpu")
 
 @pytest.fixture(autouse=True)
 def _no_tls_env(monkeypatch):
-  """No CA or token from the caller's environment leaks into a test."""
+  """No CA or token from the caller's environment leaks into a test (tests
+  set them with monkeypatch, so none leaks out either)."""
   monkeypatch.delenv(CA_ENV, raising=False)
   monkeypatch.delenv(TOKEN_ENV, raising=False)
 
@@ -154,7 +155,8 @@ def tls_server(tmp_path, pki):
 
 
 def test_restore_over_https_from_two_cli_servers_is_bitwise(tmp_path, pki,
-                                                            token_file):
+                                                            token_file,
+                                                            monkeypatch):
   # Two `store serve --tls-cert --tls-key` processes, one store each; a
   # restore through https:// only (no local directory), with the CA from
   # the environment variable, onto a different mesh.
@@ -168,32 +170,46 @@ def test_restore_over_https_from_two_cli_servers_is_bitwise(tmp_path, pki,
                  name="b") as (ub, _):
     log_a.seek(0)
     assert f"on {ua} (token required" in log_a.read()
-    os.environ[CA_ENV] = pki["ca"]  # removed by the autouse fixture
+    monkeypatch.setenv(CA_ENV, pki["ca"])
     out, rep = api.restore_with_report([ua, ub], _target(), token=TOKEN)
     _check(out, want)
     assert rep.network_bytes > 0 and rep.local_bytes == 0
     assert set(rep.per_source_bytes) <= {ua, ub}
     # The explicit argument does the same without the variable.
-    del os.environ[CA_ENV]
+    monkeypatch.delenv(CA_ENV)
     out = api.restore([ub], _target(), token=TOKEN, ca_file=pki["ca"])
     _check(out, want)
 
 
 def test_wrong_ca_is_one_clear_error_naming_the_location(tls_server, pki):
   url = tls_server["url"]
+  srv = tls_server["srv"]
+
+  def failed_handshakes(want):
+    """The server's count of failed connections once it reached ``want``
+    (or 5 s passed) and stayed there for 0.3 s."""
+    deadline = time.monotonic() + 5
+    while srv.stats.get("connection_errors", 0) < want and \
+        time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.3)
+    return srv.stats.get("connection_errors", 0)
+
+  # From the client directly: at once (no retries: one failed handshake on
+  # the server, where each retry would add one) and without a chained ssl
+  # traceback.
+  with pytest.raises(TLSError, match="certificate does not verify") as e:
+    RemoteStore(url, token=TOKEN, ca_file=pki["other_ca"],
+                retries=5).manifests()
+  assert failed_handshakes(1) == 1
+  assert e.value.__cause__ is None and e.value.__suppress_context__
+  # Through a restore: one line naming the location and the CA file.
   with pytest.raises(TLSError) as e:
     api.restore([url], _target(), token=TOKEN, ca_file=pki["other_ca"])
   msg = str(e.value)
   assert url in msg and "certificate does not verify" in msg
   assert pki["other_ca"] in msg and "\n" not in msg
-  # The same from the client directly, at once (no retries) and without a
-  # chained ssl traceback.
-  t0 = time.monotonic()
-  with pytest.raises(TLSError, match="certificate does not verify") as e:
-    RemoteStore(url, token=TOKEN, ca_file=pki["other_ca"],
-                retries=5).manifests()
-  assert time.monotonic() - t0 < 1.0
-  assert e.value.__cause__ is None and e.value.__suppress_context__
+  assert failed_handshakes(2) == 2
   # Without any CA the system's CAs are used: they do not know ours either.
   with pytest.raises(TLSError, match="the system CAs"):
     RemoteStore(url, token=TOKEN).manifests()
@@ -267,7 +283,8 @@ def test_token_still_required_over_tls(tls_server, pki):
          tls_server["want"])
 
 
-def test_tls_server_refuses_plain_clients_and_keeps_serving(tls_server, pki):
+def test_tls_server_refuses_plain_clients_and_keeps_serving(tls_server, pki,
+                                                           tmp_path):
   srv = tls_server["srv"]
   assert srv.tls.minimum_version == ssl.TLSVersion.TLSv1_2
   # A plain HTTP client gets no data (the handshake fails).
@@ -281,31 +298,39 @@ def test_tls_server_refuses_plain_clients_and_keeps_serving(tls_server, pki):
         got += chunk
   assert b"procs" not in got and not got.startswith(b"HTTP/")
   # A client that connects and never says hello does not block the
-  # accepting thread (the handshake runs in the connection's thread), and is
-  # cut off after head_timeout (1 s) ...
-  idle = socket.create_connection(("127.0.0.1", tls_server["port"]))
+  # accepting thread (the handshake runs in the connection's thread): with
+  # head_timeout 4 s, a client that gives up after 2.5 s is served while it
+  # waits; and the silent one is cut off after head_timeout.
+  slow = make_server(str(tmp_path / "slow"), 0, token=TOKEN,
+                     tls_cert=pki["cert"], tls_key=pki["key"],
+                     head_timeout=4.0, io_timeout=6.0)
+  threading.Thread(target=slow.serve_forever, daemon=True).start()
+  url = f"https://127.0.0.1:{slow.server_address[1]}"
+  idle = socket.create_connection(("127.0.0.1", slow.server_address[1]))
   try:
-    rs = RemoteStore(tls_server["url"], token=TOKEN, ca_file=pki["ca"],
-                     timeout=0.9, retries=0)
-    assert rs.manifests()[0]["step"] == 5
-    rs.close()
-    idle.settimeout(5)
     t0 = time.monotonic()
+    with RemoteStore(url, token=TOKEN, ca_file=pki["ca"], timeout=2.5,
+                     retries=0) as rs:
+      assert rs.manifests() == {}
+    idle.settimeout(12)
     with contextlib.suppress(OSError):
       assert idle.recv(1) == b""
-    assert time.monotonic() - t0 < 4
+    assert 3.5 < time.monotonic() - t0 < 10
   finally:
     idle.close()
+    slow.shutdown()
+    slow.server_close()
   # ... and the server still serves.
   with RemoteStore(tls_server["url"], token=TOKEN, ca_file=pki["ca"]) as rs:
     assert rs.manifests()[0]["step"] == 5
 
 
-def test_upload_and_replicate_over_https(tls_server, pki, tmp_path):
+def test_upload_and_replicate_over_https(tls_server, pki, tmp_path,
+                                         monkeypatch):
   # https:// is a remote location for save (central mode) and replicate.
   url = tls_server["url"]
-  os.environ[CA_ENV] = pki["ca"]
-  os.environ[TOKEN_ENV] = TOKEN
+  monkeypatch.setenv(CA_ENV, pki["ca"])
+  monkeypatch.setenv(TOKEN_ENV, TOKEN)
   tree, want = _tree()
   api.save(tree, str(tmp_path / "unused"), step=9, mode="central",
            central=url, run="central-run")
