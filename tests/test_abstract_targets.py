@@ -212,3 +212,25 @@ def _objects_copy(objs):
   """A deep copy of live nnx objects (their arrays shared, immutably)."""
   graphdef, state = nnx.split(objs)
   return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+
+
+def test_a_target_that_does_not_match_is_an_input_error(tmp_path):
+  """TreeError is a ValueError, not a StoreError: nothing failed to read, so
+  no other copy (here the checkpoint) is tried, and the CLI exits 2."""
+  from tenplex_jax.cli import exit_code
+  from tenplex_jax.errors import StoreError
+  assert not issubclass(TreeError, StoreError)
+  assert issubclass(TreeError, ValueError)
+  assert exit_code(TreeError("x")) == 2
+  mesh = _mesh()
+  tree = _tree()
+  store.save(tree, str(tmp_path / "s"), step=3)
+  tor.save(tree, str(tmp_path / "ck"), step=3)
+  bad = _abstract(mesh, SPECS)
+  bad["w"] = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(
+      mesh, SPECS["w"]))
+  with pytest.raises(TreeError, match=r"w: the target is float32\[8, 4\],"
+                     r" step 3 saved float32\[8, 8\]"):
+    with jax.set_mesh(mesh):
+      store.restore([str(tmp_path / "s")], bad,
+                    checkpoint=str(tmp_path / "ck"))
