@@ -529,6 +529,17 @@ def _differs(name: str, shape: tuple, dtype: str, t: Any,
   return Problem(name, msg, msg)  # the same shapes: one grouped line
 
 
+def _is_key_data(leaf, t) -> bool:
+  """Whether ``t`` holds the raw key data of the PRNG key array ``leaf``
+  (saved without its key type: ``uint32[..., 2]`` for threefry keys)."""
+  if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    return False
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(
+      leaf.shape, leaf.dtype))
+  stored = tuple(t.shape) + tuple(getattr(t, "extra", ()))
+  return (np.dtype(data.dtype).name, tuple(data.shape)) == (t.dtype, stored)
+
+
 def match_layout(tensors: Sequence[Any], saved: Mapping[str, Any], *,
                  where: str) -> tuple[dict[str, str], list[Problem]]:
   """Matches a target layout's tensors (a PTC's ``TensorLayout``s, each with
@@ -588,7 +599,8 @@ def _is_none(x) -> bool:
 
 def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
                 mesh: Mesh | None = None, aliases: bool = True,
-                values: Mapping[str, Any] = {}  # noqa: B006 - read only
+                values: Mapping[str, Any] = {},  # noqa: B006 - read only
+                key_data: bool = True
                 ) -> tuple[list, Any, list[Slot], list[Problem]]:
   """Matches a restore (or convert) target with saved tensors, by path.
 
@@ -610,6 +622,9 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
       ``/value`` (Orbax saves an nnx variable's array under ``.../value``).
     values: plain values saved by path (a store's numbers); an array leaf
       with nothing in ``saved`` but a value here is not a problem.
+    key_data: a PRNG key array leaf also matches its raw key data saved
+      without the key type (``uint32[n, 2]`` for ``key<fry>[n]``), as
+      checkpoints written without Orbax's key metadata hold it.
 
   Returns:
     ``(flat, treedef, slots, problems)``: the flattened target (``None``
@@ -658,6 +673,8 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
       slots.append(Slot(i, name, leaf, None, True))
       continue
     differs = _differs(name, shape, dtype_name(leaf.dtype), saved[hit], where)
+    if differs is not None and key_data and _is_key_data(leaf, saved[hit]):
+      differs = None  # a key array saved as its raw key data
     if differs is not None:
       problems.append(differs)
       continue

@@ -234,3 +234,25 @@ def test_a_target_that_does_not_match_is_an_input_error(tmp_path):
     with jax.set_mesh(mesh):
       store.restore([str(tmp_path / "s")], bad,
                     checkpoint=str(tmp_path / "ck"))
+
+
+def test_key_array_target_reads_raw_key_data(tmp_path):
+  """A PRNG key target matches its key data saved without the key type
+  (uint32[n, 2] for key<fry>[n]); another shape is a mismatch."""
+  keys = jax.random.split(jax.random.key(3), 8)
+  tor.save({"rng": jax.random.key_data(keys)}, str(tmp_path / "ck"), step=1)
+  mesh = _mesh((8,), ("data",))
+  am = mesh.abstract_mesh
+  target = {"rng": jax.ShapeDtypeStruct(keys.shape, keys.dtype,
+                                        sharding=NamedSharding(am, P("data")))}
+  with jax.set_mesh(mesh):
+    out = tor.restore(str(tmp_path / "ck"), target)
+  assert out["rng"].dtype == keys.dtype
+  assert out["rng"].sharding == NamedSharding(mesh, P("data"))
+  np.testing.assert_array_equal(np.asarray(jax.random.key_data(out["rng"])),
+                                np.asarray(jax.random.key_data(keys)))
+  other = {"rng": jax.ShapeDtypeStruct((4,), keys.dtype, sharding=NamedSharding(
+      mesh, P()))}
+  with pytest.raises(TreeError, match=r"rng: the target is key<fry>\[4\], the"
+                     r" checkpoint saved uint32\[8, 2\]"):
+    tor.restore(str(tmp_path / "ck"), other)
