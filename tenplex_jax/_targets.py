@@ -600,7 +600,7 @@ def _is_none(x) -> bool:
 def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
                 mesh: Mesh | None = None, aliases: bool = True,
                 values: Mapping[str, Any] = {},  # noqa: B006 - read only
-                key_data: bool = True
+                key_data: bool = True, cast: bool = False
                 ) -> tuple[list, Any, list[Slot], list[Problem]]:
   """Matches a restore (or convert) target with saved tensors, by path.
 
@@ -625,6 +625,8 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
     key_data: a PRNG key array leaf also matches its raw key data saved
       without the key type (``uint32[n, 2]`` for ``key<fry>[n]``), as
       checkpoints written without Orbax's key metadata hold it.
+    cast: an array leaf of the saved shape may have another dtype (the
+      source reads it with a cast, as Orbax restores do); PRNG keys never.
 
   Returns:
     ``(flat, treedef, slots, problems)``: the flattened target (``None``
@@ -675,6 +677,10 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
     differs = _differs(name, shape, dtype_name(leaf.dtype), saved[hit], where)
     if differs is not None and key_data and _is_key_data(leaf, saved[hit]):
       differs = None  # a key array saved as its raw key data
+    if differs is not None and cast and shape == tuple(saved[hit].shape) \
+        and not any(d.startswith("key<") for d in (dtype_name(leaf.dtype),
+                                                    saved[hit].dtype)):
+      differs = None  # read with a cast to the target's dtype
     if differs is not None:
       problems.append(differs)
       continue

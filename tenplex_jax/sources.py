@@ -555,11 +555,12 @@ def match_target(target: Any, held: Mapping[str, SourceTensor], *,
     path (or ``None`` when nothing is saved there).
 
   Raises:
-    TreeError: some array leaves are not in the source or their shape or
-      dtype differs (every such leaf is named, with both shapes/dtypes).
+    TreeError: some array leaves are not in the source or their shape
+      differs (every such leaf is named, with both shapes and dtypes); a
+      dtype may differ (the source reads with a cast), a PRNG key's may not.
   """
   flat, treedef, slots, problems = match_saved(
-      target, held, where="the checkpoint", mesh=mesh)
+      target, held, where="the checkpoint", mesh=mesh, cast=True)
   raise_tree_problems("the target does not match the checkpoint", problems)
   arrays = {x.index: (x.saved if math.prod(x.leaf.shape) else None, x.leaf)
             for x in slots if x.array}  # Orbax stores no zero-size arrays

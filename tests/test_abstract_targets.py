@@ -256,3 +256,19 @@ def test_key_array_target_reads_raw_key_data(tmp_path):
   with pytest.raises(TreeError, match=r"rng: the target is key<fry>\[4\], the"
                      r" checkpoint saved uint32\[8, 2\]"):
     tor.restore(str(tmp_path / "ck"), other)
+
+
+def test_orbax_restore_reads_with_a_cast_to_the_target_dtype(tmp_path):
+  """As Orbax restores do: a target of the saved shape in another dtype reads
+  the saved values cast (the store and convert require the saved dtype)."""
+  tree = _tree()
+  tor.save(tree, str(tmp_path / "ck"), step=1)
+  mesh = _mesh()
+  am = mesh.abstract_mesh
+  target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16,
+                                      sharding=NamedSharding(am, SPECS["w"]))}
+  with jax.set_mesh(mesh):
+    out = tor.restore(str(tmp_path / "ck"), target)
+  assert out["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out["w"]),
+                                np.asarray(tree["w"]).astype(jnp.bfloat16))
