@@ -484,6 +484,8 @@ def leaf_kind(x) -> str:
     return f"{dtype_name(x.dtype)}{list(x.shape)}"
   if isinstance(x, np.ndarray):
     return f"numpy {x.dtype}{list(x.shape)}"
+  if isinstance(x, PartitionSpec):
+    return f"PartitionSpec{tuple(x)}"
   return f"{type(x).__name__} {x!r}"[:80]
 
 

@@ -129,3 +129,25 @@ def test_tree_targets_are_matched_like_restore_targets(src, tmp_path):
         "kernel": sds((8, 4), jnp.float32, sharding=s)}}})
   np.testing.assert_array_equal(np.asarray(out["params"]["dense"]["kernel"]),
                                 STATE["params"]["dense"]["kernel"])
+
+
+def test_tree_target_plain_leaves_keep_the_saved_layout(src, tmp_path):
+  """An abstract state whose scalars have no sharding (jax.eval_shape
+  without a mesh) converts: those leaves keep their saved layout; a
+  PartitionSpec where a sharded ShapeDtypeStruct belongs is an error."""
+  mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
+  s = NamedSharding(mesh, P(None, "tensor"))
+  sds = jax.ShapeDtypeStruct
+  target = {"params": {"dense": {"kernel": sds((8, 4), jnp.float32,
+                                               sharding=s),
+                                 "bias": sds((4,), jnp.float32)}},
+            "step": 0}
+  tor.convert(src, str(tmp_path / "a"), target, progress=False)
+  t = tor.inspect(str(tmp_path / "a"))["tensors"]
+  assert t["params/dense/kernel"]["chunk_shape"] == [8, 2]
+  assert t["params/dense/bias"]["chunk_shape"] == [4]
+  target["params"]["dense"]["bias"] = P("tensor")
+  with pytest.raises(TreeError, match=r"params/dense/bias: the target leaf is"
+                     r" PartitionSpec\('tensor',\), not a"):
+    tor.convert(src, str(tmp_path / "b"), target, progress=False)
+  assert not os.path.exists(tmp_path / "b")
