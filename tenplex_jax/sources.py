@@ -39,7 +39,7 @@ import numpy as np
 from tenplex_jax._targets import match_saved, raise_tree_problems
 from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
-                                key_path_name, relative_index)
+                                relative_index)
 from tenplex_jax.plain import decode_plain
 from tenplex_jax.planner import plan
 
