@@ -37,11 +37,12 @@ import jax
 import numpy as np
 
 from tenplex_jax._targets import match_saved, raise_tree_problems
-from tenplex_jax.errors import StoreError, UnreachableError
+from tenplex_jax.errors import NoCopyError, StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 relative_index)
 from tenplex_jax.plain import decode_plain
 from tenplex_jax.planner import plan
+from tenplex_jax.reshard import key_data_sharding
 
 __all__ = ["AssembleReport", "Source", "SourceTensor", "StoreCopy",
            "StoreSource", "assemble", "fetch_pieces", "host_buffer",
@@ -165,7 +166,6 @@ class StoreSource(Source):
 
   def __init__(self, root: str, *, step: int | None = None,
                round: str | None = None):
-    from tenplex_jax.errors import NoCopyError
     from tenplex_jax.store.format import HostStore, round_id
     self.store = HostStore(root)
     self.store.require_store()
@@ -571,7 +571,6 @@ def match_target(target: Any, held: Mapping[str, SourceTensor], *,
 def _physical(leaf) -> tuple[jax.ShapeDtypeStruct, str | None]:
   """The leaf as stored: a key array's key data, with its sharding."""
   if _is_key_dtype(leaf.dtype):
-    from tenplex_jax.reshard import key_data_sharding
     data = jax.eval_shape(jax.random.key_data, leaf)
     s = key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
     return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=s), \
