@@ -308,6 +308,45 @@ def _fit_problem(path: str, shape: tuple, s: NamedSharding) -> Problem | None:
   return None
 
 
+class _Placer:
+  """Makes a target sharding concrete for one leaf, as every matcher here
+  does: bound to the concrete mesh when on an ``AbstractMesh``
+  (:func:`bind_sharding`), then checked against the leaf's shape (rank,
+  divisibility). Caches both across the leaves of one target."""
+
+  def __init__(self, mesh: Mesh | None):
+    self.mesh = mesh
+    self.ctx: list = []  # the context mesh, looked up once when first needed
+    self.bound: dict = {}
+    self.fits: dict = {}
+
+  def context(self) -> Mesh | None:
+    if self.mesh is not None:
+      return self.mesh
+    if not self.ctx:
+      self.ctx.append(context_mesh())
+    return self.ctx[0]
+
+  def place(self, name: str, s: Sharding, shape: tuple | None
+            ) -> tuple[Sharding | None, Problem | None]:
+    """``(sharding, None)`` or ``(None, problem at name)``; ``shape=None``
+    skips the fit check."""
+    if is_abstract(s):
+      if s not in self.bound:
+        self.bound[s] = bind_sharding(s, name, self.mesh, self.ctx)
+      s, why = self.bound[s]
+      if why is not None:
+        return None, dataclasses.replace(why, path=name)
+    if shape is not None and type(s) is NamedSharding and isinstance(
+        s.mesh, Mesh):
+      key = (s, shape)
+      if key not in self.fits:
+        self.fits[key] = _fit_problem(name, shape, s)
+      if self.fits[key] is not None:
+        return None, dataclasses.replace(self.fits[key], path=name)
+    return s, None
+
+
 def match_targets(tree: Any, target: Any, *, mesh: Mesh | None = None
                   ) -> tuple[list, Callable]:
   """Pairs every leaf of ``tree`` with its target sharding.
@@ -344,10 +383,8 @@ def match_targets(tree: Any, target: Any, *, mesh: Mesh | None = None
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   targets, direct, problems = per_leaf(tree, target, treedef=treedef)
-  ctx: list = []  # the context mesh, looked up once when first needed
+  placer = _Placer(mesh)
   specs: dict = {}
-  bound: dict = {}  # abstract sharding -> (concrete sharding, problem)
-  fits: dict = {}
   if len(targets) != len(flat):  # pragma: no cover - a matching bug
     raise LayoutError(f"matched {len(targets)} targets to {len(flat)} leaves")
   items = []
@@ -372,9 +409,7 @@ def match_targets(tree: Any, target: Any, *, mesh: Mesh | None = None
     elif isinstance(t, Sharding):
       s = t
     elif isinstance(t, PartitionSpec):
-      if mesh is None and not ctx:
-        ctx.append(context_mesh())
-      m = mesh if mesh is not None else ctx[0]
+      m = placer.context()
       if m is None:
         problems.append(Problem(
             name, f"target PartitionSpec{tuple(t)} needs a mesh and none is"
@@ -406,18 +441,12 @@ def match_targets(tree: Any, target: Any, *, mesh: Mesh | None = None
           " Sharding, PartitionSpec or Device",
           f"a target of type {type(t).__name__} is not a Sharding,"
           " PartitionSpec or Device"))
-    if s is not None and is_abstract(s):
-      if s not in bound:
-        bound[s] = bind_sharding(s, name, mesh, ctx)
-      s, why = bound[s]
+    if s is not None:
+      placed, why = placer.place(name, s, tuple(leaf.shape))
       if why is not None:
-        problems.append(dataclasses.replace(why, path=name))
-    if s is not None and type(s) is NamedSharding and isinstance(s.mesh, Mesh):
-      key = (s, leaf.shape)
-      if key not in fits:
-        fits[key] = _fit_problem(name, tuple(leaf.shape), s)
-      if fits[key] is not None:
-        problems.append(dataclasses.replace(fits[key], path=name))
+        problems.append(why)
+      elif is_abstract(s):
+        s = placed
     items.append((name, leaf, s))
   if problems:
     raise_problems(LayoutError, "cannot reshard", problems)
@@ -455,6 +484,8 @@ def leaf_kind(x) -> str:
     return f"{dtype_name(x.dtype)}{list(x.shape)}"
   if isinstance(x, np.ndarray):
     return f"numpy {x.dtype}{list(x.shape)}"
+  if isinstance(x, PartitionSpec):
+    return f"PartitionSpec{tuple(x)}"
   return f"{type(x).__name__} {x!r}"[:80]
 
 
@@ -498,6 +529,17 @@ def _differs(name: str, shape: tuple, dtype: str, t: Any,
   msg = (f"the target is {dtype}{list(shape)}, {where} saved"
          f" {t.dtype}{list(t.shape)}")
   return Problem(name, msg, msg)  # the same shapes: one grouped line
+
+
+def _is_key_data(leaf, t) -> bool:
+  """Whether ``t`` holds the raw key data of the PRNG key array ``leaf``
+  (saved without its key type: ``uint32[..., 2]`` for threefry keys)."""
+  if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    return False
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(
+      leaf.shape, leaf.dtype))
+  stored = tuple(t.shape) + tuple(getattr(t, "extra", ()))
+  return (np.dtype(data.dtype).name, tuple(data.shape)) == (t.dtype, stored)
 
 
 def match_layout(tensors: Sequence[Any], saved: Mapping[str, Any], *,
@@ -559,7 +601,8 @@ def _is_none(x) -> bool:
 
 def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
                 mesh: Mesh | None = None, aliases: bool = True,
-                values: Mapping[str, Any] = {}  # noqa: B006 - read only
+                values: Mapping[str, Any] = {},  # noqa: B006 - read only
+                key_data: bool = True, cast: bool = False
                 ) -> tuple[list, Any, list[Slot], list[Problem]]:
   """Matches a restore (or convert) target with saved tensors, by path.
 
@@ -581,6 +624,11 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
       ``/value`` (Orbax saves an nnx variable's array under ``.../value``).
     values: plain values saved by path (a store's numbers); an array leaf
       with nothing in ``saved`` but a value here is not a problem.
+    key_data: a PRNG key array leaf also matches its raw key data saved
+      without the key type (``uint32[n, 2]`` for ``key<fry>[n]``), as
+      checkpoints written without Orbax's key metadata hold it.
+    cast: an array leaf of the saved shape may have another dtype (the
+      source reads it with a cast, as Orbax restores do); PRNG keys never.
 
   Returns:
     ``(flat, treedef, slots, problems)``: the flattened target (``None``
@@ -603,8 +651,7 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
                                                        is_leaf=_is_none)
   slots: list[Slot] = []
   problems: list[Problem] = []
-  ctx: list = []
-  bound: dict = {}
+  placer = _Placer(mesh)
   for i, (kp, leaf) in enumerate(flat):
     name = key_path_name(kp)
     names = saved_names(kp) if aliases else [name]
@@ -616,14 +663,11 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
               and leaf.sharding is not None):
       slots.append(Slot(i, name, leaf, hit, False))
       continue
-    s = leaf.sharding
-    if is_abstract(s):
-      if s not in bound:
-        bound[s] = bind_sharding(s, name, mesh, ctx)
-      s, why = bound[s]
-      if why is not None:
-        problems.append(dataclasses.replace(why, path=name))
-        continue
+    s, why = placer.place(name, leaf.sharding, None)
+    if why is not None:
+      problems.append(why)
+      continue
+    if s is not leaf.sharding:  # bound to the concrete mesh
       leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s)
     shape = tuple(int(n) for n in leaf.shape)
     if hit is None:
@@ -633,14 +677,19 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
       slots.append(Slot(i, name, leaf, None, True))
       continue
     differs = _differs(name, shape, dtype_name(leaf.dtype), saved[hit], where)
+    if differs is not None and key_data and _is_key_data(leaf, saved[hit]):
+      differs = None  # a key array saved as its raw key data
+    if differs is not None and cast and shape == tuple(saved[hit].shape) \
+        and not any(d.startswith("key<") for d in (dtype_name(leaf.dtype),
+                                                    saved[hit].dtype)):
+      differs = None  # read with a cast to the target's dtype
     if differs is not None:
       problems.append(differs)
       continue
-    if type(s) is NamedSharding:
-      fit = _fit_problem(name, shape, s)
-      if fit is not None:
-        problems.append(fit)
-        continue
+    _, why = placer.place(name, s, shape)  # after the shapes: they differ
+    if why is not None:
+      problems.append(why)
+      continue
     slots.append(Slot(i, name, leaf, hit, True))
   return flat, treedef, slots, problems
 
@@ -668,19 +717,14 @@ def bind_target(target: Any, mesh: Mesh | None = None) -> Any:
              for x in flat):
     return target
   paths = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_none)[0]
-  ctx: list = []
-  bound: dict = {}
+  placer = _Placer(mesh)
   problems: list[Problem] = []
   out = []
   for (kp, x) in paths:
     if isinstance(x, jax.ShapeDtypeStruct) and is_abstract(x.sharding):
-      name = key_path_name(kp)
-      if x.sharding not in bound:
-        bound[x.sharding] = bind_sharding(x.sharding, name, mesh, ctx)
-      s, why = bound[x.sharding]
+      s, why = placer.place(key_path_name(kp), x.sharding, None)
       if why is not None:
-        problems.append(dataclasses.replace(why, path=name))
-        s = None
+        problems.append(why)
       x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     out.append(x)
   raise_tree_problems("the target's shardings cannot be placed", problems)

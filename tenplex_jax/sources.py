@@ -37,11 +37,12 @@ import jax
 import numpy as np
 
 from tenplex_jax._targets import match_saved, raise_tree_problems
-from tenplex_jax.errors import StoreError, UnreachableError
+from tenplex_jax.errors import NoCopyError, StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
-                                key_path_name, relative_index)
+                                relative_index)
 from tenplex_jax.plain import decode_plain
 from tenplex_jax.planner import plan
+from tenplex_jax.reshard import key_data_sharding
 
 __all__ = ["AssembleReport", "Source", "SourceTensor", "StoreCopy",
            "StoreSource", "assemble", "fetch_pieces", "host_buffer",
@@ -165,7 +166,6 @@ class StoreSource(Source):
 
   def __init__(self, root: str, *, step: int | None = None,
                round: str | None = None):
-    from tenplex_jax.errors import NoCopyError
     from tenplex_jax.store.format import HostStore, round_id
     self.store = HostStore(root)
     self.store.require_store()
@@ -559,11 +559,12 @@ def match_target(target: Any, held: Mapping[str, SourceTensor], *,
     path (or ``None`` when nothing is saved there).
 
   Raises:
-    TreeError: some array leaves are not in the source or their shape or
-      dtype differs (every such leaf is named, with both shapes/dtypes).
+    TreeError: some array leaves are not in the source or their shape
+      differs (every such leaf is named, with both shapes and dtypes); a
+      dtype may differ (the source reads with a cast), a PRNG key's may not.
   """
   flat, treedef, slots, problems = match_saved(
-      target, held, where="the checkpoint", mesh=mesh)
+      target, held, where="the checkpoint", mesh=mesh, cast=True)
   raise_tree_problems("the target does not match the checkpoint", problems)
   arrays = {x.index: (x.saved if math.prod(x.leaf.shape) else None, x.leaf)
             for x in slots if x.array}  # Orbax stores no zero-size arrays
@@ -574,7 +575,6 @@ def match_target(target: Any, held: Mapping[str, SourceTensor], *,
 def _physical(leaf) -> tuple[jax.ShapeDtypeStruct, str | None]:
   """The leaf as stored: a key array's key data, with its sharding."""
   if _is_key_dtype(leaf.dtype):
-    from tenplex_jax.reshard import key_data_sharding
     data = jax.eval_shape(jax.random.key_data, leaf)
     s = key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
     return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=s), \

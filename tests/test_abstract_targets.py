@@ -212,3 +212,63 @@ def _objects_copy(objs):
   """A deep copy of live nnx objects (their arrays shared, immutably)."""
   graphdef, state = nnx.split(objs)
   return nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+
+
+def test_a_target_that_does_not_match_is_an_input_error(tmp_path):
+  """TreeError is a ValueError, not a StoreError: nothing failed to read, so
+  no other copy (here the checkpoint) is tried, and the CLI exits 2."""
+  from tenplex_jax.cli import exit_code
+  from tenplex_jax.errors import StoreError
+  assert not issubclass(TreeError, StoreError)
+  assert issubclass(TreeError, ValueError)
+  assert exit_code(TreeError("x")) == 2
+  mesh = _mesh()
+  tree = _tree()
+  store.save(tree, str(tmp_path / "s"), step=3)
+  tor.save(tree, str(tmp_path / "ck"), step=3)
+  bad = _abstract(mesh, SPECS)
+  bad["w"] = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(
+      mesh, SPECS["w"]))
+  with pytest.raises(TreeError, match=r"w: the target is float32\[8, 4\],"
+                     r" step 3 saved float32\[8, 8\]"):
+    with jax.set_mesh(mesh):
+      store.restore([str(tmp_path / "s")], bad,
+                    checkpoint=str(tmp_path / "ck"))
+
+
+def test_key_array_target_reads_raw_key_data(tmp_path):
+  """A PRNG key target matches its key data saved without the key type
+  (uint32[n, 2] for key<fry>[n]); another shape is a mismatch."""
+  keys = jax.random.split(jax.random.key(3), 8)
+  tor.save({"rng": jax.random.key_data(keys)}, str(tmp_path / "ck"), step=1)
+  mesh = _mesh((8,), ("data",))
+  am = mesh.abstract_mesh
+  target = {"rng": jax.ShapeDtypeStruct(keys.shape, keys.dtype,
+                                        sharding=NamedSharding(am, P("data")))}
+  with jax.set_mesh(mesh):
+    out = tor.restore(str(tmp_path / "ck"), target)
+  assert out["rng"].dtype == keys.dtype
+  assert out["rng"].sharding == NamedSharding(mesh, P("data"))
+  np.testing.assert_array_equal(np.asarray(jax.random.key_data(out["rng"])),
+                                np.asarray(jax.random.key_data(keys)))
+  other = {"rng": jax.ShapeDtypeStruct((4,), keys.dtype, sharding=NamedSharding(
+      mesh, P()))}
+  with pytest.raises(TreeError, match=r"rng: the target is key<fry>\[4\], the"
+                     r" checkpoint saved uint32\[8, 2\]"):
+    tor.restore(str(tmp_path / "ck"), other)
+
+
+def test_orbax_restore_reads_with_a_cast_to_the_target_dtype(tmp_path):
+  """As Orbax restores do: a target of the saved shape in another dtype reads
+  the saved values cast (the store and convert require the saved dtype)."""
+  tree = _tree()
+  tor.save(tree, str(tmp_path / "ck"), step=1)
+  mesh = _mesh()
+  am = mesh.abstract_mesh
+  target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16,
+                                      sharding=NamedSharding(am, SPECS["w"]))}
+  with jax.set_mesh(mesh):
+    out = tor.restore(str(tmp_path / "ck"), target)
+  assert out["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(out["w"]),
+                                np.asarray(tree["w"]).astype(jnp.bfloat16))

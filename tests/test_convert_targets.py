@@ -129,3 +129,47 @@ def test_tree_targets_are_matched_like_restore_targets(src, tmp_path):
         "kernel": sds((8, 4), jnp.float32, sharding=s)}}})
   np.testing.assert_array_equal(np.asarray(out["params"]["dense"]["kernel"]),
                                 STATE["params"]["dense"]["kernel"])
+
+
+def test_tree_target_plain_leaves_keep_the_saved_layout(src, tmp_path):
+  """An abstract state whose scalars have no sharding (jax.eval_shape
+  without a mesh) converts: those leaves keep their saved layout; a
+  PartitionSpec where a sharded ShapeDtypeStruct belongs is an error."""
+  mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
+  s = NamedSharding(mesh, P(None, "tensor"))
+  sds = jax.ShapeDtypeStruct
+  target = {"params": {"dense": {"kernel": sds((8, 4), jnp.float32,
+                                               sharding=s),
+                                 "bias": sds((4,), jnp.float32)}},
+            "step": 0}
+  tor.convert(src, str(tmp_path / "a"), target, progress=False)
+  t = tor.inspect(str(tmp_path / "a"))["tensors"]
+  assert t["params/dense/kernel"]["chunk_shape"] == [8, 2]
+  assert t["params/dense/bias"]["chunk_shape"] == [4]
+  target["params"]["dense"]["bias"] = P("tensor")
+  with pytest.raises(TreeError, match=r"params/dense/bias: the target leaf is"
+                     r" PartitionSpec\('tensor',\), not a"):
+    tor.convert(src, str(tmp_path / "b"), target, progress=False)
+  assert not os.path.exists(tmp_path / "b")
+
+
+def test_the_console_entry_exits_2_with_one_line(src, tmp_path):
+  """Through ``python -m tenplex_jax``: a tree of per-tensor specs as the
+  layout (the mistake of the issue) exits 2 with one error line, nothing
+  on stdout, no destination."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": ""}
+  lj = tmp_path / "layout.json"
+  lj.write_text(json.dumps({"params/dense/kernel": [None, "tensor"]}))
+  dst = tmp_path / "dst"
+  p = subprocess.run([sys.executable, "-m", "tenplex_jax", "ckpt", "convert",
+                      src, str(dst), "--layout", str(lj)], env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 2, p
+  assert p.stdout == "", p
+  assert p.stderr.startswith("tenplex-jax: error: the target names no"
+                             " layout") and p.stderr.count("\n") == 1, p
+  assert not dst.exists()

@@ -444,8 +444,10 @@ def _target_ptc(target, tensors, saved, *, allow_unmatched: bool = False,
         "the target names no layout: give a tenplex_jax.PTC (or its JSON),"
         ' {"mesh": {axis: size}, "rules": [[regex, spec], ...]}, or a'
         f" pytree of jax.ShapeDtypeStructs with shardings; got {what}")
-  for x in slots:
-    if not x.array and x.leaf is not None:
+  for x in slots:  # numbers and unsharded arrays keep the saved layout
+    if not x.array and not (x.leaf is None or isinstance(
+        x.leaf, (bool, int, float, complex, np.ndarray, np.generic,
+                 jax.ShapeDtypeStruct))):
       problems.append(Problem(
           x.path, f"the target leaf is {leaf_kind(x.leaf)}, not a"
           " jax.ShapeDtypeStruct with a sharding", "target leaves that are"
@@ -559,9 +561,11 @@ def convert(src: str, dst: str, target: Any = None, *,
       dict), a pytree of ``jax.ShapeDtypeStruct`` with shardings, or
       ``{"mesh": {...}, "rules": [...]}`` (see :func:`layout_from_spec`).
       Tensors the target does not name keep their saved chunking and
-      shardings; ``None``: all of them do. A target that names no layout
-      (a dict that is no spec or PTC, a tree without shardings) is an
-      error, not the saved layout.
+      shardings (in a tree: leaves that are ``None``, numbers or
+      ``ShapeDtypeStruct``s without a sharding); ``None``: all of them do.
+      A target that names no layout (a dict that is no spec or PTC, a tree
+      without shardings) or a tree leaf of another type (a string, a
+      ``PartitionSpec``) is an error, not the saved layout.
     memory_limit: bytes, or a string such as ``"512MiB"``.
     mapping: a structural mapping (see :class:`MappedSource`), applied
       before the target layout.

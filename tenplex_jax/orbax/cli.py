@@ -9,6 +9,8 @@ import pathlib
 import sys
 import warnings
 
+from tenplex_jax.errors import UnmatchedRuleWarning, UsageError
+
 __all__ = ["register"]
 
 
@@ -43,7 +45,6 @@ def _inspect(args) -> int:
 
 
 def _convert(args) -> int:
-  from tenplex_jax.errors import UsageError
   from tenplex_jax.orbax import convert
   layout = None  # the saved layout
   if args.layout:
@@ -67,7 +68,6 @@ def _convert(args) -> int:
         mapping.update(scan_mapping(list(held), axis=args.axis))
       if args.unscan:
         mapping.update(unscan_mapping(held, axis=args.axis))
-  from tenplex_jax.errors import UnmatchedRuleWarning
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always", UnmatchedRuleWarning)
     rep = convert(args.src, args.dst, layout,

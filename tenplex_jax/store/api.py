@@ -637,7 +637,7 @@ def _match_target(target, src_ptc, extras, step, mesh=None):
   saved = {t.path: t for t in src_ptc}
   where = f"step {step}"
   flat, treedef, slots, bad = match_saved(
-      target, saved, where=where, mesh=mesh, aliases=False,
+      target, saved, where=where, mesh=mesh, aliases=False, key_data=False,
       values={k: v for k, v in extras.items() if v is not None})
   arrays, values = {}, {}
   for x in slots:
