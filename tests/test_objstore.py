@@ -397,3 +397,31 @@ def test_orbax_checkpoint_on_object_storage(scheme, request):
   np.testing.assert_array_equal(np.asarray(out["w"]), want["w"] + 1)
   with pytest.raises(UsageError, match="exists"):
     tjo.convert(url, f"{scheme}://{bucket}/ckpts/conv")
+
+
+def test_persistent_checkpoint_on_s3(s3):
+  """save_checkpoint to s3://, and a restore whose stores hold nothing falls
+  back to it (the launcher's --checkpoint s3://...)."""
+  from tenplex_jax.store import (latest_step, restore_checkpoint,
+                                 save_checkpoint)
+  from tenplex_jax.store.launch import _checkpoint_location
+  url = f"s3://{s3}/persistent"
+  assert _checkpoint_location(url + "/") == url
+  with pytest.raises(UsageError, match="not a store server"):
+    _checkpoint_location("http://127.0.0.1:1")
+  state, want = _state()
+  arrays = {"w": state["w"], "b": state["b"]}
+  assert latest_step(url) is None
+  path = save_checkpoint(url, arrays, 40)
+  assert path == url + "/step_0000000040"
+  save_checkpoint(url, {"w": state["w"] + 1, "b": state["b"]}, 50)
+  assert latest_step(url) == 50
+  target = {k: v for k, v in _target().items() if k != "step"}
+  out, step = restore_checkpoint(url, target)
+  assert step == 50
+  np.testing.assert_array_equal(np.asarray(out["w"]), want["w"] + 1)
+  assert out["w"].sharding == target["w"].sharding
+  out, rep = tj.store.restore_with_report([f"s3://{s3}/none"], target,
+                                          checkpoint=url)
+  assert rep.from_checkpoint and rep.step == 50
+  np.testing.assert_array_equal(np.asarray(out["b"]), want["b"])
