@@ -241,17 +241,22 @@ def test_interrupted_save_never_becomes_the_newest_round(s3, monkeypatch):
   class Killed(BaseException):
     pass
 
-  def dying(scheme):
-    fs = real(scheme)
-    put_file = fs.put_file
+  class Dying:  # the file system, dying at the commit (the real one is
+    # shared by later calls: it is wrapped, not changed)
 
-    def put(lpath, rpath, **kw):
+    def __init__(self, fs):
+      self.fs = fs
+
+    def __getattr__(self, name):
+      return getattr(self.fs, name)
+
+    def put_file(self, lpath, rpath, **kw):
       if rpath.endswith("manifest.json"):
         raise Killed("killed before the commit")
-      return put_file(lpath, rpath, **kw)
+      return self.fs.put_file(lpath, rpath, **kw)
 
-    fs.put_file = put
-    return fs
+  def dying(scheme):
+    return Dying(real(scheme))
 
   monkeypatch.setattr(objects, "filesystem", dying)
   newer = {"w": state["w"] * 2, "b": state["b"], "step": 8}
