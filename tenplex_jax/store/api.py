@@ -245,7 +245,10 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
       plain leaves (``None``, bools, ints, floats, complex numbers,
       strings, numpy scalars and small numpy arrays), which are stored in
       the manifest and restored as saved.
-    location: this host's store directory (e.g. under ``/dev/shm``).
+    location: this host's store directory (e.g. under ``/dev/shm``), or
+      ``s3://BUCKET/PREFIX`` / ``gs://BUCKET/PREFIX`` (every process
+      uploads its snapshot; the round commits by its manifest, written
+      last: see docs/store.md); another scheme raises :class:`UsageError`.
     step: the training step, recorded in the manifest: an integer in
       [0, 10**10), checked before anything is written. Saving a step
       again in the same run is a new round (see below).
@@ -1009,8 +1012,10 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
   """Restores a saved state onto the target layout; call in every process.
 
   Args:
-    locations: store directories (this host's) and/or store server URLs
-      (``http://127.0.0.1:PORT``, peers).
+    locations: store directories (this host's), store server URLs
+      (``http://127.0.0.1:PORT``, peers) and/or object-storage stores
+      (``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX``); a location with
+      another scheme raises :class:`UsageError`.
     target: a pytree of ``jax.ShapeDtypeStruct``s with shardings on the new
       mesh (a live ``jax.Array`` counts as its layout). Any other leaf (a
       placeholder such as ``0`` or ``None``, or a ``ShapeDtypeStruct``
