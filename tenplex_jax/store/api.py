@@ -57,6 +57,7 @@ _OFFSET = 1 << 30  # old device ids are shifted so none looks "kept"
 
 _BATCH_BYTES = 16 << 20  # pieces per request up to this many bytes
 _BATCH_PIECES = 256
+_OBJECT_WORKERS = 32  # pieces in flight when a source is object storage
 
 
 def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
@@ -936,6 +937,11 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       jobs.append((path, sub, view, cands, key))
   per_source = collections.Counter()
   counts = {"local": 0, "net": 0}
+  if any(isinstance(s.handle, HostStore) and s.handle.remote
+         for s in sources):
+    # Reads from a bucket wait on the network, not on this host: more in
+    # flight (tensorstore bounds its own requests per server).
+    workers = max(workers, _OBJECT_WORKERS)
   try:
     served, errs = fetch_pieces(jobs, workers=workers, dead=dead,
                                 batch_bytes=_BATCH_BYTES,
