@@ -433,3 +433,58 @@ def test_persistent_checkpoint_on_s3(s3):
                                           checkpoint=url)
   assert rep.from_checkpoint and rep.step == 50
   np.testing.assert_array_equal(np.asarray(out["b"]), want["b"])
+
+
+@pytest.mark.slow
+def test_multiprocess_jobs_save_to_and_restore_from_s3(s3, tmp_path):
+  """Two jax.distributed processes save to one s3:// store (each its own
+  shards); three restore it onto another mesh, each reading only from S3."""
+  import sys
+
+  from procs import run_all
+  from store_state import expected_state, storage_view
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = {**os.environ, "PYTHONPATH": os.path.dirname(here), "XLA_FLAGS": "",
+         "JAX_PLATFORMS": "cpu"}
+  url = f"s3://{s3}/job"
+
+  def job(name, procs, mesh, action, **kw):
+    out = tmp_path / name
+    out.mkdir()
+    with socket_port() as port:
+      cfg = {"procs": procs, "devices": 4, "mesh": mesh, "action": action,
+             "port": port, "out": str(out), **kw}
+    (out / "config.json").write_text(json.dumps(cfg))
+    kids = run_all([[sys.executable, os.path.join(here, "store_worker.py"),
+                     str(out / "config.json"), str(i)]
+                    for i in range(procs)], env=env, timeout=180)
+    res = []
+    for i, c in enumerate(kids):
+      assert c.returncode == 0, c.stdout[-3000:]
+      res.append(json.loads((out / f"result_{i}.json").read_text()))
+    return res, out
+
+  res, _ = job("save", 2, [4, 2], "save", stores=[url, url])
+  assert all(r["ok"] for r in res)
+  st = ObjectStore(url)
+  assert st.procs() == [0, 1]
+  res, out = job("restore", 3, [2, 6], "restore",
+                 locations=[[url]] * 3)
+  assert all(r["ok"] and all(r["shardings_ok"].values()) for r in res), res
+  exp = expected_state()
+  n = 0
+  for i in range(3):
+    with np.load(out / f"shards_{i}.npz") as z:
+      for key in z.files:
+        path, _, box = key.split("|")
+        idx = tuple(slice(int(a), int(b)) for a, b in
+                    (r.split(":") for r in box.split(",") if r))
+        np.testing.assert_array_equal(z[key], storage_view(exp[path][idx]))
+        n += 1
+  assert n > 0
+
+
+@contextlib.contextmanager
+def socket_port():
+  from objservers import free_port
+  yield free_port()
