@@ -241,6 +241,8 @@ class Listing:
       raise FileNotFoundError(url)
     try:
       data = self.fs.cat_file(f"{self._base}/{rel}")
+    except FileNotFoundError:  # deleted since the listing
+      raise
     except Exception as e:
       raise location_error(url, e, "reading") from e
     self.bytes_read += len(data)
