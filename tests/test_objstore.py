@@ -23,6 +23,7 @@ from tenplex_jax import cli
 from tenplex_jax.errors import LocationError, StoreError, UsageError
 from tenplex_jax.locations import SCHEMES, parse_location
 from tenplex_jax.store import HostStore, RemoteStore, make_server, open_store
+from tenplex_jax.store.handle import StoreHandle
 from tenplex_jax.store.objects import ObjectStore, gc_objects
 
 from objservers import (gcs_env, gcs_server, moto_server, new_bucket,
@@ -169,6 +170,7 @@ def test_every_handle_runs_the_contract(any_store):
   try:
     assert isinstance(h, {"dir": HostStore, "http": RemoteStore,
                           "s3": ObjectStore, "gs": ObjectStore}[kind])
+    assert isinstance(h, StoreHandle)
     rounds, problems = h.all_rounds()
     assert problems == []
     assert [m["step"] for m in rounds[0]] == [6, 7]

@@ -86,8 +86,9 @@ def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
 
 def open_store(location: str, *, timeout: float = 30.0, retries: int = 2,
                token: str | None = None):
-  """The store handle of a location (see
-  :func:`tenplex_jax.locations.parse_location`): :class:`HostStore` for a
+  """The store handle (a :class:`~tenplex_jax.store.handle.StoreHandle`) of
+  a location (see :func:`tenplex_jax.locations.parse_location`):
+  :class:`HostStore` for a
   directory, :class:`RemoteStore` for a store server's ``http(s)://HOST:PORT``
   (``token``: the job's store token, default the ``TENPLEX_JAX_STORE_TOKEN``
   environment variable), :class:`~tenplex_jax.store.objects.ObjectStore`
