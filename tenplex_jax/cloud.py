@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from typing import Any
 
 from tenplex_jax.errors import LocationError, UsageError
@@ -76,14 +77,29 @@ def _gcs_emulator() -> None:
   os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
 
 
+# The environment a file system's endpoint and credentials come from: one
+# file system per scheme and environment (making one costs ~1 s: the SDK's
+# session and service models), remade when these change.
+_ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+             "AWS_DEFAULT_REGION", "AWS_PROFILE", "STORAGE_EMULATOR_HOST",
+             "GOOGLE_APPLICATION_CREDENTIALS")
+_FILESYSTEMS: dict = {}
+_FS_LOCK = threading.Lock()
+
+
 def filesystem(scheme: str):
-  """An fsspec file system for ``scheme`` (listings are never cached: a
-  store changes under its readers)."""
+  """An fsspec file system for ``scheme`` in the current environment
+  (listings are never cached: a store changes under its readers)."""
   import fsspec
-  proto = _FS_PROTOCOL[scheme]
-  kw: dict[str, Any] = {"use_listings_cache": False,
-                        "skip_instance_cache": True}
-  return fsspec.filesystem(proto, **kw)
+  key = (scheme, os.getpid()) + tuple(os.environ.get(k) for k in _ENV_KEYS)
+  with _FS_LOCK:
+    fs = _FILESYSTEMS.get(key)
+    if fs is None:
+      fs = _FILESYSTEMS[key] = fsspec.filesystem(
+          _FS_PROTOCOL[scheme], use_listings_cache=False,
+          skip_instance_cache=True)
+    return fs
 
 
 def fs_path(url: str) -> str:
@@ -225,6 +241,8 @@ class Listing:
       raise FileNotFoundError(url)
     try:
       data = self.fs.cat_file(f"{self._base}/{rel}")
+    except FileNotFoundError:  # deleted since the listing
+      raise
     except Exception as e:
       raise location_error(url, e, "reading") from e
     self.bytes_read += len(data)

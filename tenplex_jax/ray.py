@@ -516,13 +516,17 @@ def checkpoint_dir(run_config: Any, job: str) -> str:
     >>> checkpoint_dir(RunConfig(storage_path="/mnt/ckpt", name="lm"), "j")
     '/mnt/ckpt/lm'
   """
+  from tenplex_jax.locations import LOCAL, parse_location
   path = getattr(run_config, "storage_path", None) or "~/ray_results"
-  if "://" in str(path):
+  loc = parse_location(str(path))  # an unknown scheme: UsageError
+  if loc.kind != LOCAL:
     raise UsageError(f"run_config.storage_path {path!r}: tenplex_jax.ray"
-                     " writes its checkpoint fallback with Orbax to a"
-                     " directory every node mounts; give a local or shared"
-                     " file system path")
-  return os.path.join(os.path.expanduser(str(path)),
+                     " writes its checkpoint fallback with Orbax from every"
+                     " worker process to a directory every node mounts"
+                     " (Orbax 0.12 writes no s3:// path, and an object-storage"
+                     " checkpoint is written from one process); give a local"
+                     " or shared file system path")
+  return os.path.join(os.path.expanduser(loc.target),
                       getattr(run_config, "name", None) or job)
 
 

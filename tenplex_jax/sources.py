@@ -339,6 +339,12 @@ class _Single(Exception):
   """Internal: read a batch piece by piece."""
 
 
+def _direct(src) -> bool:
+  """Whether ``src`` serves one piece per read (a directory, a bucket),
+  each read then a task of its own, as opposed to many per request."""
+  return getattr(src, "direct", src.local)
+
+
 def _batches(jobs, batch_bytes: int, batch_pieces: int):
   """Groups jobs by their first source into requests of bounded size, then
   interleaves the groups (every peer is read from at once)."""
@@ -352,7 +358,7 @@ def _batches(jobs, batch_bytes: int, batch_pieces: int):
     cur, nb = [], 0
     for job in group:
       if cur and (nb + job[2].nbytes > batch_bytes
-                  or len(cur) >= batch_pieces or job[3][0].local):
+                  or len(cur) >= batch_pieces or _direct(job[3][0])):
         out.append(cur)
         cur, nb = [], 0
       cur.append(job)
@@ -427,7 +433,7 @@ def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
     errs = []
     src = batch[0][3][0]
     try:
-      if src.local or len(batch) == 1 or src.name in dead or \
+      if _direct(src) or len(batch) == 1 or src.name in dead or \
           not hasattr(src, "read_batch"):
         raise _Single()
       src.read_batch([(path, box, dest) for path, box, dest, _, _ in batch])

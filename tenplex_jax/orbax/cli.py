@@ -89,7 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
   verbs = p.add_subparsers(dest="ckpt_verb", required=True)
   s = verbs.add_parser("inspect", help="the tree, shapes, dtypes, chunks,"
                        " sizes and saved shardings of an Orbax checkpoint")
-  s.add_argument("path", help="CheckpointManager, step or item directory")
+  s.add_argument("path", help="CheckpointManager, step or item directory"
+                 " (local, s3://BUCKET/DIR or gs://BUCKET/DIR)")
   s.add_argument("--step", type=int, default=None)
   s.add_argument("--item", default=None)
   s.add_argument("--json", action="store_true", help="print JSON")
@@ -99,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
   s.add_argument("src", help="an Orbax checkpoint (CheckpointManager, step"
                  " or item directory) or a tenplex_jax store directory (its"
                  " newest complete snapshot, or --step)")
-  s.add_argument("dst", help="the new checkpoint (must not exist)")
+  s.add_argument("dst", help="the new checkpoint (must not exist; a"
+                 " directory, s3:// or gs://)")
   s.add_argument("--layout", default=None, help="a PTC JSON file, or JSON"
                  ' {"mesh": {"data": 2, "tensor": 4}, "rules":'
                  ' [["regex", [null, "tensor"]], ...]} (default: the saved'

@@ -62,6 +62,7 @@ _OFFSET = 1 << 30  # old device ids are shifted so none looks "kept"
 
 _BATCH_BYTES = 16 << 20  # pieces per request up to this many bytes
 _BATCH_PIECES = 256
+_OBJECT_WORKERS = 32  # pieces in flight when a source is object storage
 
 
 def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
@@ -90,8 +91,9 @@ def _split_rows(box: Box, dest: np.ndarray, held: Box | None,
 
 def open_store(location: str, *, timeout: float = 30.0, retries: int = 2,
                token: str | None = None, ca_file: str | None = None):
-  """The store handle of a location (see
-  :func:`tenplex_jax.locations.parse_location`): :class:`HostStore` for a
+  """The store handle (a :class:`~tenplex_jax.store.handle.StoreHandle`) of
+  a location (see :func:`tenplex_jax.locations.parse_location`):
+  :class:`HostStore` for a
   directory, :class:`RemoteStore` for a store server's ``http(s)://HOST:PORT``
   (``token``: the job's store token, default the ``TENPLEX_JAX_STORE_TOKEN``
   environment variable; ``ca_file``: the CA that TLS servers are verified
@@ -224,7 +226,10 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
       plain leaves (``None``, bools, ints, floats, complex numbers,
       strings, numpy scalars and small numpy arrays), which are stored in
       the manifest and restored as saved.
-    location: this host's store directory (e.g. under ``/dev/shm``).
+    location: this host's store directory (e.g. under ``/dev/shm``), or
+      ``s3://BUCKET/PREFIX`` / ``gs://BUCKET/PREFIX`` (every process
+      uploads its snapshot; the round commits by its manifest, written
+      last: see docs/store.md); another scheme raises :class:`UsageError`.
     step: the training step, recorded in the manifest: an integer in
       [0, 10**10), checked before anything is written. Saving a step
       again in the same run is a new round (see below).
@@ -929,6 +934,11 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       jobs.append((path, sub, view, cands, key))
   per_source = collections.Counter()
   counts = {"local": 0, "net": 0}
+  if any(isinstance(s.handle, HostStore) and s.handle.remote
+         for s in sources):
+    # Reads from a bucket wait on the network, not on this host: more in
+    # flight (tensorstore bounds its own requests per server).
+    workers = max(workers, _OBJECT_WORKERS)
   try:
     served, errs = fetch_pieces(jobs, workers=workers, dead=dead,
                                 batch_bytes=_BATCH_BYTES,
@@ -1005,8 +1015,10 @@ def restore(locations: Sequence[str] | str, target: Any, **kwargs) -> Any:
   """Restores a saved state onto the target layout; call in every process.
 
   Args:
-    locations: store directories (this host's) and/or store server URLs
-      (``http://127.0.0.1:PORT`` or ``https://HOST:PORT``, peers).
+    locations: store directories (this host's), store server URLs
+      (``http://127.0.0.1:PORT`` or ``https://HOST:PORT``, peers) and/or
+      object-storage stores (``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX``);
+      a location with another scheme raises :class:`UsageError`.
     target: a pytree of ``jax.ShapeDtypeStruct``s with shardings on the new
       mesh (a live ``jax.Array`` counts as its layout). Any other leaf (a
       placeholder such as ``0`` or ``None``, or a ``ShapeDtypeStruct``

@@ -50,11 +50,35 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
     5
   """
   import orbax.checkpoint as ocp
+
+  from tenplex_jax.errors import UsageError
+  from tenplex_jax.locations import LOCAL, OBJECT, parse_location
+  loc = parse_location(directory)
+  name = f"step_{int(step):010d}"
+  if loc.kind == OBJECT:
+    # Orbax 0.12 writes no s3:// path; written here, then uploaded with its
+    # commit markers last (one process: the others' shards would be on
+    # their hosts).
+    if jax.process_count() > 1:
+      raise UsageError(f"save_checkpoint({directory!r}): an Orbax checkpoint"
+                       " on object storage is written from one process; a"
+                       " multi-process job saves to s3:// or gs:// with"
+                       " tenplex_jax.store.save (each process its shards)")
+    import tempfile
+
+    from tenplex_jax.cloud import upload_tree
+    with tempfile.TemporaryDirectory(prefix="tenplex-jax-ckpt-") as tmp:
+      save_checkpoint(tmp, tree, step)
+      upload_tree(os.path.join(tmp, name), f"{loc.target}/{name}")
+    return f"{loc.target}/{name}"
+  if loc.kind != LOCAL:
+    raise UsageError(f"save_checkpoint({directory!r}): a directory, s3:// or"
+                     " gs://, not a store server")
   from tenplex_jax.store import private
-  path = os.path.join(os.path.abspath(directory), f"step_{int(step):010d}")
+  path = os.path.join(os.path.abspath(loc.target), name)
   # Orbax and tensorstore create the files inside with their default modes;
   # the directories made here are 0700, so other users cannot reach them.
-  private.makedirs(directory)
+  private.makedirs(loc.target)
   ckptr = ocp.StandardCheckpointer(file_options=ocp.options.FileOptions(
       path_permission_mode=private.DIR_MODE))
   ckptr.save(path, _unkey(tree))

@@ -1020,6 +1020,20 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
       raise TimeoutError("tenplex-jax launch: timed out")
 
 
+def _checkpoint_location(checkpoint: str) -> str:
+  """The checkpoint location the scripts get: a local directory made
+  absolute, an ``s3://`` or ``gs://`` URL as given; ``UsageError`` for a
+  store server or an unknown scheme."""
+  from tenplex_jax.locations import LOCAL, OBJECT, parse_location
+  loc = parse_location(checkpoint)
+  if loc.kind == LOCAL:
+    return os.path.abspath(loc.target)
+  if loc.kind != OBJECT:
+    raise UsageError(f"--checkpoint {checkpoint}: a directory, s3:// or"
+                     " gs://, not a store server")
+  return loc.target
+
+
 def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            schedule: str | None = None, job_dir: str | None = None,
            max_generations: int = 16, timeout: float | None = None,
@@ -1229,7 +1243,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         if schedule:
           env["TENPLEX_SCHEDULE"] = os.path.abspath(schedule)
         if checkpoint:
-          env["TENPLEX_CHECKPOINT"] = os.path.abspath(checkpoint)
+          env["TENPLEX_CHECKPOINT"] = _checkpoint_location(checkpoint)
         children.append(_start_child(i, cmd, env, wake, standbys))
       if record is not None:  # the relaunch after a failure is under way
         record["relaunched_s"] = round(time.time() - record["failed_at"], 3)
@@ -1417,8 +1431,9 @@ def register(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--on-failure", choices=("same", "shrink"), default="same",
                  help="relaunch on as many processes, or on one fewer")
   p.add_argument("--checkpoint", default=None,
-                 help="Orbax checkpoint directory (TENPLEX_CHECKPOINT) to"
-                 " fall back to when no store copy survives")
+                 help="Orbax checkpoint directory, s3://BUCKET/DIR or"
+                 " gs://BUCKET/DIR (TENPLEX_CHECKPOINT) to fall back to when"
+                 " no store copy survives")
   p.add_argument("--replicas", type=int, default=0,
                  help="save_snapshot copies each snapshot to the next R"
                  " stores (default 0)")

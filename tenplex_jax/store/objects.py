@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tenplex_jax.cloud import (filesystem, fs_path, kvstore_spec,
+from tenplex_jax.cloud import (Listing, filesystem, fs_path, kvstore_spec,
                                location_error, split_url)
 from tenplex_jax.errors import ChecksumError, StoreError
 from tenplex_jax.store.format import (ChunkMaps, ChunkWalk, HostStore, crc32c,
@@ -68,57 +68,27 @@ class ObjectStore(HostStore):
     scheme, bucket, key = split_url(url)
     self.scheme = scheme
     self.root = self.url = f"{scheme}://{bucket}" + (f"/{key}" if key else "")
-    self._fs = filesystem(scheme)
-    self._fsroot = fs_path(self.root)
     self._snap_manifests: dict[str, dict] = {}
     self._arrays: dict[str, Any] = {}
     self._lock = threading.Lock()
     self._kv = None
     self.bytes_fetched = 0
-    self._keys = self._list()
-    self._dirs: dict[str, set[str]] = {}
-    for k in self._keys:
-      parts = k.split("/")
-      for i in range(len(parts)):
-        self._dirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
-
-  def _list(self) -> set[str]:
-    try:
-      found = self._fs.find(self._fsroot)
-      if not found:  # an empty prefix, or no bucket at all
-        self._fs.ls(self._fsroot.split("/")[0])
-    except Exception as e:
-      raise location_error(self.root, e, "listing") from e
-    n = len(self._fsroot) + 1
-    return {f[n:] for f in found if f.startswith(self._fsroot + "/")}
+    self._tree = Listing(self.root)
 
   def _rel(self, path: str) -> str:
-    if path == self.root:
-      return ""
-    if not path.startswith(self.root + "/"):
+    rel = self._tree.rel(path)
+    if rel is None:
       raise StoreError(f"{path} is not inside store {self.root}")
-    return path[len(self.root) + 1:]
+    return rel
 
   def _listdir(self, path: str) -> list[str]:
-    names = self._dirs.get(self._rel(path))
-    if names is None:
-      raise FileNotFoundError(path)
-    return sorted(names)
+    return self._tree.listdir(path)
 
   def _exists(self, path: str) -> bool:
-    rel = self._rel(path)
-    return rel in self._keys or rel in self._dirs
+    return self._tree.isfile(path) or self._tree.isdir(path)
 
   def _read_small(self, path: str) -> bytes:
-    rel = self._rel(path)
-    if rel not in self._keys:
-      raise FileNotFoundError(path)
-    try:
-      data = self._fs.cat_file(f"{self._fsroot}/{rel}")
-    except FileNotFoundError:
-      raise
-    except Exception as e:
-      raise location_error(path, e, "reading") from e
+    data = self._tree.read(path)
     with self._lock:
       self.bytes_fetched += len(data)
     return data
@@ -137,7 +107,8 @@ class ObjectStore(HostStore):
             if self._exists(f"{pdir}/{n}/manifest.json")]
 
   def is_store(self) -> bool:
-    return "STORE_ID" in self._keys or "procs" in self._dirs.get("", ())
+    return self._tree.isfile(self.root + "/STORE_ID") or \
+        self._tree.isdir(self.root + "/procs")
 
   def require_store(self) -> None:
     if not self.is_store():

@@ -1,0 +1,281 @@
+"""Restoring a state from an S3 server onto a new mesh: a tenplex_jax store
+against Orbax, the same bytes from the same server, fresh process per method.
+
+An S3 server (moto, its own process on 127.0.0.1) holds a state of
+``--gib`` GiB twice: as a tenplex_jax store (``tj.store.save`` to
+``s3://bench/store``) and as a stock Orbax ``CheckpointManager`` directory
+(OCDBT, orbax 0.12) uploaded object by object (``s3://bench/orbax``, as
+``aws s3 sync`` does). Each method then restores it onto a new mesh (every
+shard changes: rows sharded over 8 devices -> columns over a 2 x 4 mesh)
+in a fresh process; the time is the restore call alone (imports, device
+set-up and the server are common to all):
+
+* ``store_s3``: ``tj.store.restore(["s3://bench/store"], target)``.
+* ``orbax_s3``: ``tenplex_jax.orbax.restore("s3://bench/orbax", target)``
+  (tensorstore's ocdbt over its s3 kvstore). Orbax 0.12.8 itself cannot
+  read ``s3://`` (its tensorstore spec takes only absolute file paths or
+  ``gs://``; the error is recorded), so its own restore is timed on a
+  local copy of the same checkpoint instead:
+* ``orbax_local``: ``ocp.CheckpointManager(copy).restore(step,
+  StandardRestore(target))`` from a local directory (no server).
+* ``store_local``: ``tj.store.restore([dir], target)`` from a local store
+  (what a store restore from S3 costs beyond the transfer).
+
+The values are normal float32 noise (incompressible: Orbax compresses
+its chunks with zstd, and a regular pattern would let it read 1/16 of the
+bytes). Every restored array is checked bitwise against the saved one
+(crc32c, outside the timing). ``--repeat`` rounds, the method order rotated each round; the
+summary takes the median per method.
+
+  flock /work/.bench.lock python benchmarks/bench_objstore.py --gib 1 \\
+      --repeat 3 --out benchmarks/bench_objstore_result.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+METHODS = ("store_s3", "orbax_s3", "orbax_local", "store_local")
+N_TENSORS = 8
+
+
+def _port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _jax():
+  os.environ.setdefault("XLA_FLAGS", "")
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_platforms", "cpu")
+  return jax
+
+
+def _shape(gib):
+  rows = 4096
+  cols = int(gib * (1 << 30) / N_TENSORS / 4 / rows) // 8 * 8
+  return rows, cols
+
+
+def _values(i, shape):
+  """Tensor i: normal float32 noise (incompressible, as trained weights
+  nearly are: Orbax compresses chunks with zstd, and a regular pattern
+  would shrink its reads 16-fold)."""
+  import numpy as np
+  return np.random.default_rng(i).standard_normal(shape, dtype=np.float32)
+
+
+def _checksum(a) -> str:
+  import numpy as np
+
+  from tenplex_jax.store.format import crc32c
+  return f"{crc32c(np.ascontiguousarray(a)):08x}"
+
+
+def _target(jax, shape):
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((2, 4), ("a", "b"))
+  s = NamedSharding(mesh, P(None, ("a", "b")))
+  import jax.numpy as jnp
+  return {f"t{i}": jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)
+          for i in range(N_TENSORS)}
+
+
+def setup(args, work):
+  """Writes the state to the server twice (store, Orbax) and locally."""
+  jax = _jax()
+  import boto3
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import tenplex_jax as tj
+  shape = _shape(args.gib)
+  mesh = jax.make_mesh((8,), ("x",))
+  s = NamedSharding(mesh, P("x", None))
+  state, sums = {}, []
+  for i in range(N_TENSORS):
+    full = _values(i, shape)
+    sums.append(_checksum(full))
+    state[f"t{i}"] = jax.make_array_from_callback(
+        shape, s, lambda idx, full=full: full[idx])
+    del full
+  c = boto3.client("s3")
+  c.create_bucket(Bucket="bench")
+  t0 = time.perf_counter()
+  tj.store.save(state, "s3://bench/store", step=1)
+  t_store = time.perf_counter() - t0
+  tj.store.save(state, os.path.join(work, "store"), step=1)
+  ck = os.path.join(work, "orbax")
+  with ocp.CheckpointManager(ck) as m:
+    m.save(1, args=ocp.args.StandardSave(state))
+  t0 = time.perf_counter()
+  for d, _, names in os.walk(ck):
+    for n in names:
+      full = os.path.join(d, n)
+      c.upload_file(full, "bench", "orbax/" + os.path.relpath(full, ck))
+  t_orbax = time.perf_counter() - t0
+  return {"shape": list(shape), "tensors": N_TENSORS, "crc32c": sums,
+          "bytes": N_TENSORS * shape[0] * shape[1] * 4,
+          "save_store_s3_s": t_store, "upload_orbax_s": t_orbax}
+
+
+def worker(method, work):
+  jax = _jax()
+  import numpy as np
+
+  import tenplex_jax as tj
+  shape = tuple(json.loads(os.environ["BENCH_SHAPE"]))
+  sums = json.loads(os.environ["BENCH_CRC"])
+  target = _target(jax, shape)
+  jax.block_until_ready(jax.numpy.zeros(8))
+  fetched = None
+  t0 = time.perf_counter()
+  if method == "store_s3":
+    from tenplex_jax.store.objects import ObjectStore
+    got = []
+    load = ObjectStore._load_chunk
+
+    def counting(self, *a):
+      out = load(self, *a)
+      got.append(out.nbytes + 4)
+      return out
+
+    ObjectStore._load_chunk = counting
+    t0 = time.perf_counter()
+    out = tj.store.restore(["s3://bench/store"], target)
+    fetched = sum(got)
+  elif method == "store_local":
+    out = tj.store.restore([os.path.join(work, "store")], target)
+  elif method == "orbax_s3":
+    import tenplex_jax.orbax as tjo
+    out = tjo.restore("s3://bench/orbax", target)
+  else:
+    import orbax.checkpoint as ocp
+    with ocp.CheckpointManager(os.path.join(work, "orbax")) as m:
+      out = m.restore(1, args=ocp.args.StandardRestore(target))
+  jax.block_until_ready(out)
+  secs = time.perf_counter() - t0
+  for i in range(N_TENSORS):
+    a = out[f"t{i}"]
+    assert a.sharding == target[f"t{i}"].sharding, (method, a.sharding)
+    assert _checksum(np.asarray(a)) == sums[i], (method, i)
+  print(json.dumps({"method": method, "seconds": secs,
+                    "fetched_bytes": fetched}))
+
+
+def stock_orbax_s3_error(target_shape):
+  """What Orbax 0.12.8 says when asked to restore from s3:// itself."""
+  jax = _jax()
+  import orbax.checkpoint as ocp
+  try:
+    with ocp.CheckpointManager("s3://bench/orbax") as m:
+      m.restore(1, args=ocp.args.StandardRestore(_target(jax, target_shape)))
+  except Exception as e:  # noqa: BLE001 - recorded, not raised
+    return f"{type(e).__name__}: {str(e)[:300]}"
+  return None
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--gib", type=float, default=1.0)
+  p.add_argument("--repeat", type=int, default=3)
+  p.add_argument("--out", default=None)
+  p.add_argument("--worker", default=None)
+  p.add_argument("--work", default=None)
+  p.add_argument("--setup", action="store_true")
+  args = p.parse_args()
+  if args.worker:
+    worker(args.worker, args.work)
+    return
+  if args.setup:
+    print(json.dumps(setup(args, args.work)))
+    return
+  work = tempfile.mkdtemp(prefix="tenplex-bench-objstore-")
+  port = _port()
+  env = dict(os.environ, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+             AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+             AWS_REGION="us-east-1",
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  server = subprocess.Popen(
+      [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+       str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    for _ in range(100):
+      try:
+        socket.create_connection(("127.0.0.1", port), 0.2).close()
+        break
+      except OSError:
+        time.sleep(0.1)
+    me = [sys.executable, os.path.abspath(__file__), "--work", work,
+          "--gib", str(args.gib)]
+    info = json.loads(subprocess.run(
+        me + ["--setup"], env=env, check=True, capture_output=True,
+        text=True).stdout.strip().splitlines()[-1])
+    env["BENCH_SHAPE"] = json.dumps(info["shape"])
+    env["BENCH_CRC"] = json.dumps(info["crc32c"])
+    runs = {m: [] for m in METHODS}
+    fetched = None
+    for r in range(args.repeat):
+      order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
+      for m in order:
+        out = subprocess.run(me + ["--worker", m], env=env,
+                             capture_output=True, text=True)
+        if out.returncode:
+          raise SystemExit(f"{m} failed:\n{out.stderr[-3000:]}")
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        runs[m].append(res["seconds"])
+        fetched = res["fetched_bytes"] if m == "store_s3" else fetched
+        print(f"round {r} {m:12s} {res['seconds']:7.2f} s", flush=True)
+    code = ("import json,sys; sys.argv=['x']; sys.path.insert(0, %r);"
+            " import bench_objstore as b;"
+            " print(json.dumps(b.stock_orbax_s3_error(%r)))"
+            % (HERE, tuple(info["shape"])))
+    err = subprocess.run([sys.executable, "-c", code], env=env,
+                         capture_output=True, text=True)
+    stock_err = json.loads(err.stdout.strip().splitlines()[-1]) \
+        if err.stdout.strip() else err.stderr[-300:]
+  finally:
+    server.terminate()
+    server.wait(30)
+    shutil.rmtree(work, ignore_errors=True)
+  med = {m: statistics.median(v) for m, v in runs.items()}
+  summary = {
+      "gib": info["bytes"] / (1 << 30), **info, "repeat": args.repeat,
+      "runs_s": runs, "median_s": med,
+      "store_s3_vs_orbax_s3": med["store_s3"] / med["orbax_s3"],
+      "store_s3_vs_orbax_local": med["store_s3"] / med["orbax_local"],
+      "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"],
+      "store_s3_fetched_bytes": fetched,
+      "store_s3_fetched_over_state": fetched / info["bytes"],
+      "stock_orbax_from_s3": stock_err,
+      "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                  "note": "shared machine, other jobs running"},
+  }
+  print(f"{'method':14s} {'median s':>9s}")
+  for m in METHODS:
+    print(f"{m:14s} {med[m]:9.2f}")
+  print(f"store_s3 / orbax_s3 = {summary['store_s3_vs_orbax_s3']:.2f},"
+        f" store_s3 / orbax_local = {summary['store_s3_vs_orbax_local']:.2f},"
+        f" fetched / state = {summary['store_s3_fetched_over_state']:.4f}")
+  print(f"stock Orbax from s3://: {stock_err}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
