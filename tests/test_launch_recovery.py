@@ -241,8 +241,8 @@ def _standbys_of(launcher_pid):
 
 def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
   # 2 processes, then 1 from step 4 (schedule), then 2 from step 8: the
-  # launcher keeps 2 standbys (Python and jax imported) from generation 0's
-  # first step on; a standby killed before its turn is replaced; the
+  # launcher keeps 2 standbys (Python and jax imported) from generation 0
+  # on; a standby killed before its turn is replaced; the
   # relaunched generations run in standby processes (their pid files name
   # standby pids), the training state is right, and when the job ends no
   # standby is left.
@@ -253,7 +253,7 @@ def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
   with launcher(tmp, train(10), "--procs", "2", "--schedule", sched,
                 TRAIN_SLEEP=0.3) as (p, log, seen):
     standbys, t0 = [], time.time()
-    while len(standbys) < 2:  # started after generation 0's first step
+    while len(standbys) < 2:  # started with generation 0
       assert p.poll() is None and time.time() - t0 < 60, finish(p, log)[1]
       standbys = _standbys_of(p.pid)
       time.sleep(0.05)
