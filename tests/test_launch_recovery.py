@@ -283,3 +283,40 @@ def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
       gen1, gen2, observed)
   assert standbys[0] not in gen2 | {gen1}
   assert not [pid for pid in seen if _alive(pid)], out  # nothing left
+
+
+def test_standby_runs_a_script_or_a_module_as_python_would(tmp_path, capfd):
+  # A standby (imports done, no rank yet) handed a command runs it in place:
+  # `python SCRIPT ARGS` with the script's directory first on sys.path,
+  # `python -m MODULE ARGS` with argv[0] the module's file; the environment
+  # is the one handed over (a module that fails to import is skipped), and
+  # the exit status is the script's. Other commands get no standby; an
+  # unused standby is killed and reaped.
+  from tenplex_jax.store.launch import _Standby, _standby_form
+  (tmp_path / "pk").mkdir()
+  (tmp_path / "pk" / "__init__.py").write_text("")
+  (tmp_path / "pk" / "m.py").write_text(
+      "import os, sys\nprint('MOD', sys.argv, os.environ['RANKX'])\n"
+      "sys.exit(3)\n")
+  script = tmp_path / "s.py"
+  script.write_text("import os, sys\nprint('SCRIPT', sys.argv,"
+                    " os.environ['RANKX'], sys.path[0])\n")
+  env = {**ENV, "PYTHONPATH": f"{ROOT}:{tmp_path}", "PYTHONUNBUFFERED": "1",
+         "TENPLEX_STANDBY_IMPORTS": "json,no_such_module"}
+  module = [sys.executable, "-m", "pk.m", "a", "b"]
+  for cmd, want_rc, want in (
+      (module, 3, f"MOD {[str(tmp_path / 'pk' / 'm.py'), 'a', 'b']} 7"),
+      ([sys.executable, str(script), "x"], 0,
+       f"SCRIPT {[str(script), 'x']} 7 {tmp_path}")):
+    sb = _Standby(cmd, _standby_form(cmd), env)
+    assert sb.alive()
+    popen, watch = sb.assign(cmd, {**env, "RANKX": "7"})
+    os.close(watch)
+    assert popen.wait(60) == want_rc
+    assert want in capfd.readouterr().out
+  sb = _Standby(module, _standby_form(module), env)
+  sb.kill()
+  assert sb.popen.returncode == -signal.SIGKILL and not sb.alive()
+  assert _standby_form([sys.executable, "-c", "pass"]) is None
+  assert _standby_form(["bash", str(script)]) is None
+  assert _standby_form(module) == ("module", "pk.m")
