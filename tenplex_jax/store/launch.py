@@ -598,7 +598,6 @@ class _Child:
         raise
       finally:
         os.close(w)
-    self.standby = standby is not None
     self.index, self.exit_time, self.eof_time = index, None, None
     self._wake = wake
     self._threads = [threading.Thread(target=self._wait, daemon=True),
@@ -677,7 +676,6 @@ class _Standby:
       os.close(r)
       os.close(watch_w)
     self._watch = watch_r
-    self.started = time.time()
 
   def alive(self) -> bool:
     return self._w is not None and self.popen.poll() is None
