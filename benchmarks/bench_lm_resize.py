@@ -181,7 +181,7 @@ def plot(rows, import_s, path):
   ax.set_ylabel("seconds (save call -> new step done)")
   ax.set_title("LM trainer, resizes across processes: cold (hatched) and with standby"
                " processes + compilation cache", fontsize=9)
-  ax.legend(fontsize=7, loc="upper left")
+  ax.legend(fontsize=7, loc="upper right")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
