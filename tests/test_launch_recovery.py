@@ -264,8 +264,8 @@ def _standbys_of(launcher_pid):
 
 def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
   # 2 processes, then 1 from step 4 (schedule), then 2 from step 8: the
-  # launcher keeps 2 standbys (Python and jax imported) from generation 0's
-  # first step on; a standby killed before its turn is replaced; the
+  # launcher keeps 2 standbys (Python and jax imported) from generation 0
+  # on; a standby killed before its turn is replaced; the
   # relaunched generations run in standby processes (their pid files name
   # standby pids), the training state is right, and when the job ends no
   # standby is left.
@@ -276,7 +276,7 @@ def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
   with launcher(tmp, train(10), "--procs", "2", "--schedule", sched,
                 TRAIN_SLEEP=0.3) as (p, log, seen):
     standbys, t0 = [], time.time()
-    while len(standbys) < 2:  # started after generation 0's first step
+    while len(standbys) < 2:  # started with generation 0
       assert p.poll() is None and time.time() - t0 < 60, finish(p, log)[1]
       standbys = _standbys_of(p.pid)
       time.sleep(0.05)
@@ -306,3 +306,40 @@ def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
       gen1, gen2, observed)
   assert standbys[0] not in gen2 | {gen1}
   assert not [pid for pid in seen if _alive(pid)], out  # nothing left
+
+
+def test_standby_runs_a_script_or_a_module_as_python_would(tmp_path, capfd):
+  # A standby (imports done, no rank yet) handed a command runs it in place:
+  # `python SCRIPT ARGS` with the script's directory first on sys.path,
+  # `python -m MODULE ARGS` with argv[0] the module's file; the environment
+  # is the one handed over (a module that fails to import is skipped), and
+  # the exit status is the script's. Other commands get no standby; an
+  # unused standby is killed and reaped.
+  from tenplex_jax.store.launch import _Standby, _standby_form
+  (tmp_path / "pk").mkdir()
+  (tmp_path / "pk" / "__init__.py").write_text("")
+  (tmp_path / "pk" / "m.py").write_text(
+      "import os, sys\nprint('MOD', sys.argv, os.environ['RANKX'])\n"
+      "sys.exit(3)\n")
+  script = tmp_path / "s.py"
+  script.write_text("import os, sys\nprint('SCRIPT', sys.argv,"
+                    " os.environ['RANKX'], sys.path[0])\n")
+  env = {**ENV, "PYTHONPATH": f"{ROOT}:{tmp_path}", "PYTHONUNBUFFERED": "1",
+         "TENPLEX_STANDBY_IMPORTS": "json,no_such_module"}
+  module = [sys.executable, "-m", "pk.m", "a", "b"]
+  for cmd, want_rc, want in (
+      (module, 3, f"MOD {[str(tmp_path / 'pk' / 'm.py'), 'a', 'b']} 7"),
+      ([sys.executable, str(script), "x"], 0,
+       f"SCRIPT {[str(script), 'x']} 7 {tmp_path}")):
+    sb = _Standby(cmd, _standby_form(cmd), env)
+    assert sb.alive()
+    popen, watch = sb.assign(cmd, {**env, "RANKX": "7"})
+    os.close(watch)
+    assert popen.wait(60) == want_rc
+    assert want in capfd.readouterr().out
+  sb = _Standby(module, _standby_form(module), env)
+  sb.kill()
+  assert sb.popen.returncode == -signal.SIGKILL and not sb.alive()
+  assert _standby_form([sys.executable, "-c", "pass"]) is None
+  assert _standby_form(["bash", str(script)]) is None
+  assert _standby_form(module) == ("module", "pk.m")

@@ -33,6 +33,12 @@ restores the newest complete snapshot that :func:`save_snapshot` (called
 every few steps) left in the stores or their replicas, else the newest Orbax
 checkpoint in the launcher's ``checkpoint`` directory, else starts afresh,
 and reports the steps lost.
+
+Faster generations: every process gets jax's persistent compilation cache
+in the job directory (a mesh the job ran before is not compiled again), and
+the launcher keeps standby processes (Python, jax, flax, optax imported)
+that a resize or a restart hands the new ranks to instead of starting
+interpreters (``compilation_cache``, ``standby`` of :func:`launch`).
 """
 
 from __future__ import annotations
@@ -622,7 +628,6 @@ class _Child:
         raise
       finally:
         os.close(w)
-    self.standby = standby is not None
     self.index, self.exit_time, self.eof_time = index, None, None
     self._wake = wake
     self._threads = [threading.Thread(target=self._wait, daemon=True),
@@ -701,7 +706,6 @@ class _Standby:
       os.close(r)
       os.close(watch_w)
     self._watch = watch_r
-    self.started = time.time()
 
   def alive(self) -> bool:
     return self._w is not None and self.popen.poll() is None
@@ -1093,9 +1097,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       ``jax.distributed`` starts (``tenplex_jax.store._standby``): a resize
       or a restart hands them the process count and ranks over a pipe
       instead of starting interpreters. As many as the largest generation
-      so far, started once a generation has reported its first step; an
-      unused or dead one costs only its memory and is replaced; all are
-      killed when the job ends. Only for ``python SCRIPT ...`` and
+      so far, started with the first generation and, as replacements, once
+      a generation has reported its first step (their imports then do not
+      slow a resize); an unused or dead one costs only its memory and is
+      replaced; all are killed when the job ends. Only for ``python SCRIPT ...`` and
       ``python -m MODULE ...`` commands (others always start afresh).
     standby_imports: the modules a standby imports (default: jax, numpy,
       flax, flax.linen, flax.training.train_state, optax and the store's
@@ -1154,8 +1159,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   most = procs  # standbys to keep: the largest generation so far
 
   def refill():
-    """Replaces dead standbys and starts missing ones (after a generation's
-    first step, so that their imports do not slow its start)."""
+    """Replaces dead standbys and starts missing ones (with the first
+    generation; later once a generation reported its first step, so that
+    their imports do not slow a resize)."""
     if form is None:
       return
     for sb in [sb for sb in standbys if not sb.alive()]:
@@ -1245,6 +1251,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         if checkpoint:
           env["TENPLEX_CHECKPOINT"] = _checkpoint_location(checkpoint)
         children.append(_start_child(i, cmd, env, wake, standbys))
+      if gen == 0:  # ready by the first resize, which follows the first compile
+        refill()
       if record is not None:  # the relaunch after a failure is under way
         record["relaunched_s"] = round(time.time() - record["failed_at"], 3)
 
