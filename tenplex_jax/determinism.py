@@ -63,7 +63,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tenplex_jax.errors import UsageError
 
 __all__ = ["COMPILER_OPTIONS", "GPU_DETERMINISM_FLAGS", "DeterminismReport",
-           "check_environment", "jit", "partial_gradient_bytes", "tree_sum",
+           "check_environment", "jit", "on_shards", "partial_gradient_bytes",
+           "tree_sum",
            "value_and_grad", "worker_key", "worker_keys"]
 
 # XLA flags that make GPU runs reproducible (D0). Without them XLA:GPU may
@@ -479,6 +480,75 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     return compiled(shardings)(params, batch, *args)
 
   return f
+
+
+def on_shards(tree: Any, shardings: Any) -> Any:
+  """``tree`` laid out as ``shardings`` and materialised there, inside a jitted step.
+
+  Use it on :func:`value_and_grad`'s gradients before the optimizer update:
+  XLA otherwise fuses the gradients' resharding (slices, pads, collective
+  permutes, which differ from mesh to mesh) into the update's elementwise
+  fusions, and XLA:CPU then contracts other multiply-adds into fused
+  multiply-adds (the update's bits change with the mesh). Here each leaf
+  enters a ``shard_map`` with its sharding's spec and an
+  ``optimization_barrier`` there hands the update plain local shards.
+
+  Args:
+    tree: a pytree of arrays (the gradients).
+    shardings: a matching pytree of ``NamedSharding``s on one mesh (the
+      params').
+
+  Returns:
+    ``tree``, same values and bits.
+
+  Raises:
+    UsageError: a sharding is not a ``NamedSharding`` or the meshes differ.
+
+  Example:
+    >>> import numpy as np
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> s = NamedSharding(mesh, P())
+    >>> float(jax.jit(lambda g: on_shards(g, s))(jnp.float32(2)))
+    2.0
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  specs = treedef.flatten_up_to(shardings)
+  meshes = {s.mesh for s in specs if isinstance(s, NamedSharding)}
+  if len(meshes) != 1 or not all(isinstance(s, NamedSharding) for s in specs):
+    raise UsageError(f"on_shards needs one NamedSharding per leaf, all on one"
+                     f" mesh; got {sorted({type(s).__name__ for s in specs})}"
+                     f" on {len(meshes)} meshes")
+  parts = tuple(s.spec for s in specs)
+  out = jax.shard_map(lambda *xs: lax.optimization_barrier(xs),
+                      mesh=meshes.pop(), in_specs=parts, out_specs=parts,
+                      check_vma=False)(*leaves)
+  return jax.tree_util.tree_unflatten(treedef, list(out))
+
+
+def unfused(fn: Callable, *args: Any) -> Any:
+  """``fn(*args)`` compiled apart from the ops that produced ``args``.
+
+  XLA fuses elementwise consumers (an optimizer update) with the slicing and
+  resharding that produced their operands, and XLA:CPU's code for such a
+  fusion, with its fused multiply-adds, depends on that indexing, which
+  differs from mesh to mesh. Here ``fn`` runs as both branches of a
+  ``lax.cond`` whose predicate (is the first element of the first float
+  leaf NaN) XLA cannot know while compiling, so its fusions read plain local
+  arrays (the branch's parameters) on every mesh; either branch computes
+  ``fn(*args)``.
+
+  Example:
+    >>> float(jax.jit(lambda x: unfused(lambda y: y * 2, x))(3.0))
+    6.0
+  """
+  leaves = [x for x in jax.tree_util.tree_leaves(args)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x)]
+  if not leaves:
+    return fn(*args)
+  # A branch whose predicate XLA cannot know while compiling: both branches
+  # are ``fn``, each compiled on its own parameters.
+  pred = jnp.isnan(jnp.ravel(leaves[0])[0])
+  return lax.cond(pred, lambda a: fn(*a), lambda a: fn(*a), args)
 
 
 def jit(fun: Callable, **kwargs) -> Callable:
