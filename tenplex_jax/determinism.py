@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tenplex_jax.errors import UsageError
 
 __all__ = ["COMPILER_OPTIONS", "GPU_DETERMINISM_FLAGS", "DeterminismReport",
-           "check_environment", "jit", "on_shards", "partial_gradient_bytes",
+           "check_environment", "clip_by_global_norm", "global_norm", "jit", "on_shards", "partial_gradient_bytes",
            "tree_sum",
            "value_and_grad", "worker_key", "worker_keys"]
 
@@ -146,6 +146,84 @@ def tree_sum(x: jax.Array) -> jax.Array:
     return node(lo, mid) + node(mid, hi)
 
   return node(0, x.shape[0])
+
+
+def _fold_sum(x: jax.Array) -> jax.Array:
+  """Sum of a 1-D array by halving: ``x[:h] + x[h:]`` until one element.
+
+  Every level is one elementwise IEEE addition of the same operands however
+  ``x`` is sharded (an odd length gets one ``+0`` element, exact for the
+  non-negative squares summed here), so the result depends on the values
+  only, never on the device count.
+  """
+  while x.shape[0] > 1:
+    if x.shape[0] % 2:
+      x = jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+    h = x.shape[0] // 2
+    x = x[:h] + x[h:]
+  return x[0]
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """``optax.tree.norm`` (``global_norm``) with the sum in a fixed tree: the same bits on every mesh.
+
+  ``optax.tree.norm`` sums each leaf's squares with ``jnp.sum``; on a
+  sharded leaf XLA adds per-device partial sums and then all-reduces them,
+  in an order that follows the device count. Here each leaf's squares are
+  summed by halving (``x[:h] + x[h:]`` down to one element: elementwise
+  additions only) and the leaves' sums by :func:`tree_sum` in leaf order.
+  Squares of ``bfloat16``/``float16`` leaves are summed in ``float32``.
+
+  Args:
+    tree: a pytree of floating arrays (the gradients).
+
+  Returns:
+    A scalar: the square root of the sum of all squares.
+
+  Example:
+    >>> float(global_norm({"a": jnp.array([3.0]), "b": jnp.array([[4.0]])}))
+    5.0
+  """
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not leaves:
+    raise UsageError("global_norm of a tree with no arrays")
+  dt = jnp.result_type(*[jnp.promote_types(x.dtype, jnp.float32) for x in leaves])
+  sums = [_fold_sum(jnp.ravel(jnp.square(x.astype(dt)))) if x.size
+          else jnp.zeros((), dt) for x in leaves]
+  return jnp.sqrt(tree_sum(jnp.stack(sums)))
+
+
+def clip_by_global_norm(max_norm: float):
+  """``optax.clip_by_global_norm`` with the norm of :func:`global_norm`.
+
+  The same transformation (updates scaled by ``max_norm / norm`` when the
+  norm exceeds ``max_norm``), whose norm has the same bits on every mesh,
+  so a ``clip_by_global_norm`` + ``adamw`` chain keeps D1 over sharded
+  (FSDP) gradients.
+
+  Example:
+    >>> import optax
+    >>> tx = clip_by_global_norm(1.0)
+    >>> u, _ = tx.update({"a": jnp.array([3.0, 4.0])}, tx.init(None))
+    >>> [round(float(v), 2) for v in u["a"]]
+    [0.6, 0.8]
+  """
+  import optax
+
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    norm = global_norm(updates)
+    trigger = norm < max_norm
+    updates = jax.tree.map(
+        lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm),
+        updates)
+    return updates, state
+
+  return optax.GradientTransformation(init, update)
 
 
 def worker_key(key: jax.Array, worker: int | jax.Array) -> jax.Array:
