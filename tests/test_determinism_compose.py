@@ -219,3 +219,15 @@ def test_lm_trainer_deterministic_8_4_2_8_stages_2_2_1_2():
   assert [r["mesh"]["stage"] for r in a[::2]] == [2, 2, 1, 2]
   assert [r["loss"] for r in a] == [r["loss"] for r in b]
   assert_bitwise(el["params"], st["params"], "final params")
+
+
+@pytest.mark.slow
+def test_demo_deterministic_8_default_pipelined_schedule(capsys):
+  """``tenplex-jax demo --deterministic 8`` with its default phases (stages
+  2, 2, 1, 2) is no longer refused and prints the bitwise line."""
+  from tenplex_jax.cli import main
+  assert main(["demo", "--steps", "20", "--deterministic", "8", "--plot", ""]) == 0
+  out = capsys.readouterr().out
+  assert "step 0: 8 devices (data 2 x tensor 2 x stage 2)" in out, out[:2000]
+  assert ("deterministic (8 virtual workers): losses and final params are bitwise"
+          " identical to the static run") in out
