@@ -630,7 +630,7 @@ def main(argv=None):
   ap.add_argument("--deterministic", type=int, metavar="V",
                   help="sum each batch's gradient over V virtual workers in a fixed order"
                   " (tenplex_jax.determinism): bitwise identical to the static run when every"
-                  " phase's data x fsdp degree divides V; needs stage=1 in every phase")
+                  " phase's data x fsdp degree divides V (any tensor and stage degrees)")
   ap.add_argument("--procs", metavar="P1,P2,...",
                   help="run across processes with tenplex-jax launch: processes per phase"
                   " (each phase's devices split evenly over them; 'auto': 2 for phases of"
