@@ -102,7 +102,7 @@ def _demo(args: argparse.Namespace) -> int:
   if args.schedule:
     text = _lm_schedule(args.schedule, lm)
   else:
-    text = demo.LM_SCHEDULE if v is None else demo.LM_DETERMINISTIC_SCHEDULE
+    text = demo.LM_SCHEDULE
   lm = lm or demo.load_lm_trainer()
   phases = lm.configs.parse(text)
   for p in phases:  # before the backend starts
@@ -122,13 +122,6 @@ def _demo(args: argparse.Namespace) -> int:
       if v < 1 or v % dp:
         raise UsageError(f"demo: --deterministic {v}: the data degree {dp} of the"
                          f" phase at step {p.step} must divide it")
-      if d.get("stage", 1) > 1:
-        raise UsageError(
-            f"demo: --deterministic {v}: the phase at step {p.step} has stage"
-            f" {d['stage']}; deterministic mode needs stage=1 in every phase (each"
-            " virtual worker runs the whole model inside determinism.value_and_grad's"
-            " shard_map, which cannot hold the pipeline's shard_map); without"
-            f" --schedule it uses {demo.LM_DETERMINISTIC_SCHEDULE!r}")
   import jax
 
   try:
@@ -192,6 +185,6 @@ def register(sub) -> None:
                  help="save the loss curves here (default tenplex-demo.png; '' for none)")
   d.add_argument("--deterministic", type=int, metavar="V",
                  help="sum gradients over V virtual workers in a fixed order"
-                 " (every phase's data x fsdp degree must divide V, and stage must"
-                 " be 1): the run is bitwise identical to the static run")
+                 " (every phase's data x fsdp degree must divide V; any tensor and"
+                 " stage degrees): the run is bitwise identical to the static run")
   d.set_defaults(func=_demo)

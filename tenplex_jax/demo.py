@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax.remesh import RemeshReport, remesh
 
-__all__ = ["DemoResult", "LM_DETERMINISTIC_SCHEDULE", "LM_SCHEDULE", "LMDemoResult",
+__all__ = ["DemoResult", "LM_SCHEDULE", "LMDemoResult",
            "Phase", "RULES", "MLP", "TrainState", "create_state",
            "default_schedule", "deterministic_train_step", "load_lm_trainer",
            "make_mesh", "run", "run_lm", "train_step"]
@@ -253,12 +253,6 @@ def run(schedule: Sequence[Phase] = default_schedule(), *, steps: int = 40,
 # so its step is compiled once (the demo's time is mostly compilation).
 LM_SCHEDULE = ("0:data=2,tensor=2,stage=2 6:fsdp=2,stage=2 12:tensor=2"
                " 18:data=2,tensor=2,stage=2")
-# For --deterministic: stage 1 throughout (determinism.value_and_grad runs
-# each virtual worker's whole model in one shard_map, see
-# examples/lm/train.py's check_deterministic); data-parallel degrees 4, 2, 1,
-# 4 divide V = 4 or 8.
-LM_DETERMINISTIC_SCHEDULE = ("0:data=4,tensor=2 6:data=2,tensor=2 12:tensor=2"
-                             " 18:data=2,fsdp=2,tensor=2")
 _LM_DIR = pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm"
 _LM_MODULE = "tenplex_jax_examples_lm_train"
 
@@ -328,7 +322,8 @@ def run_lm(schedule: str = LM_SCHEDULE, *, steps: int = 24,
     schedule: phases ``"STEP:AXIS=N,... ..."`` (``examples/lm/config.py``).
     steps: training steps of each run.
     deterministic: ``V`` virtual workers (``tenplex_jax.determinism``):
-      every phase needs stage 1 and a data x fsdp degree dividing ``V``.
+      every phase needs a data x fsdp degree dividing ``V`` (any tensor and
+      stage degrees: each worker's slice runs through the pipeline).
     plot: save the loss curves (PNG) here.
     log: called with each step's line and each reconfiguration report.
 

@@ -63,7 +63,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tenplex_jax.errors import UsageError
 
 __all__ = ["COMPILER_OPTIONS", "GPU_DETERMINISM_FLAGS", "DeterminismReport",
-           "check_environment", "jit", "partial_gradient_bytes", "tree_sum",
+           "check_environment", "clip_by_global_norm", "global_norm", "jit", "on_shards", "partial_gradient_bytes",
+           "tree_sum",
            "value_and_grad", "worker_key", "worker_keys"]
 
 # XLA flags that make GPU runs reproducible (D0). Without them XLA:GPU may
@@ -145,6 +146,84 @@ def tree_sum(x: jax.Array) -> jax.Array:
     return node(lo, mid) + node(mid, hi)
 
   return node(0, x.shape[0])
+
+
+def _fold_sum(x: jax.Array) -> jax.Array:
+  """Sum of a 1-D array by halving: ``x[:h] + x[h:]`` until one element.
+
+  Every level is one elementwise IEEE addition of the same operands however
+  ``x`` is sharded (an odd length gets one ``+0`` element, exact for the
+  non-negative squares summed here), so the result depends on the values
+  only, never on the device count.
+  """
+  while x.shape[0] > 1:
+    if x.shape[0] % 2:
+      x = jnp.concatenate([x, jnp.zeros((1,), x.dtype)])
+    h = x.shape[0] // 2
+    x = x[:h] + x[h:]
+  return x[0]
+
+
+def global_norm(tree: Any) -> jax.Array:
+  """``optax.tree.norm`` (``global_norm``) with the sum in a fixed tree: the same bits on every mesh.
+
+  ``optax.tree.norm`` sums each leaf's squares with ``jnp.sum``; on a
+  sharded leaf XLA adds per-device partial sums and then all-reduces them,
+  in an order that follows the device count. Here each leaf's squares are
+  summed by halving (``x[:h] + x[h:]`` down to one element: elementwise
+  additions only) and the leaves' sums by :func:`tree_sum` in leaf order.
+  Squares of ``bfloat16``/``float16`` leaves are summed in ``float32``.
+
+  Args:
+    tree: a pytree of floating arrays (the gradients).
+
+  Returns:
+    A scalar: the square root of the sum of all squares.
+
+  Example:
+    >>> float(global_norm({"a": jnp.array([3.0]), "b": jnp.array([[4.0]])}))
+    5.0
+  """
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not leaves:
+    raise UsageError("global_norm of a tree with no arrays")
+  dt = jnp.result_type(*[jnp.promote_types(x.dtype, jnp.float32) for x in leaves])
+  sums = [_fold_sum(jnp.ravel(jnp.square(x.astype(dt)))) if x.size
+          else jnp.zeros((), dt) for x in leaves]
+  return jnp.sqrt(tree_sum(jnp.stack(sums)))
+
+
+def clip_by_global_norm(max_norm: float):
+  """``optax.clip_by_global_norm`` with the norm of :func:`global_norm`.
+
+  The same transformation (updates scaled by ``max_norm / norm`` when the
+  norm exceeds ``max_norm``), whose norm has the same bits on every mesh,
+  so a ``clip_by_global_norm`` + ``adamw`` chain keeps D1 over sharded
+  (FSDP) gradients.
+
+  Example:
+    >>> import optax
+    >>> tx = clip_by_global_norm(1.0)
+    >>> u, _ = tx.update({"a": jnp.array([3.0, 4.0])}, tx.init(None))
+    >>> [round(float(v), 2) for v in u["a"]]
+    [0.6, 0.8]
+  """
+  import optax
+
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    norm = global_norm(updates)
+    trigger = norm < max_norm
+    updates = jax.tree.map(
+        lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm),
+        updates)
+    return updates, state
+
+  return optax.GradientTransformation(init, update)
 
 
 def worker_key(key: jax.Array, worker: int | jax.Array) -> jax.Array:
@@ -479,6 +558,75 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     return compiled(shardings)(params, batch, *args)
 
   return f
+
+
+def on_shards(tree: Any, shardings: Any) -> Any:
+  """``tree`` laid out as ``shardings`` and materialised there, inside a jitted step.
+
+  Use it on :func:`value_and_grad`'s gradients before the optimizer update:
+  XLA otherwise fuses the gradients' resharding (slices, pads, collective
+  permutes, which differ from mesh to mesh) into the update's elementwise
+  fusions, and XLA:CPU then contracts other multiply-adds into fused
+  multiply-adds (the update's bits change with the mesh). Here each leaf
+  enters a ``shard_map`` with its sharding's spec and an
+  ``optimization_barrier`` there hands the update plain local shards.
+
+  Args:
+    tree: a pytree of arrays (the gradients).
+    shardings: a matching pytree of ``NamedSharding``s on one mesh (the
+      params').
+
+  Returns:
+    ``tree``, same values and bits.
+
+  Raises:
+    UsageError: a sharding is not a ``NamedSharding`` or the meshes differ.
+
+  Example:
+    >>> import numpy as np
+    >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    >>> s = NamedSharding(mesh, P())
+    >>> float(jax.jit(lambda g: on_shards(g, s))(jnp.float32(2)))
+    2.0
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  specs = treedef.flatten_up_to(shardings)
+  meshes = {s.mesh for s in specs if isinstance(s, NamedSharding)}
+  if len(meshes) != 1 or not all(isinstance(s, NamedSharding) for s in specs):
+    raise UsageError(f"on_shards needs one NamedSharding per leaf, all on one"
+                     f" mesh; got {sorted({type(s).__name__ for s in specs})}"
+                     f" on {len(meshes)} meshes")
+  parts = tuple(s.spec for s in specs)
+  out = jax.shard_map(lambda *xs: lax.optimization_barrier(xs),
+                      mesh=meshes.pop(), in_specs=parts, out_specs=parts,
+                      check_vma=False)(*leaves)
+  return jax.tree_util.tree_unflatten(treedef, list(out))
+
+
+def unfused(fn: Callable, *args: Any) -> Any:
+  """``fn(*args)`` compiled apart from the ops that produced ``args``.
+
+  XLA fuses elementwise consumers (an optimizer update) with the slicing and
+  resharding that produced their operands, and XLA:CPU's code for such a
+  fusion, with its fused multiply-adds, depends on that indexing, which
+  differs from mesh to mesh. Here ``fn`` runs as both branches of a
+  ``lax.cond`` whose predicate (is the first element of the first float
+  leaf NaN) XLA cannot know while compiling, so its fusions read plain local
+  arrays (the branch's parameters) on every mesh; either branch computes
+  ``fn(*args)``.
+
+  Example:
+    >>> float(jax.jit(lambda x: unfused(lambda y: y * 2, x))(3.0))
+    6.0
+  """
+  leaves = [x for x in jax.tree_util.tree_leaves(args)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and jnp.size(x)]
+  if not leaves:
+    return fn(*args)
+  # A branch whose predicate XLA cannot know while compiling: both branches
+  # are ``fn``, each compiled on its own parameters.
+  pred = jnp.isnan(jnp.ravel(leaves[0])[0])
+  return lax.cond(pred, lambda a: fn(*a), lambda a: fn(*a), args)
 
 
 def jit(fun: Callable, **kwargs) -> Callable:

@@ -177,11 +177,11 @@ def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=N
     def det_step(state, tokens, mask):
       loss, grads = grad(state.params, {"tokens": tokens, "mask": mask})
       if state_shardings is not None:
-        # The gradients leave the workers' shard_map with a stage sharding
-        # of XLA's choice; the update runs on the params' own shards (the
-        # FSDP shards' update then has the static run's bits).
-        grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)
-      return state.apply_gradients(grads=grads), loss
+        # The update runs on the gradients materialised on the params' own
+        # shards (determinism.on_shards), so its fusions never read them
+        # through another mesh's slices and collectives.
+        grads = determinism.on_shards(grads, state_shardings.params)
+      return determinism.unfused(lambda s, g: s.apply_gradients(grads=g), state, grads), loss
 
     # XLA:CPU at optimisation level 0 does not give the same bits for a whole
     # array and for its shards (measured: final params 1 ulp apart after a
@@ -751,7 +751,7 @@ def main(argv=None):
   ap.add_argument("--deterministic", type=int, metavar="V",
                   help="sum each batch's gradient over V virtual workers in a fixed order"
                   " (tenplex_jax.determinism): bitwise identical to the static run when every"
-                  " phase's data x fsdp degree divides V; needs stage=1 in every phase")
+                  " phase's data x fsdp degree divides V (any tensor and stage degrees)")
   ap.add_argument("--procs", metavar="P1,P2,...",
                   help="run across processes with tenplex-jax launch: processes per phase"
                   " (each phase's devices split evenly over them; 'auto': 2 for phases of"
