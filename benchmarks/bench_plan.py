@@ -71,11 +71,13 @@ def run_case(src: pathlib.Path, tensors: int, devices: int, per_host: int,
              timeout: float) -> dict:
   """``measure`` in a fresh process importing tenplex_jax from ``src``."""
   code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r});"
-          "from bench_plan import measure;"
-          f"print(json.dumps(measure({tensors}, {devices}, {per_host})))")
+          "import tenplex_jax; from bench_plan import measure;"
+          f"r = measure({tensors}, {devices}, {per_host});"
+          "r['tenplex_jax'] = tenplex_jax.__file__; print(json.dumps(r))")
   env = {**os.environ, "PYTHONPATH": str(src)}
-  try:
-    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+  try:  # -P: the working directory's tenplex_jax must not shadow src's
+    out = subprocess.run([sys.executable, "-P", "-c", code], env=env,
+                         check=True,
                          capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
     return {"timed_out_s": timeout}
@@ -116,7 +118,8 @@ def main():
   args = ap.parse_args()
   results = []
   print(f"{'devices':>8} {'grouping':>11} {'layouts s':>10} {'plan s':>8}"
-        f" {'total s':>8} {'cpu s':>7} {'before s':>9} {'speed-up':>8}")
+        f" {'total s':>8} {'cpu s':>7} {'before s':>9} {'before cpu':>10}"
+        f" {'speed-up':>8}")
   for devices in args.devices:
     for grouping, per_host in (("8 per host", 8), ("8 hosts", devices // 8)):
       r = {"devices": devices, "grouping": grouping, "tensors": args.tensors,
@@ -133,6 +136,7 @@ def main():
             f" {n['plan_s']:>8.3f} {n['total_s']:>8.3f}"
             f" {n['total_cpu_s']:>7.3f}"
             f" {before if before is None else round(before, 3)!s:>9}"
+            f" {b.get('total_cpu_s', '-') if not b else round(b.get('total_cpu_s', 0), 3)!s:>10}"
             f" {gain:>8}",
             flush=True)
       if not n["moved_equals_lower_bound"]:
