@@ -16,8 +16,12 @@ States:
   of 64-128 KiB): fsdp=4 x tensor=2 on devices 0-7 -> fsdp=2 x tensor=2 on
   devices 0-3, kernels ``P("fsdp", "tensor")``, vectors ``P("tensor")``.
 
+``--baseline-src DIR`` adds a ``reshard (before)`` method: ``tj.reshard``
+from the ``tenplex_jax`` in DIR (e.g. ``git archive <commit> tenplex_jax |
+tar -x -C DIR``), in the same run.
+
   python benchmarks/bench_warm.py [--calls 5] [--rounds 3]
-      [--out benchmarks/bench_warm_result.json]
+      [--baseline-src DIR] [--out benchmarks/bench_warm_result.json]
 """
 
 from __future__ import annotations
@@ -82,12 +86,19 @@ def worker(state: str, method: str, keep: str, calls: int) -> dict:
   jax.config.update("jax_num_cpu_devices", 12)
   jax.config.update("jax_platforms", "cpu")
   import numpy as np
-  sys.path.insert(0, ROOT)
+  if "TENPLEX_BENCH_BASELINE" not in os.environ:
+    sys.path.insert(0, ROOT)
   import tenplex_jax as tj
   tree, targets = _state(state)
   jax.block_until_ready(tree)
-  fn = (lambda t: tj.reshard(t, targets)) if method == "reshard" else (
-      lambda t: jax.device_put(t, targets))
+  # The process's first full cycle collection walks every object jax's
+  # import made (0.18 s here); it comes once, wherever the allocation count
+  # lands (a job has had it long before it reshards). Have it before timing,
+  # for every method alike.
+  import gc
+  gc.collect()
+  fn = (lambda t: jax.device_put(t, targets)) if method == "device_put" \
+      else (lambda t: tj.reshard(t, targets))
   times, faults, out = [], [], None
   for _ in range(calls):
     if keep == "dropped":
@@ -104,7 +115,8 @@ def worker(state: str, method: str, keep: str, calls: int) -> dict:
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
   return {"state": state, "method": method, "previous": keep,
           "seconds": times, "minor_faults": faults, "values_ok": ok,
-          "state_mib": nbytes / 2**20, "leaves": len(tree)}
+          "state_mib": nbytes / 2**20, "leaves": len(tree),
+          "tenplex_jax": tj.__file__}
 
 
 def main() -> None:
@@ -114,27 +126,34 @@ def main() -> None:
                   help="fresh processes per (state, method, previous)")
   ap.add_argument("--states", nargs="*", default=list(STATES))
   ap.add_argument("--out", default="benchmarks/bench_warm_result.json")
+  ap.add_argument("--baseline-src", default=None)
   ap.add_argument("--worker", nargs=3, metavar=("STATE", "METHOD", "KEEP"))
   args = ap.parse_args()
   if args.worker:
     print(json.dumps(worker(*args.worker, args.calls)))
     return
+  methods = METHODS + (("reshard (before)",) if args.baseline_src else ())
   runs = []
   for rnd in range(args.rounds):
     for state in args.states:
       for keep in KEEPS:
-        for method in (METHODS if rnd % 2 == 0 else METHODS[::-1]):
+        for method in (methods if rnd % 2 == 0 else methods[::-1]):
+          env = dict(os.environ)
+          if method == "reshard (before)":
+            env.update(PYTHONPATH=args.baseline_src, TENPLEX_BENCH_BASELINE="1")
           out = subprocess.run(
-              [sys.executable, __file__, "--calls", str(args.calls),
+              [sys.executable, "-P", __file__, "--calls", str(args.calls),
                "--worker", state, method, keep],
-              capture_output=True, text=True, check=True)
+              capture_output=True, text=True, check=True, env=env)
           runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+          if method == "reshard (before)":
+            assert runs[-1]["tenplex_jax"].startswith(args.baseline_src)
   rows = []
-  print(f"{'state':>12} {'previous':>8} {'method':>10}  per-call seconds"
+  print(f"{'state':>12} {'previous':>8} {'method':>16}  per-call seconds"
         f" (median of {args.rounds} processes)   minor faults/call")
   for state in args.states:
     for keep in KEEPS:
-      for method in METHODS:
+      for method in methods:
         rs = [r for r in runs if (r["state"], r["method"], r["previous"])
               == (state, method, keep)]
         med = [sorted(r["seconds"][c] for r in rs)[(len(rs) - 1) // 2]
@@ -145,7 +164,7 @@ def main() -> None:
                      "median_seconds": med, "median_minor_faults": flt,
                      "all_seconds": [r["seconds"] for r in rs],
                      "values_ok": all(r["values_ok"] for r in rs)})
-        print(f"{state:>12} {keep:>8} {method:>10}  "
+        print(f"{state:>12} {keep:>8} {method:>16}  "
               + " ".join(f"{t:6.3f}" for t in med) + "   "
               + " ".join(f"{f:6d}" for f in flt))
   checks = {}
@@ -155,7 +174,11 @@ def main() -> None:
                                          r["method"]) == (state, keep, m))
                 for m in METHODS)
       warm = rs["median_seconds"][1:]
+      per_call = [a / b for a, b in zip(rs["median_seconds"],
+                                        dp["median_seconds"])]
       checks[f"{state}/{keep}"] = {
+          "reshard_over_device_put_per_call": per_call,
+          "worst_warm_call_over_device_put_same_call": max(per_call[1:]),
           "worst_warm_s": max(warm), "cold_s": rs["median_seconds"][0],
           "device_put_warm_s": min(dp["median_seconds"][1:]),
           "device_put_warm_median_s": sorted(dp["median_seconds"][1:])[
@@ -165,9 +188,9 @@ def main() -> None:
               dp["median_seconds"][1:])[(len(warm) - 1) // 2]}
   for k, v in checks.items():
     print(f"{k:>22}: worst warm {v['worst_warm_s']:.3f} s, cold"
-          f" {v['cold_s']:.3f} s, device_put warm (median)"
-          f" {v['device_put_warm_median_s']:.3f} s ->"
-          f" {v['worst_warm_over_device_put_warm_median']:.2f}x")
+          f" {v['cold_s']:.3f} s; reshard / device_put per call: "
+          + " ".join(f"{r:.2f}" for r in
+                     v["reshard_over_device_put_per_call"]))
   with open("/proc/loadavg") as f:
     load = f.read().split()[:3]
   with open(args.out, "w") as f:
