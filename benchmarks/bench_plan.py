@@ -91,15 +91,16 @@ def plot(results: list, path: pathlib.Path) -> None:
   fig, ax = plt.subplots(figsize=(6, 3.6))
   for code, style in (("new", "-o"), ("baseline", "--x")):
     for hosts, color in (("8 per host", "tab:blue"), ("8 hosts", "tab:orange")):
-      pts = [(r["devices"], r[code]["total_s"]) for r in results
-             if r["grouping"] == hosts and code in r and "total_s" in r[code]]
+      pts = [(r["devices"], r[code]["total_cpu_s"]) for r in results
+             if r["grouping"] == hosts and code in r
+             and "total_cpu_s" in r[code]]
       if pts:
         ax.plot(*zip(*pts), style, color=color,
                 label=f"{'before' if code == 'baseline' else 'now'}, {hosts}")
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xlabel("devices")
-  ax.set_ylabel("seconds (layouts + plan)")
+  ax.set_ylabel("CPU seconds (layouts + plan)")
   ax.set_title("Planning 1,000 tensors between two layouts")
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
@@ -115,7 +116,13 @@ def main():
   ap.add_argument("--baseline-max-devices", type=int, default=8192)
   ap.add_argument("--timeout", type=float, default=900)
   ap.add_argument("--out", default="benchmarks/bench_plan_result.json")
+  ap.add_argument("--plot-only", action="store_true",
+                  help="redraw the plot from --out's JSON")
   args = ap.parse_args()
+  if args.plot_only:
+    out = pathlib.Path(args.out)
+    plot(json.loads(out.read_text())["results"], out.with_suffix(".png"))
+    return
   results = []
   print(f"{'devices':>8} {'grouping':>11} {'layouts s':>10} {'plan s':>8}"
         f" {'total s':>8} {'cpu s':>7} {'before s':>9} {'before cpu':>10}"
