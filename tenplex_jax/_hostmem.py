@@ -13,13 +13,18 @@ as the copy itself, so large buffers are
   costs either 4x less than of small ones (0.2 against 0.5-1.1 s/GiB) or
   2-3x more, by process, as the kernel hands out 2 MiB blocks that the host
   has or has not taken back; small pages cost the same every time;
-* mapped only from 32 MiB up: from 1 to 32 MiB they come from the C heap
-  (``malloc``, without the huge-page advice numpy's allocator gives), which
-  serves them from memory the process freed and that is still resident
-  where it can, so that they cost no page faults at all, as XLA's own
-  allocations (``jax.device_put``'s) do; under 1 MiB from numpy;
-* recycled: when jax frees a device buffer built on one, the mapping (pages
-  already faulted in) goes back to a free list that the next reshard reuses,
+* mapped only from 32 MiB up: from 16 KiB to 32 MiB they come from the C
+  heap (``malloc``, without the huge-page advice numpy's allocator gives),
+  which serves them from memory the process freed and that is still
+  resident where it can, so that they cost no page faults at all, as XLA's
+  own allocations (``jax.device_put``'s) do; under 16 KiB from numpy;
+* recycled from 16 KiB up: when jax frees a device buffer built on one, the
+  block (pages already faulted in) goes back to a free list that the next
+  reshard reuses (:func:`collect_dropped_buffers` makes jax let go of it
+  before that reshard allocates). Small shards need it as much as large
+  ones: freed to ``malloc``, a dropped result's 128 KiB shards were partly
+  trimmed back to the kernel and faulted in again by every call (1,000
+  pages a call for a 34 MiB state),
   up to a cap (``TENPLEX_JAX_HOST_POOL_GIB``, default 4 GiB of idle memory;
   ``0`` turns recycling off). :func:`release_host_pool` frees idle buffers.
 
@@ -39,11 +44,12 @@ import weakref
 
 import numpy as np
 
-__all__ = ["host_empty", "host_pool_stats", "release_host_pool"]
+__all__ = ["collect_dropped_buffers", "host_empty", "host_pool_stats",
+           "release_host_pool"]
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
 _PAGE = mmap.PAGESIZE  # mappings are rounded up to whole (small) pages
-_MIN_POOLED = 1 << 20  # smaller buffers come from numpy's allocator
+_MIN_POOLED = 16 << 10  # smaller buffers come from numpy's allocator
 _MIN_MAPPED = 32 << 20  # glibc's largest threshold for serving from its heap
 _HUGE = os.environ.get("TENPLEX_JAX_HUGEPAGES", "0") == "1"
 
@@ -177,7 +183,7 @@ def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     dtype: any numpy dtype (``ml_dtypes`` ones included).
 
   Returns:
-    A writable array. At 1 MiB and above it lives in its own block (mapped
+    A writable array. At 16 KiB and above it lives in its own block (mapped
     from 32 MiB up, else from the C heap), which returns to the pool when
     the array (and any jax buffer aliasing it) is gone.
 
@@ -201,6 +207,29 @@ def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
   elif heap:  # a mapping closes with its last view; a heap block does not
     weakref.finalize(flat, block.close)
   return flat.view(dtype).reshape(shape)
+
+
+try:  # jaxlib's deferred Python references (no public name)
+  from jax._src.lib import _jax as _jaxlib
+  _collect_deferred = getattr(_jaxlib, "collect_garbage", None)
+except ImportError:  # pragma: no cover - another jaxlib layout
+  _collect_deferred = None
+
+
+def collect_dropped_buffers() -> None:
+  """Drops the Python objects that freed jax buffers still hold.
+
+  When jax frees a device buffer that aliases a host array (every buffer
+  :func:`host_empty` hands out), jaxlib does not release the array at once:
+  it queues the reference and drops the queue from a cycle-collector
+  callback. Until then the array, and its pooled block, stay taken, so a
+  result dropped just before the next reshard would not be recycled and
+  that call would fault in fresh pages for all of it (512 MiB: 131,000
+  faults, 3x the time of a call that reuses them). Cheap: one call into
+  jaxlib, which runs the same code at every collection.
+  """
+  if _collect_deferred is not None:
+    _collect_deferred()
 
 
 def release_host_pool() -> int:

@@ -152,12 +152,16 @@ class Placement:
   @functools.cached_property
   def box_of_device(self) -> dict[int, int]:
     """Device id -> index of the box it holds."""
-    out = {}
+    out: dict[int, int] = {}
     for i, devs in enumerate(self.holders):
-      for d in devs:
-        if d in out:
-          raise LayoutError(f"device {d} holds two boxes of one tensor")
-        out[d] = i
+      out.update(zip(devs, itertools.repeat(i)))
+    if len(out) != sum(map(len, self.holders)):
+      seen = set()
+      for devs in self.holders:
+        for d in devs:
+          if d in seen:
+            raise LayoutError(f"device {d} holds two boxes of one tensor")
+          seen.add(d)
     return out
 
   @functools.cached_property
@@ -600,25 +604,38 @@ def _named_placement_cached(shape, mesh_items, spec, device_ids) -> Placement:
           f" {parts} ways over mesh axes {axes} (shape {shape})")
     dim_axes.append(idx)
   # Each tensor dimension's chunk index is its mesh axes' coordinates read
-  # as one mixed-radix number (the first axis major).
-  chunks = [(idx, shape[d] // math.prod(sizes[i] for i in idx))
-            for d, idx in enumerate(dim_axes)]
-  by_box: dict[Box, list[int]] = {}
-  for coord, dev in zip(itertools.product(*map(range, sizes)),
-                        grid.reshape(-1).tolist()):
-    box = []
-    for (idx, chunk), n in zip(chunks, shape):
-      if not idx:
-        box.append((0, n))
-        continue
-      c = 0
-      for i in idx:
-        c = c * sizes[i] + coord[i]
-      box.append((c * chunk, (c + 1) * chunk))
-    by_box.setdefault(tuple(box), []).append(int(dev))
-  items = sorted(by_box.items())
-  boxes = [b for b, _ in items]
-  return Placement(tuple(boxes), tuple(tuple(sorted(h)) for _, h in items))
+  # as one mixed-radix number (the first axis major); a box's key is its
+  # dimensions' chunk indices read the same way, so keys sort as boxes do.
+  # Whole arrays at a time: linear in devices, no Python loop over them.
+  coords = np.indices(sizes).reshape(len(sizes), n_dev)
+  key = np.zeros(n_dev, dtype=np.int64)
+  radix, chunk_of = [], []
+  for idx, n in zip(dim_axes, shape):
+    parts = math.prod(sizes[i] for i in idx)
+    chunk = n // parts
+    if not idx or chunk == 0:  # one box along this dimension
+      radix.append(1)
+      chunk_of.append(chunk if idx else n)
+      continue
+    c = np.zeros(n_dev, dtype=np.int64)
+    for i in idx:
+      c = c * sizes[i] + coords[i]
+    key = key * parts + c
+    radix.append(parts)
+    chunk_of.append(chunk)
+  flat_ids = grid.reshape(-1)
+  order = np.lexsort((flat_ids, key))
+  keys, counts = np.unique(key, return_counts=True)
+  held = flat_ids[order].tolist()
+  ends = np.cumsum(counts).tolist()
+  holders = tuple(tuple(held[a:b]) for a, b in zip([0] + ends[:-1], ends))
+  if not shape:
+    return Placement(((),), holders)
+  per_dim = np.unravel_index(keys, radix)
+  ranges = [list(zip((c * chunk).tolist(), ((c + 1) * chunk).tolist()))
+            for c, chunk in zip(per_dim, chunk_of)]
+  boxes = tuple(zip(*ranges))
+  return Placement(boxes, holders)
 
 
 def ptc_from_layouts(tensors: Iterable[TensorLayout],
@@ -631,9 +648,10 @@ def ptc_from_layouts(tensors: Iterable[TensorLayout],
       devices per process (device ``d`` is in process ``d // k``).
   """
   tensors = tuple(tensors)
-  devs = sorted({d for t in tensors for d in t.placement.devices})
+  placements = {id(t.placement): t.placement for t in tensors}  # shared ones once
+  devs = sorted(set().union(*(p.box_of_device for p in placements.values())))
   if isinstance(process_of, int):
-    procs = tuple((d, d // process_of) for d in devs)
+    procs = tuple(zip(devs, [d // process_of for d in devs]))
   else:
     procs = tuple((d, int(process_of[d])) for d in devs)
   return PTC(tensors, procs)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from tenplex_jax._hostmem import host_empty
+from tenplex_jax._hostmem import collect_dropped_buffers, host_empty
 from tenplex_jax._problems import raise_problems
 from tenplex_jax._targets import match_targets
 from tenplex_jax.errors import LayoutError, ReshardError
@@ -1179,11 +1179,16 @@ def _gc_paused(fn: Callable) -> Callable:
   by reference counting; left on, the collector walks every live object
   (jax's included) many times on a large state: a third of a cold
   1,907-array reshard on the benchmark VM.
+
+  First it hands jax the Python references that device buffers freed since
+  the last call still hold (see :func:`collect_dropped_buffers`), so that
+  the host buffers of a dropped result are reused, not faulted in anew.
   """
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     was = gc.isenabled()
     gc.disable()
+    collect_dropped_buffers()
     try:
       return fn(*args, **kwargs)
     finally:

@@ -62,6 +62,8 @@ def test_reshard_values_and_shardings(dtype):
 def test_host_buffers_are_recycled_once_jax_drops_them():
   import gc
   from tenplex_jax import _hostmem
+  gc.collect()  # earlier tests' buffers back to the pool, then freed
+  _hostmem.collect_dropped_buffers()
   _hostmem.release_host_pool()
   devs, a, b = _meshes()
   host = np.arange(2048 * 1024, dtype=np.float32).reshape(2048, 1024)
@@ -84,6 +86,36 @@ def test_host_buffers_are_recycled_once_jax_drops_them():
   assert np.array_equal(held, host[0:256])
   assert _hostmem.release_host_pool() >= 0
   assert _hostmem.host_pool_stats()["idle_bytes"] == 0
+
+
+@pytest.mark.parametrize("rows", [16, 2048])  # 64 KiB and 8 MiB shards
+def test_a_dropped_result_is_reused_by_the_next_call_without_a_collection(
+    rows):
+  # jaxlib releases the host array behind a freed device buffer from a
+  # cycle-collector callback; the reshard drops that queue itself, so the
+  # next call reuses every buffer of a result dropped just before it, with
+  # the collector off as it is during a reshard.
+  import gc
+  from tenplex_jax import _hostmem
+  devs, a, b = _meshes()
+  host = np.arange(rows * 1024 * 8, dtype=np.float32).reshape(rows * 8, 1024)
+  x = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
+  target = NamedSharding(b, P(("data", "tensor")))  # 8 new shards
+  was = gc.isenabled()
+  gc.collect()
+  gc.disable()
+  try:
+    y = tenplex_jax.reshard(x, target, method="cpu")
+    del y
+    before = _hostmem.host_pool_stats()
+    z = tenplex_jax.reshard(x, target, method="cpu")
+    after = _hostmem.host_pool_stats()
+  finally:
+    if was:
+      gc.enable()
+  assert after["mapped"] == before["mapped"]  # no new block
+  assert after["reused"] - before["reused"] == 8
+  assert np.array_equal(np.asarray(z), host)
 
 
 def test_host_pool_off_and_bad_setting(monkeypatch):
