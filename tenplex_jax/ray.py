@@ -53,10 +53,12 @@ checkpoints in its Ray storage; ``train.py`` is a script written for
   from ray.train import RunConfig
   from tenplex_jax import ray as tray
 
-  cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-  for _ in range(2):
-    cluster.add_node(num_cpus=1)
-  ray.init(address=cluster.address)
+  # Loopback addresses only (Ray turns 127.0.0.1 into the outward address).
+  cluster = Cluster(initialize_head=True, head_node_args={
+      "num_cpus": 1, "node_ip_address": "127.0.0.2"})
+  for k in (3, 4):
+    cluster.add_node(num_cpus=1, node_ip_address=f"127.0.0.{k}")
+  ray.init(address=cluster.address, _node_ip_address="127.0.0.2")
   result = tray.run("train.py", ["10"], num_workers=2, schedule={4: 3})
   print([g["workers"] for g in result["generations"]])   # [2, 3]
   result = tray.run("train.py", ["10"], num_workers=(1, 4), replicas=1,

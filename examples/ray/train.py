@@ -275,11 +275,22 @@ def drive(args: argparse.Namespace) -> int:
   cluster, events = None, {}
   if args.local_nodes:
     from ray.cluster_utils import Cluster
+    # Loopback addresses only, one per node: the head on 127.0.0.2 (Ray
+    # turns 127.0.0.1 into the machine's outward address), the others on
+    # 127.0.0.3, 127.0.0.4, ...
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False})
+        "num_cpus": 1, "include_dashboard": False,
+        "node_ip_address": "127.0.0.2"})
+    cluster.next_ip = 3
+
+    def add_node():
+      cluster.add_node(num_cpus=1,
+                       node_ip_address=f"127.0.0.{cluster.next_ip}")
+      cluster.next_ip += 1
     for _ in range(args.local_nodes - 2):  # one more joins at --grow-at
-      cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=True)
+      add_node()
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.2",
+             log_to_driver=True)
   else:
     ray.init(address=args.address)
   hi = args.max_workers or (args.local_nodes or 8)
@@ -291,7 +302,7 @@ def drive(args: argparse.Namespace) -> int:
         and "grow" not in events):
       events["grow"] = step
       print(f"driver: adding a node at step {step}", flush=True)
-      cluster.add_node(num_cpus=1)
+      add_node()
       if not job.auto:
         job.request_resize(n + 1)
     if (args.shrink_at and step >= args.shrink_at and "grow" in events
