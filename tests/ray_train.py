@@ -18,8 +18,10 @@ search chooses for the job's devices (``w`` as a small transformer's
 ``embed`` axis) instead of over a 1-D ``data`` mesh. Process 0 writes its
 layout to ``LOG_DIR/layout_<generation>.json``. ``TRAIN_HOLD=DIR`` makes
 each group wait after its first step (once it has asked ``resize_due``)
-until ``DIR/go_<generation>`` exists: a test's driver acts at a known step
-however slowly the machine runs.
+until ``DIR/go_<generation>`` exists, and at each step of
+``TRAIN_HOLD_STEPS`` (``7,9``) until ``DIR/go_<generation>_<step>``
+exists: a test's driver acts at a known step however slowly the machine
+runs.
 """
 
 import json
@@ -91,11 +93,16 @@ first = step + 1  # this group's first step
 
 def hold_at(step):
   """With ``TRAIN_HOLD``: after the group's first step, waits for the
-  driver's ``go_<generation>`` file."""
+  driver's ``go_<generation>`` file (``go_<generation>_<step>`` at the
+  steps of ``TRAIN_HOLD_STEPS``)."""
   where = os.environ.get("TRAIN_HOLD")
-  if not where or step != first:
+  steps = os.environ.get("TRAIN_HOLD_STEPS", "")
+  if where and step == first:
+    path = os.path.join(where, f"go_{gen}")
+  elif where and str(step) in steps.split(","):
+    path = os.path.join(where, f"go_{gen}_{step}")
+  else:
     return
-  path = os.path.join(where, f"go_{gen}")
   deadline = time.monotonic() + 300
   while not os.path.exists(path):
     if time.monotonic() > deadline:

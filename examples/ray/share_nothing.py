@@ -226,11 +226,26 @@ class ShareNothingCluster:
         ["nsenter", "-t", str(node["proc"].pid), "-m", "--wd=" + node["work"],
          *argv], **kwargs)
 
-  def kill_node(self, node: dict) -> None:
+  def kill_node(self, node: dict, wait_dead: bool = False) -> None:
     """Kills every process of ``node`` at once (SIGKILL, no warning): its
-    namespace, its /dev/shm and /tmp go with them."""
+    namespace, its /dev/shm and /tmp go with them. ``wait_dead``: then
+    waits until Ray's node table has it dead (it misses its health checks
+    first: seconds)."""
     self._kill(node)
     node["killed"] = True
+    if not wait_dead or node.get("node_id") is None:
+      return
+    from ray._raylet import GcsClient
+    client = GcsClient(address=self.address)
+    deadline = time.monotonic() + self.start_timeout
+    while time.monotonic() < deadline:
+      alive = {i.node_id.hex() for i in client.get_all_node_info(
+          timeout=30).values() if i.state == 0}
+      if node["node_id"] not in alive:
+        return
+      time.sleep(0.5)
+    raise TimeoutError(f"Ray still lists node {node['ip']} alive"
+                       f" {self.start_timeout:.0f} s after its kill")
 
   @staticmethod
   def _members(node: dict) -> list[int]:
