@@ -108,14 +108,17 @@ def run(args) -> dict:
               for i in range(args.resizes)}
   total = k * (args.resizes + 1)
   node = {"num_cpus": 1, "object_store_memory": 256 * 2**20}
+  # Loopback only: the head on 127.0.0.2 (Ray turns 127.0.0.1 into the
+  # machine's outward address), the other node on 127.0.0.3.
   cluster = Cluster(initialize_head=True, head_node_args={
-      **node, "include_dashboard": False})
+      **node, "include_dashboard": False, "node_ip_address": "127.0.0.2"})
   pids = _pids(cluster)
   job = f"bench-ray-{os.getpid()}"
   try:
-    cluster.add_node(**node)
+    cluster.add_node(**node, node_ip_address="127.0.0.3")
     pids += _pids(cluster)
-    ray.init(address=cluster.address, log_to_driver=False)
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.2",
+             log_to_driver=False)
     with Progress() as bar:
       task = bar.add_task("steps", total=total)
       result = tray.run(

@@ -21,8 +21,9 @@ What :func:`run` does on a Ray cluster:
   worker's :func:`resize_due` asks each step, so all workers stop at the
   same step: with ``num_workers=(min, max)`` (like Ray Train's
   ``ScalingConfig(num_workers=(min, max))``) the driver follows Ray's node
-  table, one worker per CPU of the alive nodes within the bounds (a node
-  joins: the job grows onto it), else by ``schedule={step: workers}`` or
+  table, one worker per CPU (or per ``worker_resources``, e.g. a GPU) of
+  the alive nodes within the bounds (a node joins: the job grows onto it),
+  else by ``schedule={step: workers}`` or
   :meth:`Job.request_resize`; :func:`save_and_exit` writes each worker's
   shards to its node's store and ends the group; the next group (N'
   workers) restores with :func:`restore_or_init` from the stores: its own
@@ -31,6 +32,13 @@ What :func:`run` does on a Ray cluster:
   workers (its rules, or ``tenplex_jax.search.best_mesh_for``); the step
   and every non-array leaf (e.g. the data iterator's position) travel in
   the snapshot;
+* a node Ray drains (a preemption notice, an autoscaler scale-down,
+  :func:`drain_node`; seen in the GCS's draining table) is a planned
+  leave: the driver asks the group to save and resize (to the room left,
+  or the same count placed elsewhere) a few steps ahead, before the
+  deadline; the next group restores from the stores, the drained node's
+  shards from its store server, which serves until the node goes: no
+  failure, no step lost;
 * a worker that fails (an exception, its process or node gone) ends the
   group; the next one (on the nodes that still answer, within the bounds)
   restores the newest complete :func:`save_snapshot` (the lost node's
@@ -53,10 +61,12 @@ checkpoints in its Ray storage; ``train.py`` is a script written for
   from ray.train import RunConfig
   from tenplex_jax import ray as tray
 
-  cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-  for _ in range(2):
-    cluster.add_node(num_cpus=1)
-  ray.init(address=cluster.address)
+  # Loopback addresses only (Ray turns 127.0.0.1 into the outward address).
+  cluster = Cluster(initialize_head=True, head_node_args={
+      "num_cpus": 1, "node_ip_address": "127.0.0.2"})
+  for k in (3, 4):
+    cluster.add_node(num_cpus=1, node_ip_address=f"127.0.0.{k}")
+  ray.init(address=cluster.address, _node_ip_address="127.0.0.2")
   result = tray.run("train.py", ["10"], num_workers=2, schedule={4: 3})
   print([g["workers"] for g in result["generations"]])   # [2, 3]
   result = tray.run("train.py", ["10"], num_workers=(1, 4), replicas=1,
@@ -104,7 +114,7 @@ from tenplex_jax.store.launch import (
 )
 
 __all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
-           "initialize", "resize_due",
+           "drain_node", "draining_nodes", "initialize", "resize_due",
            "restore_or_init", "run", "save_and_exit", "save_snapshot",
            "stop_store", "store_actor_name"]
 
@@ -191,13 +201,15 @@ class _Controller:
     if m is not None and step > self.start and m != self.n:
       return m
     r = self.request
-    if r and r[1] == step and r[0] != self.n:
+    if r and r[1] == step and (r[0] != self.n or r[2]):
       return r[0]
     return None
 
-  def request_resize(self, procs: int) -> int:
+  def request_resize(self, procs: int, move: bool = False) -> int:
+    """At a few steps past the furthest worker; ``move``: also at the same
+    count (a new group placed off draining nodes)."""
     at = max([self.start, *self.progress.values()]) + _MARGIN
-    self.request = (int(procs), at)
+    self.request = (int(procs), at, bool(move))
     return at
 
   def state(self) -> dict:
@@ -265,6 +277,48 @@ def _responds(node: str, timeout: float = 15.0) -> bool:
     return False
 
 
+_gcs: dict = {}
+
+
+def draining_nodes() -> dict[str, int]:
+  """The nodes Ray is draining (a preemption notice, an autoscaler
+  scale-down, :func:`drain_node`): ``{node id: deadline}`` in ms since the
+  epoch (0: none), from the GCS."""
+  from ray._raylet import GcsClient
+  address = _ray.get_runtime_context().gcs_address
+  if _gcs.get("address") != address:
+    _gcs.update(address=address, client=GcsClient(address=address))
+  return {(k.hex() if hasattr(k, "hex") and not isinstance(k, str) else
+           str(k)): int(v)
+          for k, v in _gcs["client"].get_draining_nodes(timeout=30).items()}
+
+
+def drain_node(node_id: str, deadline_s: float | None = 60.0,
+               reason: str = "preemption", message: str = "") -> int:
+  """Asks Ray's GCS to drain node ``node_id`` as its autoscaler does
+  (``reason``: ``preemption`` or ``idle``), the node to be gone in
+  ``deadline_s`` seconds (``None``: no deadline); Ray stops placing work on
+  it and a running :func:`run` moves its workers off it in time (it does
+  not kill the node: whoever drains it does, after the deadline). Returns
+  the deadline in ms since the epoch (0: none)."""
+  from ray._raylet import GcsClient
+  from ray.core.generated import autoscaler_pb2
+  kinds = {"preemption": "DRAIN_NODE_REASON_PREEMPTION",
+           "idle": "DRAIN_NODE_REASON_IDLE_TERMINATION"}
+  if reason not in kinds:
+    raise UsageError(f"drain_node: reason must be one of {sorted(kinds)},"
+                     f" got {reason!r}")
+  deadline = 0 if deadline_s is None else int(
+      (time.time() + float(deadline_s)) * 1000)
+  client = GcsClient(address=_ray.get_runtime_context().gcs_address)
+  ok, why = client.drain_node(
+      node_id, autoscaler_pb2.DrainNodeReason.Value(kinds[reason]),
+      message or "tenplex_jax.ray.drain_node", deadline)
+  if not ok:
+    raise StoreError(f"Ray refused to drain node {node_id}: {why}")
+  return deadline
+
+
 def _alive_cpu_nodes() -> list[str]:
   return [n["NodeID"] for n in _ray.nodes()
           if n["Alive"] and n["Resources"].get("CPU", 0) >= 1]
@@ -276,6 +330,7 @@ class Job:
   def __init__(self, train: str | Callable, args: Sequence[str] = (), *,
                num_workers: int | tuple[int, int],
                devices_per_worker: int = 1,
+               worker_resources: Mapping[str, float] | None = None,
                schedule: Mapping[int, int] | None = None,
                max_restarts: int = 3, replicas: int = 0,
                checkpoint: str | None = None, run_config: Any = None,
@@ -296,6 +351,14 @@ class Job:
       raise UsageError(f"num_workers must be n >= 1 or (min, max) with"
                        f" 1 <= min <= max, got {num_workers!r}")
     self.bounds = (int(lo), int(hi))
+    # What each worker asks Ray for (its CPU, and e.g. a GPU): the unit the
+    # auto-resize counts on the alive nodes.
+    self.worker_resources = {"CPU": 1.0, **{
+        str(k): float(v) for k, v in (worker_resources or {}).items()}}
+    bad = {k: v for k, v in self.worker_resources.items() if v < 0}
+    if bad or not any(v > 0 for v in self.worker_resources.values()):
+      raise UsageError(f"worker_resources must be amounts >= 0, one of them"
+                       f" > 0, got {self.worker_resources}")
     self.train, self.args = train, list(args)
     self.n, self.devices = int(lo), int(devices_per_worker)
     self.schedule = dict(schedule or {})
@@ -319,6 +382,7 @@ class Job:
     self.generations: list[dict] = []
     self.current: dict = {}  # the running group's record (its "nodes")
     self.excluded: set[str] = set()  # nodes that stopped answering
+    self.draining: dict[str, int] = {}  # node: deadline (ms), from Ray
 
   def request_resize(self, procs: int) -> int:
     """Asks the running group to resize to ``procs`` workers; returns the
@@ -329,11 +393,19 @@ class Job:
       self.bounds = (min(self.bounds[0], int(procs)), int(procs))
     return _ray.get(self.ctrl.request_resize.remote(int(procs)))
 
+  def slots(self, resources: Mapping[str, float]) -> int:
+    """Workers a node with ``resources`` (Ray's totals) holds: its count of
+    each resource a worker asks for (``worker_resources``: one CPU, and
+    e.g. ``{"GPU": 1}``), divided by the ask, the least of them."""
+    return min(int(resources.get(k, 0) // v + 1e-9)
+               for k, v in self.worker_resources.items() if v > 0)
+
   def capacity(self) -> int:
-    """Workers the cluster has room for now: the CPUs (whole, one per
-    worker) of the alive nodes that have not stopped answering."""
-    return sum(int(n["Resources"].get("CPU", 0)) for n in _ray.nodes()
-               if n["Alive"] and n["NodeID"] not in self.excluded)
+    """Workers the cluster has room for now: :meth:`slots` summed over the
+    alive nodes that have not stopped answering and are not draining."""
+    return sum(self.slots(n["Resources"]) for n in _ray.nodes()
+               if n["Alive"] and n["NodeID"] not in self.excluded
+               and n["NodeID"] not in self.draining)
 
   def _target(self) -> int:
     lo, hi = self.bounds
@@ -342,7 +414,23 @@ class Job:
   def _autoscale(self, n: int) -> None:
     """With ``num_workers=(min, max)``: resizes the running group of ``n``
     workers to the cluster's capacity within the bounds, once per group."""
-    if not self.auto or self.current.get("auto_request"):
+    try:
+      self.draining = draining_nodes()
+    except Exception:  # noqa: BLE001 - the GCS is busy: the next poll
+      pass
+    drained = sorted(set(self.current.get("nodes", ())) & set(self.draining))
+    if drained and not self.current.get("drain"):
+      # A planned leave: save to the stores and go on without those nodes
+      # (no failure, no step lost), before the deadline.
+      m = self._target() if self.auto else min(n, self.capacity())
+      at = _ray.get(self.ctrl.request_resize.remote(max(1, m), True))
+      self.current["drain"] = {
+          "nodes": drained, "workers": max(1, m), "step": at,
+          "seen": time.time(),
+          "deadline_ms": max(self.draining[x] for x in drained)}
+      return
+    if not self.auto or self.current.get("auto_request") or self.current.get(
+        "drain"):
       return
     m = self._target()
     st = _ray.get(self.ctrl.state.remote())
@@ -358,6 +446,8 @@ class Job:
       try:
         actor = _ray.get_actor(name, namespace=NAMESPACE)
       except ValueError:
+        if node in self.draining:
+          continue  # Ray places nothing new there
         actor = _StoreActor.options(
             name=name, namespace=NAMESPACE, lifetime="detached",
             get_if_exists=True,
@@ -379,21 +469,26 @@ class Job:
   def _generation(self, n: int, start: int, failed: int | None) -> dict:
     gen = len(self.generations)
     t0 = time.time()
-    stores = self._stores()
-    nodes = list(stores)
+    stores = self._stores()  # a draining node's serves its shards
+    nodes = [x for x in stores if x not in self.draining]
     if not nodes:
-      raise StoreError("no alive Ray node with a CPU for the workers")
-    cpus = {x["NodeID"]: int(x["Resources"].get("CPU", 0))
+      raise StoreError("no alive Ray node with a CPU for the workers"
+                       f" (draining: {sorted(self.draining)})")
+    room = {x["NodeID"]: self.slots(x["Resources"])
             for x in _ray.nodes() if x["Alive"]}
-    slots = [x for r in range(max(cpus.get(x, 1) for x in nodes))
-             for x in nodes if cpus.get(x, 1) > r]  # round robin over CPUs
+    nodes = [x for x in nodes if room.get(x, 0) > 0] or nodes
+    slots = [x for r in range(max(room.get(x, 1) for x in nodes))
+             for x in nodes if room.get(x, 1) > r]  # round robin
     placement = [slots[i % len(slots)] for i in range(n)]
+    ask = dict(self.worker_resources)
+    ask_cpu, ask_gpu = ask.pop("CPU"), ask.pop("GPU", 0)
     workers = [_Worker.options(
+        num_cpus=ask_cpu, num_gpus=ask_gpu, resources=ask or None,
         runtime_env={"env_vars": {TOKEN_ENV: self.token, "XLA_FLAGS": ""}},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
     ).remote() for node in placement]
     rec = {"generation": gen, "workers": n, "start_step": start,
-           "failed_step": failed, "nodes": placement}
+           "failed_step": failed, "nodes": placement, "t0": t0}
     self.current = rec
     try:
       addrs = _ray.get([w.address.remote() for w in workers],
@@ -562,10 +657,14 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       API) or function; a path must exist on every node.
     args: its command line arguments.
     **kwargs: :class:`Job`'s: ``num_workers`` (required: a count, or
-      ``(min, max)``: start with one worker per CPU of the alive nodes
+      ``(min, max)``: start with one worker per CPU (or per
+      ``worker_resources``) of the alive nodes
       within the bounds, grow when nodes join, restart within the bounds
       after a loss; :meth:`Job.request_resize` then also sets the maximum),
       ``devices_per_worker`` (JAX CPU devices per worker, 1),
+      ``worker_resources`` (what each worker asks Ray for besides its CPU,
+      e.g. ``{"GPU": 1}`` or ``{"TPU": 4}``; the auto-resize then counts
+      the alive nodes' room for that: :meth:`Job.slots`),
       ``schedule`` (``{step: workers}``), ``max_restarts`` (3),
       ``replicas`` (store replicas of :func:`save_snapshot`, 0; the driver
       may change ``job.replicas`` for the next group),

@@ -16,7 +16,12 @@ checkpoint directory (``--checkpoint``, or the Ray ``RunConfig`` storage)
 every k steps; ``TRAIN_LAYOUT=search`` lays ``w`` out as the configuration
 search chooses for the job's devices (``w`` as a small transformer's
 ``embed`` axis) instead of over a 1-D ``data`` mesh. Process 0 writes its
-layout to ``LOG_DIR/layout_<generation>.json``.
+layout to ``LOG_DIR/layout_<generation>.json``. ``TRAIN_HOLD=DIR`` makes
+each group wait after its first step (once it has asked ``resize_due``)
+until ``DIR/go_<generation>`` exists, and at each step of
+``TRAIN_HOLD_STEPS`` (``7,9``) until ``DIR/go_<generation>_<step>``
+exists: a test's driver acts at a known step however slowly the machine
+runs.
 """
 
 import json
@@ -83,6 +88,29 @@ if proc == 0:  # this group's layout
   with open(os.path.join(log_dir, f"layout_{gen}.json"), "w") as f:
     json.dump({"mesh": dict(sh.mesh.shape), "spec": list(sh.spec)}, f)
 log = open(os.path.join(log_dir, f"ids_{gen}_{proc}.jsonl"), "a")
+first = step + 1  # this group's first step
+
+
+def hold_at(step):
+  """With ``TRAIN_HOLD``: after the group's first step, waits for the
+  driver's ``go_<generation>`` file (``go_<generation>_<step>`` at the
+  steps of ``TRAIN_HOLD_STEPS``)."""
+  where = os.environ.get("TRAIN_HOLD")
+  steps = os.environ.get("TRAIN_HOLD_STEPS", "")
+  if where and step == first:
+    path = os.path.join(where, f"go_{gen}")
+  elif where and str(step) in steps.split(","):
+    path = os.path.join(where, f"go_{gen}_{step}")
+  else:
+    return
+  deadline = time.monotonic() + 300
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"group {gen} held at step {step}: no {path}"
+                         " after 300 s")
+    time.sleep(0.05)
+
+
 add = jax.jit(lambda w, x: w + x, out_shardings=sh)
 total_sum = jax.jit(jnp.sum)  # an all-reduce: the processes in lockstep
 while step < total:
@@ -109,7 +137,9 @@ while step < total:
   every = int(os.environ.get("TRAIN_CHECKPOINT_EVERY", "0"))
   if every and step % every == 0 and info["checkpoint"]:
     store.save_checkpoint(info["checkpoint"], state, step)
-  if store.resize_due(step):
+  due = store.resize_due(step)
+  hold_at(step)
+  if due:
     store.save_and_exit(state, step)
 want = expected_w(step)
 for s in state["w"].addressable_shards:

@@ -48,15 +48,26 @@ def _kill_leftovers(pids):
 pytestmark = pytest.mark.xdist_group("ray")
 
 
+# Loopback only: the head on 127.0.0.2 (Ray turns 127.0.0.1 and
+# "localhost" into the machine's outward address), each added node on its
+# own 127.0.0.K.
+HEAD_IP = "127.0.0.2"
+
+
 @pytest.fixture(scope="module")
 def cluster():
-  """One local cluster for the module (1 CPU per node), torn down with
-  every process it started, also when a test fails."""
+  """One local cluster for the module (1 CPU per node, each node on its own
+  loopback address), torn down with every process it started, also when a
+  test fails."""
   c = Cluster(initialize_head=True, head_node_args={
-      "num_cpus": 1, "include_dashboard": False})
+      "num_cpus": 1, "include_dashboard": False,
+      "node_ip_address": HEAD_IP})
   c.pids = _pids(c)
+  c.next_ip = 3
   try:
-    ray.init(address=c.address, log_to_driver=False)
+    assert c.address.startswith(HEAD_IP + ":"), c.address
+    ray.init(address=c.address, _node_ip_address=HEAD_IP,
+             log_to_driver=False)
     yield c
   finally:
     ray.shutdown()
@@ -65,10 +76,17 @@ def cluster():
     _kill_leftovers(c.pids)
 
 
+def _add_node(c):
+  """A 1-CPU node on the next loopback address 127.0.0.K."""
+  c.add_node(num_cpus=1, node_ip_address=f"127.0.0.{c.next_ip}")
+  c.next_ip += 1
+  c.pids += _pids(c)
+
+
 def _nodes(c, k):
   """Exactly k alive nodes (the head included), 1 CPU each."""
   while 1 + len(c.worker_nodes) < k:
-    c.add_node(num_cpus=1)
+    _add_node(c)
   while 1 + len(c.worker_nodes) > k:
     c.remove_node(c.worker_nodes[-1])
   c.pids += _pids(c)
@@ -87,41 +105,55 @@ def _read_ids(log_dir):
 @pytest.mark.slow
 def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
   """A (1, 3)-worker job starts 2 workers on 2 one-CPU nodes; a third node
-  joins while they start and the job, told no step, grows to 3 workers (one
-  per node) by itself; asked to shrink to 1, it does and ends at step
-  20. Each group lays the state out as the configuration search chooses
-  for its worker count, and restores at the step the previous one saved, bitwise (the
-  script checks every shard against a static run), with no steps lost; each
-  step's global batch is read exactly once; the store actors and their
-  directories are gone at the end."""
+  joins while they hold at their first step and the job, told no step,
+  grows to 3 workers (one per node) by itself; asked to shrink to 1, it
+  does and ends at step 12. Each group holds after its first step until
+  the driver has acted (``TRAIN_HOLD``), so the resize steps do not depend
+  on how fast the loaded machine runs: each is 3 steps past the held step.
+  Each group lays the state out as the configuration search chooses for its
+  worker count, and restores at the step the previous one saved, bitwise
+  (the script checks every shard against a static run), with no steps
+  lost; each step's global batch is read exactly once; the store actors and
+  their directories are gone at the end."""
   _nodes(cluster, 2)
-  total = 20  # room for the resizes under load
+  total = 12
   try:
-    log_dir = str(tmp_path)
+    log_dir = str(tmp_path / "logs")
+    hold = str(tmp_path / "hold")
+    os.makedirs(log_dir)
+    os.makedirs(hold)
     events = {}
+
+    def go(gen):  # lets group `gen` go on past its first step
+      open(os.path.join(hold, f"go_{gen}"), "w").close()
 
     def driver(job, step):  # in the driver, between its polls
       gen = len(job.generations)  # the running group
-      if gen == 0 and "added" not in events:  # while the group starts
+      if gen == 0 and "added" not in events:
         events["added"] = step  # the job notices the node by itself
-        cluster.add_node(num_cpus=1)  # (blocks until it is up)
-        cluster.pids += _pids(cluster)
+        _add_node(cluster)  # (blocks until it is up)
+      elif gen == 0 and job.current.get("auto_request"):
+        go(0)
       if (gen == 1 and step >= job.current["start_step"] + 1
           and "shrink" not in events):
         events["shrink"] = job.request_resize(1)
+        go(1)
+      if gen == 2:
+        go(2)
 
     t0 = time.time()
     result = tray.run(SCRIPT, [str(total), log_dir], num_workers=(1, 3),
                       job="test-grow", on_progress=driver,
-                      env={"TRAIN_SLEEP": "0.2", "TRAIN_LAYOUT": "search"})
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_LAYOUT": "search",
+                           "TRAIN_HOLD": hold})
     print(f"tenplex_jax.ray job: {time.time() - t0:.1f} s")
     gens = result["generations"]
     # (1, 3) workers on 2 one-CPU nodes: 2; the added node: 3, at the step
-    # the driver chose by itself; request_resize(1) caps it at 1.
+    # the driver chose by itself (3 past the held step 1); request_resize(1)
+    # caps it at 1 (3 past the grown group's held step).
     assert gens[0].get("auto_request", {}).get("workers") == 3, gens
     grow, shrink = gens[0]["auto_request"]["step"], events["shrink"]
-    assert grow > events["added"] == 0
-    assert 1 < grow < shrink < total, events
+    assert events["added"] <= 1 and (grow, shrink) == (4, 8), events
     assert [(g["workers"], g["start_step"], g["outcome"]) for g in gens] == [
         (2, 0, "resize"), (3, grow, "resize"), (1, shrink, "done")], gens
     assert [g.get("step") for g in gens[:2]] == [grow, shrink]

@@ -1,6 +1,8 @@
 """An elastic decoder LM on a Ray cluster with tenplex_jax.ray: grow, shrink, a node killed.
 
   python examples/ray/train.py --local-nodes 3          # a local 3-node cluster
+  python examples/ray/train.py --local-nodes 3 --share-nothing  # (root) nodes
+                                  # in private mount namespaces
   python examples/ray/train.py --address auto --max-workers 4 --grow-at 0 --kill-at 0
 
 The same file is the driver (run by you) and the training script (run by
@@ -24,7 +26,10 @@ The job follows the cluster: ``num_workers=(1, max)``, one worker per CPU
 of the alive nodes. On a local cluster (``--local-nodes N``, 1 CPU per
 node) it starts on N - 1 nodes; at ``--grow-at`` a node joins and the job
 grows onto it by itself; at ``--shrink-at`` the driver asks it to shrink by
-one worker and then removes the idle node; at ``--kill-at`` a node running
+one worker and then removes the idle node; at ``--drain-at`` Ray drains a
+node running a worker (``tenplex_jax.ray.drain_node``, a preemption notice
+with a deadline): the job saves and moves off it with no step lost, then
+the node goes and a fresh one joins; at ``--kill-at`` a node running
 a worker is killed without warning (the job restarts on the nodes left from
 the newest snapshot, the lost node's shards from their store replicas, or
 from the Orbax checkpoint in the Ray ``RunConfig`` storage when no store
@@ -266,6 +271,80 @@ def check(log_dir: str, total: int) -> list[str]:
   return problems
 
 
+HEAD_IP = "127.0.0.2"  # loopback only; Ray turns 127.0.0.1 into the
+# machine's outward address
+
+
+class ProcessTreeNodes:
+  """Local nodes as ``ray.cluster_utils.Cluster`` starts them: process
+  trees of this host sharing its /dev/shm and /tmp, each on its own
+  loopback address (the head on 127.0.0.2, then 127.0.0.3, ...)."""
+
+  def __init__(self, n: int):
+    from ray.cluster_utils import Cluster
+    self.head_ip = HEAD_IP
+    self.c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False,
+        "node_ip_address": HEAD_IP})
+    self.address, self.next_ip, self.nodes = self.c.address, 3, {}
+    for _ in range(n - 1):
+      self.add()
+
+  def add(self) -> str:
+    node = self.c.add_node(num_cpus=1,
+                           node_ip_address=f"127.0.0.{self.next_ip}")
+    self.next_ip += 1
+    self.nodes[node.node_id] = node
+    return node.node_id
+
+  def workers(self) -> list[str]:
+    return list(self.nodes)
+
+  def remove(self, node_id: str, kill: bool = False) -> None:
+    self.c.remove_node(self.nodes.pop(node_id), allow_graceful=not kill)
+
+  def shutdown(self) -> None:
+    self.c.shutdown()
+
+
+class SharedNothingNodes:
+  """Local nodes that share nothing (``share_nothing.py``): each in its own
+  mount namespace with private /dev/shm, /tmp and working directory, on its
+  own loopback address; removing one kills all its processes."""
+
+  def __init__(self, n: int):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from share_nothing import ShareNothingCluster, namespaces_permitted
+    why = namespaces_permitted()
+    if why:
+      raise SystemExit(f"--share-nothing: {why}")
+    self.c = ShareNothingCluster(head_ip=HEAD_IP)
+    self.head_ip, self.nodes = HEAD_IP, {}
+    try:
+      self.c.add_node()
+      self.address = self.c.address
+      for _ in range(n - 1):
+        self.add()
+    except BaseException:
+      self.c.shutdown()
+      raise
+
+  def add(self) -> str:
+    node = self.c.add_node()
+    self.nodes[node["node_id"]] = node
+    return node["node_id"]
+
+  def workers(self) -> list[str]:
+    return list(self.nodes)
+
+  def remove(self, node_id: str, kill: bool = False) -> None:
+    del kill  # a node that shares nothing leaves with everything it held
+    self.c.kill_node(self.nodes.pop(node_id))
+
+  def shutdown(self) -> None:
+    self.c.shutdown()
+
+
 def drive(args: argparse.Namespace) -> int:
   """The driver: a Ray cluster, the job, the elastic events, the check."""
   import tempfile
@@ -273,13 +352,14 @@ def drive(args: argparse.Namespace) -> int:
   from ray.train import RunConfig
   from tenplex_jax import ray as tray
   cluster, events = None, {}
-  if args.local_nodes:
-    from ray.cluster_utils import Cluster
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False})
-    for _ in range(args.local_nodes - 2):  # one more joins at --grow-at
-      cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, log_to_driver=True)
+  if args.local_nodes and args.share_nothing:
+    cluster = SharedNothingNodes(args.local_nodes - 1)  # one joins later
+    ray.init(address=cluster.address, _node_ip_address=cluster.head_ip,
+             log_to_driver=True)
+  elif args.local_nodes:
+    cluster = ProcessTreeNodes(args.local_nodes - 1)
+    ray.init(address=cluster.address, _node_ip_address=cluster.head_ip,
+             log_to_driver=True)
   else:
     ray.init(address=args.address)
   hi = args.max_workers or (args.local_nodes or 8)
@@ -291,7 +371,7 @@ def drive(args: argparse.Namespace) -> int:
         and "grow" not in events):
       events["grow"] = step
       print(f"driver: adding a node at step {step}", flush=True)
-      cluster.add_node(num_cpus=1)
+      cluster.add()
       if not job.auto:
         job.request_resize(n + 1)
     if (args.shrink_at and step >= args.shrink_at and "grow" in events
@@ -302,24 +382,44 @@ def drive(args: argparse.Namespace) -> int:
             f" {events['shrink']}", flush=True)
     if (cluster is not None and "shrink_gen" in events and gen >=
         events["shrink_gen"] and "removed" not in events):
-      idle = [x for x in cluster.worker_nodes
-              if x.node_id not in job.current["nodes"]]
+      idle = [x for x in cluster.workers() if x not in job.current["nodes"]]
       if idle:
-        tray.stop_store(job.job, idle[-1].node_id)
-        cluster.remove_node(idle[-1])
+        tray.stop_store(job.job, idle[-1])
+        cluster.remove(idle[-1])
         events["removed"] = step
         print(f"driver: removed an idle node at step {step}", flush=True)
+    if (cluster is not None and args.drain_at and step >= args.drain_at
+        and "drained" not in events):
+      busy = [x for x in cluster.workers() if x in job.current["nodes"]]
+      if busy:  # a preemption notice: Ray drains it, the job moves off
+        events["drained"], events["drain_gen"] = busy[-1], gen
+        events["t_drain"] = time.time()
+        tray.drain_node(busy[-1], deadline_s=args.drain_deadline)
+        print(f"driver: Ray drains a node at step {step} (deadline"
+              f" {args.drain_deadline:.0f} s)", flush=True)
+    if ("drained" in events and gen > events["drain_gen"]
+        and "replaced" not in events and cluster is not None):
+      # The job left it: the node goes, a fresh one takes its place (the
+      # job grows onto it by itself).
+      cluster.remove(events["drained"], kill=True)
+      events["replaced"] = cluster.add()
+      print(f"driver: the drained node is gone, a new one joined at step"
+            f" {step}", flush=True)
     if (cluster is not None and args.kill_at and step >= args.kill_at
         and "killed" not in events):
-      victim = [x for x in cluster.worker_nodes
-                if x.node_id in job.current["nodes"]]
+      victim = [x for x in cluster.workers() if x in job.current["nodes"]]
       if victim:
         events["killed"] = step
+        events["t_kill"] = time.time()
         print(f"driver: killing a node at step {step}", flush=True)
-        cluster.remove_node(victim[-1], allow_graceful=False)
+        cluster.remove(victim[-1], kill=True)
 
   job = f"example-{os.getpid()}"
-  tmp = tempfile.mkdtemp(prefix="tenplex-ray-example-")
+  # Share-nothing nodes see no /tmp of the driver: the logs for the check
+  # and the checkpoints go to a host directory standing for the shared
+  # file system a real cluster would mount.
+  tmp = tempfile.mkdtemp(prefix="tenplex-ray-example-", dir=(
+      "/var/tmp" if args.share_nothing else None))
   log_dir = args.log_dir or os.path.join(tmp, "logs")
   os.makedirs(log_dir, exist_ok=True)
   storage = args.storage_path or os.path.join(tmp, "ray_results")
@@ -347,13 +447,27 @@ def drive(args: argparse.Namespace) -> int:
             f" {g['start_step']}..{g.get('step', g['progress'])}, {how};"
             + (f" first step {first:.1f} s after the group's start"
                if first is not None else " no step"))
+    gens = result["generations"]
+    for what in ("drain", "kill"):
+      t = events.get(f"t_{what}")
+      after = [g for g in gens if t is not None and g.get("t0", 0) > t
+               and g.get("first_step_s") is not None]
+      if after:
+        g = after[0]
+        lost = (g.get("restored") or {}).get("report", {}).get("steps_lost")
+        print(f"{what}: {g['t0'] + g['first_step_s'] - t:.1f} s from the"
+              f" signal to the next group's first step (group"
+              f" {g['generation']}, restored from"
+              f" {(g.get('restored') or {}).get('source')}, {lost} steps"
+              " lost)")
     return 1 if check(log_dir, args.steps) else 0
   finally:
     ray.shutdown()
     if cluster is not None:
       cluster.shutdown()
-      # A killed node's store directory (all local nodes share /dev/shm).
-      shutil.rmtree(f"/dev/shm/tenplex-ray-{job}", ignore_errors=True)
+      if not args.share_nothing:  # a killed node's store directory (all
+        # process-tree nodes share /dev/shm; share-nothing ones took theirs)
+        shutil.rmtree(f"/dev/shm/tenplex-ray-{job}", ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -375,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="start a local cluster of N nodes (1 CPU each,"
                      " N >= 3; N - 1 at first, one joins at --grow-at),"
                      " torn down at the end")
+  p.add_argument("--share-nothing", action="store_true",
+                 help="with --local-nodes: each node in its own mount"
+                 " namespace with private /dev/shm, /tmp and working"
+                 " directory (root only; examples/ray/share_nothing.py)")
   p.add_argument("--workers", type=int, default=0,
                  help="a fixed worker count (default: follow the cluster,"
                  " 1 to --max-workers workers, one per CPU)")
@@ -391,7 +509,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--shrink-at", type=int, default=16,
                  help="step at which the job is asked to shrink by one worker"
                  " (then an idle local node is removed); 0: never")
-  p.add_argument("--kill-at", type=int, default=26,
+  p.add_argument("--drain-at", type=int, default=22,
+                 help="step at which Ray drains a local node running a"
+                 " worker (a preemption notice): the job saves and moves off"
+                 " it, then the node goes and a fresh one joins; 0: never")
+  p.add_argument("--drain-deadline", type=float, default=120.0,
+                 help="seconds the drained node has left")
+  p.add_argument("--kill-at", type=int, default=30,
                  help="step at which a local node running a worker is"
                  " killed without warning; 0: never")
   p.add_argument("--snapshot-every", type=int, default=4,
@@ -402,8 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                  help="an Orbax checkpoint to the Ray storage path every k"
                  " steps (the fallback when no store holds a snapshot);"
                  " 0: never")
-  p.add_argument("--storage-path", help="Ray RunConfig storage_path for the"
-                 " checkpoints (default: a temporary directory)")
+  p.add_argument("--storage", "--storage-path", dest="storage_path",
+                 help="Ray RunConfig storage_path for the checkpoints"
+                 " (default: a temporary directory; a file system every"
+                 " node mounts)")
   p.add_argument("--log-dir", help="where the workers log state digests and"
                  " batches for the final check (default: temporary)")
   p.add_argument("--sleep", type=float, default=0.2,
@@ -411,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   if args.local_nodes is not None and args.local_nodes < 3:
     p.error("--local-nodes needs N >= 3 (one joins and one is removed)")
+  if args.share_nothing and not args.local_nodes:
+    p.error("--share-nothing starts local nodes: give --local-nodes N")
   return drive(args)
 
 
