@@ -384,9 +384,10 @@ def layouts_main(args) -> None:
   try:
     if not os.path.isdir(ck):
       saved = _run(me + ["--role", "lsave", "--dir", ck], _child_env(8))
-    else:
+    else:  # --dir holding the checkpoint of an earlier run
       saved = {"state_bytes": None}
-    print(f"state {saved['state_bytes']} bytes, load {os.getloadavg()}")
+    print(f"state {saved['state_bytes'] or 'as saved before'} bytes,"
+          f" checkpoint {_du(ck)} bytes on disk, load {os.getloadavg()}")
     results = {"state_bytes": saved["state_bytes"], "disk_bytes": _du(ck),
                "layers": args.layers, "load_before": os.getloadavg(),
                "restore": {}}
