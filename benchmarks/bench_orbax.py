@@ -20,6 +20,27 @@ and saves it with stock Orbax (``CheckpointManager`` + ``StandardSave``) on
   interpreter's baseline, and GB/s against ``cp -r`` of the checkpoint.
 
 Writes benchmarks/bench_orbax_result.json and prints a table.
+
+  python benchmarks/bench_orbax.py --layouts [--layers 10] [--repeat 2]
+      [--seeds 0,1,2,3]
+
+Target layouts that cut the saved chunks. The checkpoint: per layer a
+(1024, 4096) f32 kernel, a 4096 f32 bias and a (4096, 1024) bf16 matrix,
+plus an (8192, 1024) f32 embedding and a (4096, 1024) int8 table, random
+values, every leaf row-sharded over 8 ``fsdp`` devices, saved by stock
+Orbax (``CheckpointManager`` + ``StandardSave``, OCDBT; 40 layers: 1 GiB,
+10: 276 MiB). Restored, each method in its own fresh process, interleaved,
+into: the saved layout (rows on 8 devices), columns on 4
+(``P(None, "tensor")``), 2-D blocks on 2x2, and one random layout per seed
+(a random subset of 1-16 devices in a random order, a 1- or 2-axis mesh,
+per leaf rows, columns, 2-D blocks or replicated). Methods: ``tenplex``
+(``tenplex_jax.orbax.restore``), ``per-piece`` (the same with
+``sources._GROUP_READS = False``: a tensorstore read per piece, which
+decodes a chunk once per new box that takes a part of it; the code before
+reads were grouped by chunk) and ``orbax`` (Orbax's own restore). Reports
+wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
+restore in the saved layout, and the worst and median ratio to Orbax over
+the random layouts. Writes benchmarks/bench_orbax_layouts_result.json.
 """
 
 from __future__ import annotations
@@ -229,6 +250,203 @@ def pages_main(args) -> None:
           f" s, wall {statistics.median(x['seconds'] for x in v):.2f} s")
 
 
+def _layout_save(args) -> None:
+  jax = _setup_jax(8)
+  import jax.numpy as jnp
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  s = NamedSharding(Mesh(np.array(jax.devices()), ("fsdp",)), P("fsdp"))
+  k = jax.random.key(0)
+  tree = {}
+  for i in range(args.layers):
+    k, a, b, c = jax.random.split(k, 4)
+    tree[f"layer{i}"] = {
+        "kernel": jax.random.normal(a, (1024, 4096), jnp.float32),
+        "bias": jax.random.normal(b, (4096,), jnp.float32),
+        "out": jax.random.normal(c, (4096, 1024), jnp.bfloat16)}
+  k, a = jax.random.split(k)
+  tree["embed"] = jax.random.normal(k, (8192, 1024), jnp.float32)
+  tree["table"] = jax.random.randint(a, (4096, 1024), -128, 127, jnp.int8)
+  tree = jax.device_put(tree, s)
+  with ocp.CheckpointManager(args.dir) as m:
+    m.save(1, args=ocp.args.StandardSave(tree))
+    m.wait_until_finished()
+  print(json.dumps({"state_bytes": sum(x.nbytes
+                                       for x in jax.tree.leaves(tree))}))
+
+
+def _layout_devices(kind: str) -> int:
+  if kind.startswith("random:"):
+    import random
+    return random.Random(int(kind[7:])).choice((1, 2, 3, 4, 6, 8, 12, 16))
+  return {"saved": 8, "cols4": 4, "blocks2x2": 4}[kind]
+
+
+def _layout_target(jax, kind: str, shapes: dict):
+  """``kind``'s target for the leaves ``shapes`` (name -> (shape, dtype)):
+  ``saved``, ``cols4``, ``blocks2x2`` or ``random:<seed>``."""
+  import random
+
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  n = _layout_devices(kind)
+  devs = jax.devices()[:n]
+  if kind == "saved":
+    mesh, pick = Mesh(np.array(devs), ("fsdp",)), lambda nd, _: P("fsdp")
+  elif kind == "cols4":
+    mesh = Mesh(np.array(devs), ("tensor",))
+    pick = lambda nd, _: P(*([None] * (nd - 1) + ["tensor"]))  # noqa: E731
+  elif kind == "blocks2x2":
+    mesh = Mesh(np.array(devs).reshape(2, 2), ("a", "b"))
+    pick = lambda nd, _: P("a", "b") if nd == 2 else P(("a", "b"))  # noqa
+  else:
+    rng = random.Random(int(kind[7:]))
+    devs = rng.sample(devs, n)
+    splits = [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0]
+    shape = rng.choice(splits)
+    names = ("a", "b")[:len(shape)]
+    mesh = Mesh(np.array(devs).reshape(shape), names)
+
+    def pick(nd, shp):
+      for _ in range(8):
+        c = rng.choice(("rows", "cols", "blocks", "replicated"))
+        if c == "replicated":
+          return P()
+        if c == "blocks" and nd == 2 and len(names) == 2:
+          spec = ("a", "b") if rng.random() < 0.5 else ("b", "a")
+        else:
+          ax = rng.choice(names + ((names,) if len(names) == 2 else ()))
+          spec = [None] * nd
+          spec[0 if c == "rows" or nd == 1 else nd - 1] = ax
+        ok = all(e is None or shp[i] % int(np.prod(
+            [mesh.shape[a] for a in (e if isinstance(e, tuple) else (e,))]))
+                 == 0 for i, e in enumerate(spec))
+        if ok:
+          return P(*spec)
+      return P()
+  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
+      mesh, pick(len(shape), shape))) for name, (shape, dtype) in
+          sorted(shapes.items())}
+
+
+def _layout_restore(args) -> None:
+  jax = _setup_jax(int(os.environ["BENCH_DEVICES"]))
+  import jax.numpy as jnp
+  import numpy as np
+  import tensorstore  # noqa: F401 - both methods use it: in the baseline
+  import orbax.checkpoint as ocp
+  import tenplex_jax.orbax as tor
+  from tenplex_jax import sources
+  from tenplex_jax.layout import PTC
+  info = tor.inspect(args.dir)["tensors"]
+  flat = _layout_target(jax, args.kind, {
+      k: (tuple(t["shape"]), jnp.dtype(t["dtype"])) for k, t in info.items()})
+  target: dict = {}
+  for k, v in flat.items():
+    *head, last = k.split("/")
+    d = target
+    for h in head:
+      d = d.setdefault(h, {})
+    d[last] = v
+  new_bytes = 0
+  for t in PTC.from_tree(target):
+    for box in dict.fromkeys(t.placement.boxes):
+      new_bytes += int(np.prod([b - a for a, b in box])) * t.itemsize
+  base = _rss()
+  t0 = time.perf_counter()
+  c0 = _cpu()
+  if args.method == "orbax":
+    with ocp.CheckpointManager(args.dir) as m:
+      out = m.restore(1, args=ocp.args.StandardRestore(target))
+  else:
+    sources._GROUP_READS = args.method == "tenplex"
+    out = tor.restore(args.dir, target)
+  jax.block_until_ready(out)
+  secs = time.perf_counter() - t0
+  cpu = _cpu() - c0
+  peak = _peak()
+  print(json.dumps({"seconds": secs, "cpu_seconds": cpu, "rise": peak - base,
+                    "new_shard_bytes": new_bytes,
+                    "ratio": (peak - base) / new_bytes}))
+
+
+def layouts_main(args) -> None:
+  """``--layouts``: restores into layouts that cut the saved chunks."""
+  work = args.dir or tempfile.mkdtemp(prefix="bench_orbax_layouts_",
+                                      dir="/tmp")
+  ck = os.path.join(work, "ckpt")
+  me = [sys.executable, os.path.abspath(__file__), "--layers",
+        str(args.layers)]
+  methods = ("tenplex", "per-piece", "orbax")
+  kinds = ["saved", "cols4", "blocks2x2"] + [
+      f"random:{s}" for s in args.seeds.split(",") if s]
+  try:
+    if not os.path.isdir(ck):
+      saved = _run(me + ["--role", "lsave", "--dir", ck], _child_env(8))
+    else:  # --dir holding the checkpoint of an earlier run
+      saved = {"state_bytes": None}
+    print(f"state {saved['state_bytes'] or 'as saved before'} bytes,"
+          f" checkpoint {_du(ck)} bytes on disk, load {os.getloadavg()}")
+    results = {"state_bytes": saved["state_bytes"], "disk_bytes": _du(ck),
+               "layers": args.layers, "load_before": os.getloadavg(),
+               "restore": {}}
+    for kind in kinds:
+      runs = {m: [] for m in methods}
+      for r in range(args.repeat):
+        for method in methods[::1 if r % 2 == 0 else -1]:
+          res = _run(me + ["--role", "lrestore", "--dir", ck, "--method",
+                           method, "--kind", kind],
+                     _child_env(max(8, _layout_devices(kind))))
+          runs[method].append(res)
+          print(f"{kind:10s} {method:9s} {res['seconds']:.2f} s (CPU"
+                f" {res['cpu_seconds']:.2f} s), peak RSS rise"
+                f" {res['ratio']:.2f}x the new shards", flush=True)
+      results["restore"][kind] = {
+          m: {"seconds": statistics.median(x["seconds"] for x in v),
+              "cpu_seconds": statistics.median(x["cpu_seconds"] for x in v),
+              "ratio": statistics.median(x["ratio"] for x in v), "runs": v}
+          for m, v in runs.items()}
+    res = results["restore"]
+    own = res["saved"]["tenplex"]
+    print(f"load {os.getloadavg()}")
+    print("layout     | tenplex s (CPU) | per-piece s (CPU) | orbax s (CPU) |"
+          " orbax/tenplex | tenplex/own saved | RSS rise x")
+    for kind, r in res.items():
+      t, p, o = r["tenplex"], r["per-piece"], r["orbax"]
+      r["speedup_vs_orbax"] = o["seconds"] / t["seconds"]
+      r["cpu_speedup_vs_orbax"] = o["cpu_seconds"] / t["cpu_seconds"]
+      r["vs_own_saved"] = t["seconds"] / own["seconds"]
+      r["cpu_vs_own_saved"] = t["cpu_seconds"] / own["cpu_seconds"]
+      print(f"{kind:10s} | {t['seconds']:.2f} ({t['cpu_seconds']:.2f}) |"
+            f" {p['seconds']:.2f} ({p['cpu_seconds']:.2f}) |"
+            f" {o['seconds']:.2f} ({o['cpu_seconds']:.2f}) |"
+            f" {r['speedup_vs_orbax']:.2f}x (CPU"
+            f" {r['cpu_speedup_vs_orbax']:.2f}x) | {r['vs_own_saved']:.2f}x"
+            f" (CPU {r['cpu_vs_own_saved']:.2f}x) | {t['ratio']:.2f}"
+            f" (orbax {o['ratio']:.2f})")
+    rand = [r for k, r in res.items() if k.startswith("random:")]
+    if rand:
+      for key in ("speedup_vs_orbax", "cpu_speedup_vs_orbax"):
+        v = [r[key] for r in rand]
+        results[f"random_{key}"] = {"worst": min(v),
+                                    "median": statistics.median(v)}
+      print(f"random layouts, orbax/tenplex: wall worst"
+            f" {results['random_speedup_vs_orbax']['worst']:.2f}x median"
+            f" {results['random_speedup_vs_orbax']['median']:.2f}x; CPU"
+            f" worst {results['random_cpu_speedup_vs_orbax']['worst']:.2f}x"
+            f" median"
+            f" {results['random_cpu_speedup_vs_orbax']['median']:.2f}x")
+    results["load_after"] = os.getloadavg()
+    results["machine"] = {"cpus": os.cpu_count()}
+    with open(os.path.join(HERE, "bench_orbax_layouts_result.json"),
+              "w") as f:
+      json.dump(results, f, indent=1)
+  finally:
+    if args.dir is None:
+      shutil.rmtree(work, ignore_errors=True)
+
+
 def _run(cmd, env, timeout=900) -> dict:
   p = subprocess.run(cmd, env=env, capture_output=True, text=True,
                      timeout=timeout)
@@ -250,6 +468,10 @@ def main() -> None:
   ap.add_argument("--limit", default="512MiB")
   ap.add_argument("--pages", action="store_true", help="only measure the"
                   " ways of faulting in 1.17 GiB of new host memory")
+  ap.add_argument("--layouts", action="store_true", help="restore into"
+                  " layouts that cut the saved chunks (see the docstring)")
+  ap.add_argument("--seeds", default="0,1,2,3", help="--layouts: seeds of"
+                  " the random layouts")
   ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--method", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--kind", default=None, help=argparse.SUPPRESS)
@@ -265,6 +487,12 @@ def main() -> None:
     return convert(args)
   if args.role == "pages":
     return pages(args)
+  if args.role == "lsave":
+    return _layout_save(args)
+  if args.role == "lrestore":
+    return _layout_restore(args)
+  if args.layouts:
+    return layouts_main(args)
   if args.pages:
     return pages_main(args)
   work = args.dir or tempfile.mkdtemp(prefix="bench_orbax_", dir="/tmp")

@@ -90,11 +90,16 @@ class Source(abc.ABC):
   Subclasses say which tensors (and which boxes of them) they hold and read
   a sub-box of one held box into a buffer. ``preference`` ranks sources of
   the same piece (lower is tried first): ``DEVICE`` < ``HOST`` < ``PEER`` <
-  ``REPLICA`` < ``PERSISTENT``.
+  ``REPLICA`` < ``PERSISTENT``. ``whole_boxes`` says that reading any part
+  of a held box costs reading all of it (compressed chunks).
   """
 
   name: str = "source"
   preference: int = PERSISTENT
+  # Reading any part of one of its boxes costs reading the whole box (a
+  # compressed or checksummed chunk): :func:`assemble` then reads the part
+  # of a box that this process's pieces cover once, and copies the pieces.
+  whole_boxes: bool = False
 
   @abc.abstractmethod
   def tensors(self) -> Mapping[str, SourceTensor]:
@@ -524,8 +529,12 @@ class AssembleReport:
     process_index: this process.
     n_tensors: tensors restored.
     new_shard_bytes: bytes of the distinct new boxes this process holds.
-    read_bytes: bytes read from the source (each piece once per process).
+    read_bytes: bytes of the pieces read from the source (each piece once
+      per process).
     pieces: pieces read.
+    reads: reads issued to the source: one per source box when the source
+      reads whole boxes (``Source.whole_boxes``: the pieces of one box are
+      read together, then copied), else one per piece.
     seconds: ``plan``, ``read``, ``build`` and ``total``.
   """
 
@@ -535,6 +544,7 @@ class AssembleReport:
   read_bytes: int
   pieces: int
   seconds: Mapping[str, float]
+  reads: int = 0
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -596,6 +606,10 @@ def _impl_name(dtype) -> str:
       return name
   return tag
 
+
+# False: every piece is its own read, as before source boxes were grouped
+# (kept for benchmarks/bench_orbax.py's before/after comparison).
+_GROUP_READS = True
 
 _OFFSET = 1 << 30  # source "devices" (its boxes) never look like new ones
 
@@ -664,7 +678,10 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   plan from the source's boxes to the target layout gives each distinct new
   box's pieces (a new box is read once per process, into one 64-byte
   aligned host buffer, even when several local devices hold it), and the
-  pieces are read straight into their place in that buffer. Buffers are
+  pieces are read straight into their place in that buffer; from a source
+  whose boxes are read whole (``Source.whole_boxes``: an Orbax checkpoint's
+  compressed chunks), the pieces one source box gives this process are
+  read together, that box decoded once, then copied into place. Buffers are
   allocated box by box while the previous boxes' reads run; reads overlap,
   with at most ``inflight_bytes`` of source boxes being decoded at once
   (but always two, so that two cores decode). The buffers then become the
@@ -718,42 +735,72 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   t1 = time.perf_counter()
   mine = {d.id for d in jax.local_devices()}
   bufs: dict[tuple[str, Box], np.ndarray] = {}
-  new_bytes = read = n = inflight = 0
+  new_bytes = read = n = inflight = reads = 0
   pending: collections.deque = collections.deque()
+  whole = _GROUP_READS and getattr(source, "whole_boxes", False)
+
+  def issue(path, box, out, cost, scatter=()):
+    nonlocal inflight, reads
+    while len(pending) >= 2 and inflight + cost > inflight_bytes:
+      retire()
+    pending.append((source.read_async(path, box, out), cost, out, scatter))
+    inflight += cost
+    reads += 1
+
+  def retire():
+    nonlocal inflight
+    f, c, tmp, scatter = pending.popleft()
+    f.result()
+    for index, view in scatter:  # one source box read, copied to its pieces
+      view[...] = tmp[index]
+    inflight -= c
+
   try:
     for t in dst:
       tpl, _ = the_plan.template(t.path)
       sbox = used[t.path]
       src_boxes = [b + tuple((0, e) for e in sbox.extra) for b in sbox.boxes]
       item = sbox.storage.itemsize
+      dtype = np.dtype(phys[t.path].dtype)
       rank = len(sbox.shape)  # pieces are read by their logical box
+      by_src: dict[int, list] = {}  # source box -> [(piece, view)]
       for bi, (dbox, holders) in enumerate(zip(t.placement.boxes,
                                                t.placement.holders)):
         if not any(h in mine for h in holders):
           continue
-        buf = host_buffer(tuple(b - a for a, b in dbox),
-                          np.dtype(phys[t.path].dtype))
+        buf = host_buffer(tuple(b - a for a, b in dbox), dtype)
         bufs[(t.path, dbox)] = buf
         new_bytes += buf.nbytes
         for piece, si in tpl.merges[bi]:
           view = buf[relative_index(piece, dbox)]
           if not view.size:
             continue
-          cost = box_volume(src_boxes[si]) * item
-          while len(pending) >= 2 and inflight + cost > inflight_bytes:
-            f, c = pending.popleft()
-            f.result()
-            inflight -= c
-          pending.append((source.read_async(t.path, piece[:rank], view),
-                          cost))
-          inflight += cost
           read += view.nbytes
           n += 1
+          if whole:  # issued once this tensor's boxes are known, below
+            by_src.setdefault(si, []).append((piece, view))
+          else:
+            issue(t.path, piece[:rank], view,
+                  box_volume(src_boxes[si]) * item)
+      for si, group in by_src.items():
+        cost = box_volume(src_boxes[si]) * item
+        if len(group) == 1:
+          piece, view = group[0]
+          issue(t.path, piece[:rank], view, cost)
+          continue
+        # Several pieces of this process's new boxes lie in one source box:
+        # read the part of it they cover once (a compressed chunk is decoded
+        # once, not once per piece), then copy each piece to its place.
+        ubox = tuple((min(p[k][0] for p, _ in group),
+                      max(p[k][1] for p, _ in group))
+                     for k in range(len(group[0][0])))
+        tmp = np.empty(tuple(b - a for a, b in ubox), dtype)
+        issue(t.path, ubox[:rank], tmp, cost,
+              [(relative_index(p, ubox), v) for p, v in group])
     while pending:
-      pending[0][0].result()
-      pending.popleft()
+      retire()
   finally:
-    for f, _ in pending:  # an error: let outstanding reads finish first
+    for f, _, _, _ in pending:  # an error: let outstanding reads finish first
       try:
         f.result()
       except Exception:  # noqa: BLE001 - the first error is raised
@@ -782,7 +829,7 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   t3 = time.perf_counter()
   return tree, AssembleReport(
       process_index=jax.process_index(), n_tensors=len(dst),
-      new_shard_bytes=new_bytes, read_bytes=read, pieces=n,
+      new_shard_bytes=new_bytes, read_bytes=read, pieces=n, reads=reads,
       seconds={"plan": t1 - t0, "read": t2 - t1, "build": t3 - t2,
                "total": t3 - t0})
 

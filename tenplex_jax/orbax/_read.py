@@ -272,6 +272,7 @@ class OrbaxSource(Source):
   """
 
   preference = PERSISTENT
+  whole_boxes = True  # a chunk is decoded whole, whatever part is read
 
   def __init__(self, path: str, *, step: int | None = None,
                item: str | None = None, cache_bytes: int = 0):
