@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import (AbstractMesh, Mesh, NamedSharding, PartitionSpec,
                           Sharding, SingleDeviceSharding)
@@ -659,6 +660,11 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
     if isinstance(leaf, jax.Array):  # a live array: its layout is the target
       leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                   sharding=leaf.sharding)
+    elif (isinstance(leaf, jax.sharding.Sharding) and hit is not None
+          and not str(saved[hit].dtype).startswith("key<")):
+      # A bare sharding (as jax.device_put takes): the saved shape and dtype.
+      leaf = jax.ShapeDtypeStruct(tuple(saved[hit].shape),
+                                  jnp.dtype(saved[hit].dtype), sharding=leaf)
     elif not (isinstance(leaf, jax.ShapeDtypeStruct)
               and leaf.sharding is not None):
       slots.append(Slot(i, name, leaf, hit, False))

@@ -614,7 +614,7 @@ def convert(src: str, dst: str, target: Any = None, *,
       rep = convert(src, os.path.join(tmp, "ck"), target,
                     memory_limit=memory_limit, mapping=mapping, step=step,
                     item=item, progress=progress, workers=workers,
-                    ocdbt=ocdbt)
+                    ocdbt=ocdbt, allow_unmatched=allow_unmatched, mesh=mesh)
       upload_tree(os.path.join(tmp, "ck"), dloc.target)
     rep["dst"] = dloc.target + rep["dst"][len(os.path.join(tmp, "ck")):]
     return rep
