@@ -682,11 +682,11 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   whose boxes are read whole (``Source.whole_boxes``: an Orbax checkpoint's
   compressed chunks), the pieces one source box gives this process are
   read together, that box decoded once, then copied into place. Buffers are
-  allocated box by box while the previous boxes' reads run; reads overlap,
-  with at most ``inflight_bytes`` of source boxes being decoded at once
-  (but always two, so that two cores decode). The buffers then become the
-  device buffers in one batched ``jax.device_put`` (CPU devices alias
-  them: no copy).
+  allocated box by box (leaf by leaf from such a source) while earlier
+  reads run; reads overlap, with at most ``inflight_bytes`` of source boxes
+  being decoded at once (but always two, so that two cores decode). The
+  buffers then become the device buffers in one batched ``jax.device_put``
+  (CPU devices alias them: no copy).
 
   Args:
     source: where the boxes come from.
