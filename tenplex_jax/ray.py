@@ -477,6 +477,11 @@ class Job:
     room = {x["NodeID"]: self.slots(x["Resources"])
             for x in _ray.nodes() if x["Alive"]}
     nodes = [x for x in nodes if room.get(x, 0) > 0] or nodes
+    fits = sum(room.get(x, 1) for x in nodes)
+    if self.auto and self.bounds[0] <= fits < n:
+      # Ray still lists a node killed moments ago, whose store did not
+      # answer: as many workers as the answering nodes hold.
+      n = fits
     slots = [x for r in range(max(room.get(x, 1) for x in nodes))
              for x in nodes if room.get(x, 1) > r]  # round robin
     placement = [slots[i % len(slots)] for i in range(n)]

@@ -1,4 +1,4 @@
-"""An elastic decoder LM on a Ray cluster with tenplex_jax.ray: grow, shrink, a node killed.
+"""An elastic decoder LM on a Ray cluster with tenplex_jax.ray: grow, shrink, a drain, a node killed.
 
   python examples/ray/train.py --local-nodes 3          # a local 3-node cluster
   python examples/ray/train.py --local-nodes 3 --share-nothing  # (root) nodes
@@ -338,8 +338,9 @@ class SharedNothingNodes:
     return list(self.nodes)
 
   def remove(self, node_id: str, kill: bool = False) -> None:
-    del kill  # a node that shares nothing leaves with everything it held
-    self.c.kill_node(self.nodes.pop(node_id))
+    # A node that shares nothing leaves with everything it held; a planned
+    # removal waits until Ray lists it dead (a kill leaves that to the job).
+    self.c.kill_node(self.nodes.pop(node_id), wait_dead=not kill)
 
   def shutdown(self) -> None:
     self.c.shutdown()
@@ -365,8 +366,15 @@ def drive(args: argparse.Namespace) -> int:
   hi = args.max_workers or (args.local_nodes or 8)
   workers = args.workers or (1, hi)  # (min, max): follows the cluster
 
+  # The events come in order, each once the previous one took effect (a
+  # node may take many steps to start on a loaded machine): grow, shrink
+  # (then the idle node goes), drain (then the drained node goes and a
+  # fresh one joins; the job grows onto it), kill.
   def on_progress(job, step):
     gen, n = len(job.generations), job.current["workers"]
+    events.setdefault("initial", n)
+    if "grow" in events and n > events["initial"]:
+      events.setdefault("grown", gen)
     if (cluster is not None and args.grow_at and step >= args.grow_at
         and "grow" not in events):
       events["grow"] = step
@@ -374,8 +382,8 @@ def drive(args: argparse.Namespace) -> int:
       cluster.add()
       if not job.auto:
         job.request_resize(n + 1)
-    if (args.shrink_at and step >= args.shrink_at and "grow" in events
-        and "shrink" not in events and gen > 0):
+    if (args.shrink_at and step >= args.shrink_at and "grown" in events
+        and "shrink" not in events):
       events["shrink"] = job.request_resize(max(1, n - 1))
       events["shrink_gen"] = gen + 1
       print(f"driver: shrinking to {max(1, n - 1)} workers at step"
@@ -389,7 +397,8 @@ def drive(args: argparse.Namespace) -> int:
         events["removed"] = step
         print(f"driver: removed an idle node at step {step}", flush=True)
     if (cluster is not None and args.drain_at and step >= args.drain_at
-        and "drained" not in events):
+        and "drained" not in events
+        and ("removed" in events or not args.shrink_at)):
       busy = [x for x in cluster.workers() if x in job.current["nodes"]]
       if busy:  # a preemption notice: Ray drains it, the job moves off
         events["drained"], events["drain_gen"] = busy[-1], gen
@@ -398,15 +407,18 @@ def drive(args: argparse.Namespace) -> int:
         print(f"driver: Ray drains a node at step {step} (deadline"
               f" {args.drain_deadline:.0f} s)", flush=True)
     if ("drained" in events and gen > events["drain_gen"]
+        and step > (job.generations[events["drain_gen"]].get("step") or 0)
         and "replaced" not in events and cluster is not None):
-      # The job left it: the node goes, a fresh one takes its place (the
-      # job grows onto it by itself).
+      # The job left it (the next group restored and ran a step): the node
+      # goes, a fresh one takes its place (the job grows onto it by
+      # itself).
       cluster.remove(events["drained"], kill=True)
       events["replaced"] = cluster.add()
       print(f"driver: the drained node is gone, a new one joined at step"
             f" {step}", flush=True)
     if (cluster is not None and args.kill_at and step >= args.kill_at
-        and "killed" not in events):
+        and "killed" not in events
+        and ("replaced" in events or not args.drain_at)):
       victim = [x for x in cluster.workers() if x in job.current["nodes"]]
       if victim:
         events["killed"] = step
@@ -448,6 +460,13 @@ def drive(args: argparse.Namespace) -> int:
             + (f" first step {first:.1f} s after the group's start"
                if first is not None else " no step"))
     gens = result["generations"]
+    if cluster is not None:
+      asked = [k for k, at in (("grow", args.grow_at), ("shrink",
+               args.shrink_at), ("drained", args.drain_at),
+               ("killed", args.kill_at)) if at]
+      missed = [k for k in asked if k not in events]
+      print("driver: every event of the schedule happened" if not missed
+            else f"driver: the job ended before {missed} (raise --steps)")
     for what in ("drain", "kill"):
       t = events.get(f"t_{what}")
       after = [g for g in gens if t is not None and g.get("t0", 0) > t
@@ -483,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
   where.add_argument("--address", help="an existing Ray cluster's address"
                      " (e.g. 'auto' or 'ray://host:10001'); the script must"
                      " exist at the same path on every node, and"
-                     " --storage-path and --log-dir must be on a file system"
+                     " --storage and --log-dir must be on a file system"
                      " every node mounts")
   where.add_argument("--local-nodes", type=int, metavar="N",
                      help="start a local cluster of N nodes (1 CPU each,"
@@ -502,20 +521,20 @@ def main(argv: list[str] | None = None) -> int:
                  help="each worker group's mesh: the model's logical axis"
                  " rules with all devices on 'data', or the configuration"
                  " search's choice for its device count (default)")
-  p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--steps", type=int, default=60)
   p.add_argument("--grow-at", type=int, default=8,
                  help="step at which a local node joins (the job grows onto"
                  " it by itself); 0: never")
   p.add_argument("--shrink-at", type=int, default=16,
                  help="step at which the job is asked to shrink by one worker"
                  " (then an idle local node is removed); 0: never")
-  p.add_argument("--drain-at", type=int, default=22,
+  p.add_argument("--drain-at", type=int, default=24,
                  help="step at which Ray drains a local node running a"
                  " worker (a preemption notice): the job saves and moves off"
                  " it, then the node goes and a fresh one joins; 0: never")
   p.add_argument("--drain-deadline", type=float, default=120.0,
                  help="seconds the drained node has left")
-  p.add_argument("--kill-at", type=int, default=30,
+  p.add_argument("--kill-at", type=int, default=36,
                  help="step at which a local node running a worker is"
                  " killed without warning; 0: never")
   p.add_argument("--snapshot-every", type=int, default=4,
