@@ -48,6 +48,7 @@ __all__ = ["Location", "OrbaxSource", "inspect", "locate"]
 
 _STEP_RE = re.compile(r"^(?:(.*)_)?(\d+)$")
 _TMP = ".orbax-checkpoint-tmp"
+_REMOTE_CACHE = 512 << 20  # decoded chunks kept when reading from a bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +258,9 @@ class OrbaxSource(Source):
     path: see :func:`locate`.
     step: the step of a manager directory (default: the newest).
     item: the item of a step (default: ``default`` or the only one).
-    cache_bytes: tensorstore's cache of decoded chunks (0: none).
+    cache_bytes: tensorstore's cache of decoded chunks (0: none; on object
+      storage 0 means 512 MiB, so that a chunk several new shards share is
+      fetched once, not once per shard).
 
   Example:
     >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
@@ -288,7 +291,8 @@ class OrbaxSource(Source):
     self._ctx = ts.Context({
         "file_io_concurrency": {"limit": 64},
         "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
-        "cache_pool": {"total_bytes_limit": int(cache_bytes)},
+        "cache_pool": {"total_bytes_limit": int(
+            cache_bytes or (_REMOTE_CACHE if self.fs is not _LOCAL else 0))},
         "cache_pool#ocdbt": {"total_bytes_limit": 32 << 20},
     })
     listed = [] if self.meta else self._list_params()
