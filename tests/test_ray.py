@@ -152,6 +152,7 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
     # the driver chose by itself (3 past the held step 1); request_resize(1)
     # caps it at 1 (3 past the grown group's held step).
     assert gens[0].get("auto_request", {}).get("workers") == 3, gens
+    assert "shrink" in events, (events, gens)
     grow, shrink = gens[0]["auto_request"]["step"], events["shrink"]
     assert events["added"] <= 1 and (grow, shrink) == (4, 8), events
     assert [(g["workers"], g["start_step"], g["outcome"]) for g in gens] == [
