@@ -23,26 +23,7 @@ from tenplex_jax.planner import Ring
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from plan_reference import reference_moves  # noqa: E402
-
-AXES = ("a", "b", "c")
-
-
-@st.composite
-def mesh_and_spec(draw, ndim):
-  n_axes = draw(st.integers(1, 3))
-  sizes = {AXES[i]: draw(st.sampled_from([1, 2, 3, 4])) for i in range(n_axes)}
-  names = list(sizes)
-  draw(st.randoms()).shuffle(names)
-  spec = []
-  for _ in range(ndim):
-    k = draw(st.integers(0, 2))
-    if k == 0 or not names:
-      spec.append(None)
-    elif k == 1 or len(names) < 2:
-      spec.append(names.pop())
-    else:
-      spec.append((names.pop(), names.pop()))
-  return sizes, tuple(spec), math.prod(sizes.values())
+from test_planner import mesh_and_spec  # noqa: E402  (the same random meshes)
 
 
 def _parts(mesh, spec, d):
