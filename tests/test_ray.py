@@ -88,7 +88,7 @@ def _nodes(c, k):
   while 1 + len(c.worker_nodes) < k:
     _add_node(c)
   while 1 + len(c.worker_nodes) > k:
-    c.remove_node(c.worker_nodes[-1])
+    c.remove_node(next(iter(c.worker_nodes)))  # a set in Ray
   c.pids += _pids(c)
 
 
