@@ -19,7 +19,7 @@ from tenplex_jax.planner import _grid, _split
 
 
 def reference_template(shape, itemsize, src, dst, process_of, path):
-  """The old ``_plan_template``, verbatim but for its return value."""
+  """The old ``plan_template``, verbatim but for its return value."""
   ndim = len(shape)
   grid = _grid(src.boxes, ndim)
   index_of = {b: i for i, b in enumerate(src.boxes)}

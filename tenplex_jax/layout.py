@@ -90,7 +90,7 @@ def relative_index(piece: Box, within: Box) -> tuple:
                for (p0, p1), (w0, _) in zip(piece, within)) + (Ellipsis,)
 
 
-def _slices_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
+def slices_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
   box = []
   for s, n in zip(index, shape):
     start, stop, step = s.indices(n)
@@ -212,7 +212,7 @@ def _placement_from_indices_map(indices: Mapping[Any, tuple],
                                 shape: tuple[int, ...]) -> Placement:
   by_box: dict[Box, list[int]] = {}
   for dev, index in indices.items():
-    by_box.setdefault(_slices_to_box(index, shape), []).append(dev.id)
+    by_box.setdefault(slices_to_box(index, shape), []).append(dev.id)
   items = sorted(by_box.items(), key=lambda kv: kv[0])
   return Placement(tuple(b for b, _ in items),
                    tuple(tuple(sorted(h)) for _, h in items))
@@ -328,7 +328,7 @@ class TensorLayout:
             "sharding": self.sharding}
 
 
-def _dtype_info(dtype) -> tuple[str, int]:
+def dtype_info(dtype) -> tuple[str, int]:
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return str(dtype), int(dtype.itemsize)
   dt = np.dtype(dtype)
@@ -338,14 +338,14 @@ def _dtype_info(dtype) -> tuple[str, int]:
 @functools.lru_cache(maxsize=4096)
 def _cached_placement(sharding: jax.sharding.Sharding,
                       shape: tuple[int, ...]) -> Placement:
-  fast = _placement_by_arithmetic(sharding, shape)
+  fast = placement_by_arithmetic(sharding, shape)
   if fast is not None:
     return fast
   return _placement_from_indices_map(sharding.devices_indices_map(shape), shape)
 
 
-def _placement_by_arithmetic(sharding: jax.sharding.Sharding,
-                             shape: tuple[int, ...]) -> Placement | None:
+def placement_by_arithmetic(sharding: jax.sharding.Sharding,
+                            shape: tuple[int, ...]) -> Placement | None:
   """The placement of a plain ``NamedSharding``, by index arithmetic.
 
   Four times faster on first use than going through ``devices_indices_map``
@@ -489,7 +489,7 @@ class PTC:
             " no sharding; give it sharding=...")
       shape = tuple(int(n) for n in leaf.shape)
       placement = placement_of(sharding, shape, name)
-      dtype, itemsize = _dtype_info(leaf.dtype)
+      dtype, itemsize = dtype_info(leaf.dtype)
       tensors.append(TensorLayout(name, shape, dtype, itemsize, placement,
                                   describe_sharding(sharding)))
       for dev in sharding.device_set:
@@ -560,13 +560,13 @@ def named_layout(
   shape = tuple(int(n) for n in shape)
   spec = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
   ids = None if device_ids is None else tuple(int(i) for i in device_ids)
-  placement = _named_placement(path, shape, tuple(
+  placement = named_placement(path, shape, tuple(
       (str(k), int(v)) for k, v in mesh_shape.items()), spec, ids)
-  name, itemsize = _dtype_info(dtype)
+  name, itemsize = dtype_info(dtype)
   return TensorLayout(path, shape, name, itemsize, placement, None)
 
 
-def _named_placement(path, shape, mesh_items, spec, device_ids) -> Placement:
+def named_placement(path, shape, mesh_items, spec, device_ids) -> Placement:
   try:
     return _named_placement_cached(shape, mesh_items, spec, device_ids)
   except LayoutError as e:

@@ -400,8 +400,8 @@ def _choose(merges, src: Placement, dst: Placement,
   return _Choices(merges, dst, sources, moved, local)
 
 
-def _plan_template(shape, itemsize, src: Placement, dst: Placement,
-                   process_of: dict[int, int], path: str) -> Template:
+def plan_template(shape, itemsize, src: Placement, dst: Placement,
+                  process_of: dict[int, int], path: str) -> Template:
   merges = _merges(shape, src, dst, path)
   return Template(tuple(shape), itemsize, merges,
                   _choose(merges, src, dst, process_of))

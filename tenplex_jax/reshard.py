@@ -41,10 +41,10 @@ from tenplex_jax._hostmem import collect_dropped_buffers, host_empty
 from tenplex_jax._problems import raise_problems
 from tenplex_jax._targets import match_targets
 from tenplex_jax.errors import LayoutError, ReshardError
-from tenplex_jax.layout import (PTC, _dtype_info, _placement_by_arithmetic,
+from tenplex_jax.layout import (PTC, dtype_info, placement_by_arithmetic,
                                 box_volume, intersect, key_path_name,
                                 placement_of, sharding_from_description)
-from tenplex_jax.planner import Plan, Template, _plan_template, fmt_bytes, plan
+from tenplex_jax.planner import Plan, Template, fmt_bytes, plan, plan_template
 
 __all__ = ["ReshardReport", "key_data_sharding", "reshard", "reshard_with_report",
            "resolve_targets"]
@@ -188,7 +188,7 @@ def resolve_targets(tree: Any, target: Any, *, mesh=None
         items.append((name, leaf, None))
         continue
       used.add(name)
-      dtype, _ = _dtype_info(leaf.dtype)
+      dtype, _ = dtype_info(leaf.dtype)
       if tuple(leaf.shape) != t.shape or dtype != t.dtype:
         problems.append(f"{name}: array is {dtype}{list(leaf.shape)}, target"
                         f" layout is {t.dtype}{list(t.shape)}")
@@ -942,13 +942,13 @@ def _unit_class(src: Sharding, dst: Sharding, ndim: int) -> _UnitClass | None:
   if p is None or q is None:
     return None
   units = tuple(math.lcm(a, b) for a, b in zip(p, q))
-  sp = _placement_by_arithmetic(src, units)
-  dp = _placement_by_arithmetic(dst, units)
+  sp = placement_by_arithmetic(src, units)
+  dp = placement_by_arithmetic(dst, units)
   if sp is None or dp is None:
     return None
   process_of = {d.id: d.process_index for d in (*src.device_set,
                                                  *dst.device_set)}
-  tpl = _plan_template(units, 1, sp, dp, process_of, "?")
+  tpl = plan_template(units, 1, sp, dp, process_of, "?")
   prog = _leaf_program("?", tpl, 0, sp, dp, dst, _addressable_ids(src),
                        cpu=True)
   src_of = sp.box_of_device

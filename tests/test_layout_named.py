@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from tenplex_jax.layout import _placement_by_arithmetic, _placement_from_indices_map
+from tenplex_jax.layout import (_placement_from_indices_map,
+                                 placement_by_arithmetic)
 
 DEVS = jax.devices()
 FACTORS = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2), (1, 8), (2, 1, 4),
@@ -52,7 +53,7 @@ def cases(draw):
 @given(cases())
 def test_arithmetic_placement_equals_jax(case):
   sharding, shape = case
-  fast = _placement_by_arithmetic(sharding, shape)
+  fast = placement_by_arithmetic(sharding, shape)
   assert fast is not None
   assert fast == jax_placement(sharding, shape)
 
@@ -63,9 +64,9 @@ def test_arithmetic_placement_equals_jax(case):
 ])
 def test_other_cases_take_jax_path(spec, shape):
   mesh = Mesh(np.array(DEVS[:4]), ("x",))
-  assert _placement_by_arithmetic(NamedSharding(mesh, spec), shape) is None
+  assert placement_by_arithmetic(NamedSharding(mesh, spec), shape) is None
 
 
 def test_single_device_sharding_takes_jax_path():
   s = jax.sharding.SingleDeviceSharding(DEVS[3])
-  assert _placement_by_arithmetic(s, (4, 4)) is None
+  assert placement_by_arithmetic(s, (4, 4)) is None

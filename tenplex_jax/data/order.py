@@ -26,7 +26,7 @@ def _check_nonneg_int(name: str, value: object) -> int:
   return int(value)
 
 
-def _check_pos_int(name: str, value: object) -> int:
+def check_pos_int(name: str, value: object) -> int:
   value = _check_nonneg_int(name, value)
   if value == 0:
     raise DataError(f"{name} must be >= 1, got 0")
@@ -138,8 +138,8 @@ def steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
     >>> steps_per_epoch(8, 4)
     2
   """
-  num_samples = _check_pos_int("num_samples", num_samples)
-  global_batch_size = _check_pos_int("global_batch_size", global_batch_size)
+  num_samples = check_pos_int("num_samples", num_samples)
+  global_batch_size = check_pos_int("global_batch_size", global_batch_size)
   return -(-num_samples // global_batch_size)
 
 
@@ -165,8 +165,8 @@ def shard_bounds(global_batch_size: int, shard_index: int,
     >>> [shard_bounds(10, i, 4) for i in range(4)]
     [(0, 3), (3, 6), (6, 8), (8, 10)]
   """
-  b = _check_pos_int("global_batch_size", global_batch_size)
-  n = _check_pos_int("shard_count", shard_count)
+  b = check_pos_int("global_batch_size", global_batch_size)
+  n = check_pos_int("shard_count", shard_count)
   i = _check_nonneg_int("shard_index", shard_index)
   if i >= n:
     raise DataError(

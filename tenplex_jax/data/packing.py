@@ -200,10 +200,10 @@ class PackedIterator:
                shuffle: bool = True, pad_id: int = 0, dtype: Any = np.int32,
                auto_commit: bool = True, fingerprint: str | None = None):
     num_samples = order.source_length(source)
-    self._seq_len = order._check_pos_int("seq_len", seq_len)
-    self._rows = order._check_pos_int("rows_per_batch", rows_per_batch)
+    self._seq_len = order.check_pos_int("seq_len", seq_len)
+    self._rows = order.check_pos_int("rows_per_batch", rows_per_batch)
     self._bounds = order.shard_bounds(self._rows, shard_index, shard_count)
-    self._max_open = order._check_pos_int(
+    self._max_open = order.check_pos_int(
         "max_open_rows", self._rows if max_open_rows is None else max_open_rows)
     order.epoch_seed_sequence(seed, 0)  # validates seed
     if num_epochs is not None and (not isinstance(num_epochs, int) or num_epochs < 0):

@@ -46,7 +46,7 @@ from tenplex_jax.errors import (LayoutError, TreeError, UnmatchedRuleWarning,
 from tenplex_jax.cloud import upload_tree
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
-                                _named_placement, box_volume,
+                                named_placement, box_volume,
                                 relative_index)
 from tenplex_jax.planner import plan
 from tenplex_jax.sources import Source, SourceTensor, source_layout
@@ -388,7 +388,7 @@ def layout_from_spec(spec: Mapping, tensors: Mapping[str, SourceTensor],
           d.get("kind") == "named" else ()
       axes = {a for e in ps if e for a in ((e,) if isinstance(e, str) else e)}
       pspec = ps if axes <= names else ()
-    placement = _named_placement(path, t.shape, mesh, pspec, ids)
+    placement = named_placement(path, t.shape, mesh, pspec, ids)
     desc = {"kind": "named", "axis_names": [a for a, _ in mesh],
             "mesh_shape": [v for _, v in mesh], "device_ids": list(ids),
             "axis_types": ["Auto"] * len(mesh),
@@ -607,7 +607,7 @@ def convert(src: str, dst: str, target: Any = None, *,
   """
   import tensorstore as ts
 
-  from tenplex_jax.orbax._read import OrbaxSource, _read_json
+  from tenplex_jax.orbax._read import OrbaxSource, read_json
   dloc = parse_location(dst)
   if dloc.kind == OBJECT:  # written here, then uploaded (markers last)
     with tempfile.TemporaryDirectory(prefix="tenplex-jax-convert-") as tmp:
@@ -632,8 +632,8 @@ def convert(src: str, dst: str, target: Any = None, *,
     held = source.tensors()
     saved = {}
     for e in base.entries:
-      from tenplex_jax.orbax._read import _describe
-      d = _describe(base.shardings.get(e.param),
+      from tenplex_jax.orbax._read import sharding_from_orbax
+      d = sharding_from_orbax(base.shardings.get(e.param),
                     len(held[e.name].shape) if e.name in held else None)
       if d:
         saved[e.name] = d
@@ -764,7 +764,7 @@ def convert(src: str, dst: str, target: Any = None, *,
     _write_metadata(tmp_item, held, chunks, names, new, params, base,
                     bool(mapping), ocdbt)
     if tmp_item != tmp:  # a manager step directory
-      ck = (_read_json(os.path.join(loc.step_dir, "_CHECKPOINT_METADATA"),
+      ck = (read_json(os.path.join(loc.step_dir, "_CHECKPOINT_METADATA"),
                        loc.files) if loc.step_dir else None) or {}
       now = time.time_ns()
       _dump(os.path.join(os.path.dirname(tmp_item), "_CHECKPOINT_METADATA"), {
@@ -788,7 +788,7 @@ def open_base(src: str, step: int | None, item: str | None,
   """The source of a conversion: an Orbax checkpoint, or a tenplex_jax store
   directory (a :class:`tenplex_jax.sources.StoreSource`, given the Orbax
   tree metadata a checkpoint would have)."""
-  from tenplex_jax.orbax._read import Location, OrbaxSource, _Entry
+  from tenplex_jax.orbax._read import Location, OrbaxSource, TreeEntry
   from tenplex_jax.sources import StoreSource
   from tenplex_jax.store.format import HostStore
   path = os.path.abspath(os.fspath(src))
@@ -808,12 +808,12 @@ def open_base(src: str, step: int | None, item: str | None,
     v = base.plain.get(p)
     vtype = ("jax.Array" if p not in base.plain else "np.ndarray"
              if isinstance(v, np.ndarray) else "scalar")
-    entries.append(_Entry(p, p.replace("/", "."), keys(p), vtype))
+    entries.append(TreeEntry(p, p.replace("/", "."), keys(p), vtype))
   for p, v in base.plain.items():
     if p in held:
       continue
     if v is None:
-      entries.append(_Entry(p, p.replace("/", "."), keys(p), "None"))
+      entries.append(TreeEntry(p, p.replace("/", "."), keys(p), "None"))
     else:
       bad.append(f"{p}: {type(v).__name__} {v!r}"[:80])
   if bad:
@@ -868,10 +868,10 @@ def _write_metadata(item, held, chunks, names, new, params, base, mapped,
         "chunk_shape": write_shape,
         "ext_metadata": {"random_key_impl": h.key_impl} if h.key_impl
         else None}})
-  from tenplex_jax.orbax._read import _ARRAY_TYPES
+  from tenplex_jax.orbax._read import ARRAY_TYPES
   raw = (base.meta or {}).get("tree_metadata") or {}
   for e in base.entries:  # empty nodes (None, empty optax states) stay
-    if e.value_type not in _ARRAY_TYPES:
+    if e.value_type not in ARRAY_TYPES:
       key = repr(tuple(k["key"] for k in e.keys))
       tree[key] = next((v for v in raw.values()
                         if v.get("key_metadata") == e.keys),

@@ -41,7 +41,7 @@ from tenplex_jax.cloud import Listing, kvstore_spec
 from tenplex_jax.errors import StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
-                                _named_placement)
+                                named_placement)
 from tenplex_jax.sources import PERSISTENT, Source, SourceTensor
 
 __all__ = ["Location", "OrbaxSource", "inspect", "locate"]
@@ -203,7 +203,7 @@ def locate(path: str, *, step: int | None = None,
                   path, fs)
 
 
-def _read_json(path: str, fs=None) -> Any:
+def read_json(path: str, fs=None) -> Any:
   fs = _LOCAL if fs is None else fs
   try:
     return json.loads(fs.read(path))
@@ -222,29 +222,29 @@ def _key_extra(impl: str) -> tuple[tuple[int, ...], str]:
 
 
 @dataclasses.dataclass
-class _Entry:
+class TreeEntry:
   name: str  # key path name, '/'-joined
   param: str  # Orbax's parameter name, '.'-joined
   keys: list  # [{"key": ..., "key_type": ...}] as in _METADATA
   value_type: str
 
 
-def _tree_entries(meta: Mapping | None, listed: list[str]) -> list[_Entry]:
+def _tree_entries(meta: Mapping | None, listed: list[str]) -> list[TreeEntry]:
   if meta and "tree_metadata" in meta:
     out = []
     for v in meta["tree_metadata"].values():
       keys = v.get("key_metadata") or []
       vm = v.get("value_metadata") or {}
       ks = [str(k["key"]) for k in keys]
-      out.append(_Entry("/".join(ks) or ".", ".".join(ks), keys,
+      out.append(TreeEntry("/".join(ks) or ".", ".".join(ks), keys,
                         str(vm.get("value_type"))))
     return out
-  return [_Entry(p.replace(".", "/"), p,
+  return [TreeEntry(p.replace(".", "/"), p,
                  [{"key": k, "key_type": 2} for k in p.split(".")],
                  "jax.Array") for p in listed]
 
 
-_ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
+ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
 
 class OrbaxSource(Source):
@@ -284,7 +284,7 @@ class OrbaxSource(Source):
     d = self.location.item
     self.fs = self.location.files or _LOCAL
     self.name = f"orbax:{d}"
-    self.meta = _read_json(os.path.join(d, "_METADATA"), self.fs)
+    self.meta = read_json(os.path.join(d, "_METADATA"), self.fs)
     self.ocdbt = bool(self.meta.get("use_ocdbt", True)) if self.meta \
         else self.fs.isfile(os.path.join(d, "manifest.ocdbt"))
     zarr3 = self.meta.get("use_zarr3") if self.meta else None
@@ -303,7 +303,7 @@ class OrbaxSource(Source):
     self._tensors: dict[str, SourceTensor] | None = None
     self._zarr3 = zarr3
     self.others = {e.name: e.value_type for e in self.entries
-                   if e.value_type not in _ARRAY_TYPES}
+                   if e.value_type not in ARRAY_TYPES}
 
   # -- metadata ------------------------------------------------------------
   def _kvstore(self, param: str | None) -> dict:
@@ -338,14 +338,14 @@ class OrbaxSource(Source):
     out = {}
     if self.fs.isdir(d):
       for n in sorted(self.fs.listdir(d)):
-        m = _read_json(os.path.join(d, n), self.fs) or {}
+        m = read_json(os.path.join(d, n), self.fs) or {}
         for a in m.get("array_metadatas", []):
           a = a.get("array_metadata", a)
           out.setdefault(a.get("param_name"), a)
     return out
 
   def _shardings(self) -> dict[str, dict]:
-    raw = _read_json(os.path.join(self.location.item, "_sharding"),
+    raw = read_json(os.path.join(self.location.item, "_sharding"),
                      self.fs) or {}
     out = {}
     for k, v in raw.items():
@@ -363,7 +363,7 @@ class OrbaxSource(Source):
 
   def _open_all(self) -> None:
     import tensorstore as ts
-    arrays = [e for e in self.entries if e.value_type in _ARRAY_TYPES]
+    arrays = [e for e in self.entries if e.value_type in ARRAY_TYPES]
     tries = [self._zarr3] if self._zarr3 is not None else [True, False]
     pending = {e.name: (e, [ts.open(self._spec(e.param, z), read=True,
                                     open=True, context=self._ctx)
@@ -384,7 +384,7 @@ class OrbaxSource(Source):
       tensors[name] = self._tensor(e, store)
     self._tensors = tensors
 
-  def _tensor(self, e: _Entry, store) -> SourceTensor:
+  def _tensor(self, e: TreeEntry, store) -> SourceTensor:
     shape = tuple(int(n) for n in store.shape)
     storage = np.dtype(store.dtype.numpy_dtype)
     ext = (self.array_meta.get(e.param) or {}).get("ext_metadata") or {}
@@ -444,7 +444,7 @@ class OrbaxSource(Source):
     out, devices = [], set()
     for name, t in self.tensors().items():
       param = next(e.param for e in self.entries if e.name == name)
-      desc = _describe(self.shardings.get(param), len(t.shape))
+      desc = sharding_from_orbax(self.shardings.get(param), len(t.shape))
       if desc is None:
         continue
       if desc["kind"] == "single":
@@ -452,7 +452,7 @@ class OrbaxSource(Source):
                               ((desc["device"],),))
       else:
         try:
-          placement = _named_placement(
+          placement = named_placement(
               name, t.shape, tuple(zip(desc["axis_names"], desc["mesh_shape"])),
               tuple(tuple(s) if isinstance(s, list) else s
                     for s in desc["spec"]), tuple(desc["device_ids"]))
@@ -475,7 +475,8 @@ def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[Box, ...]:
   return tuple(itertools.product(*ranges))
 
 
-def _describe(s: Mapping | None, ndim: int | None = None) -> dict | None:
+def sharding_from_orbax(s: Mapping | None, ndim: int | None = None
+                        ) -> dict | None:
   """Orbax's sharding JSON -> tenplex_jax's sharding description.
 
   ``ndim``: the logical rank; a PRNG key array's recorded spec (of its key
@@ -556,7 +557,7 @@ def inspect(path: str, *, step: int | None = None,
     tensors = {}
     for name, t in src.tensors().items():
       param = next(e.param for e in src.entries if e.name == name)
-      desc = _describe(src.shardings.get(param), len(t.shape))
+      desc = sharding_from_orbax(src.shardings.get(param), len(t.shape))
       chunk = [b - a for a, b in t.boxes[0]] if t.boxes else []
       tensors[name] = {
           "shape": list(t.shape), "dtype": t.dtype,
@@ -570,7 +571,7 @@ def inspect(path: str, *, step: int | None = None,
     if zarr is None and src._stores:
       zarr = 3 if next(iter(src._stores.values())).spec().to_json()[
           "driver"] == "zarr3" else 2
-    ck = _read_json(os.path.join(loc.step_dir or loc.item,
+    ck = read_json(os.path.join(loc.step_dir or loc.item,
                                  "_CHECKPOINT_METADATA"), src.fs) or {}
     return {
         "item": loc.item, "step": loc.step,

@@ -394,7 +394,7 @@ def estimate(model: ModelSpec, topo: Topology, work: Workload,
   }
 
 
-def _check_remat(remat: Sequence[str]) -> None:
+def check_remat(remat: Sequence[str]) -> None:
   bad = [x for x in remat if x not in REMAT_CHOICES]
   if bad or not remat:
     raise SearchError(f"remat choices must be a non-empty subset of {REMAT_CHOICES}, got {tuple(remat)}")

@@ -313,7 +313,7 @@ def search(model: ModelSpec | str, hardware: Topology | Hardware | str, *,
     True
   """
   start = time.perf_counter()
-  cost_lib._check_remat(remat)
+  cost_lib.check_remat(remat)
   model, topo = _resolve(model, hardware, devices, devices_per_host, seq_len)
   work = Workload(global_batch=global_batch, seq_len=model.seq_len,
                   param_bytes=param_bytes, grad_bytes=grad_bytes,
@@ -399,7 +399,7 @@ def evaluate(model: ModelSpec | str, hardware: Topology | Hardware | str, *,
     raise SearchError(
         f"global batch {global_batch} does not split over data*fsdp*microbatches ="
         f" {data}*{fsdp}*{microbatches}")
-  cost_lib._check_remat((remat,))
+  cost_lib.check_remat((remat,))
   work = Workload(global_batch=global_batch, seq_len=model.seq_len,
                   param_bytes=param_bytes, grad_bytes=grad_bytes,
                   optimizer_bytes=optimizer_bytes)

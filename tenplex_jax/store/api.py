@@ -38,7 +38,7 @@ from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
                                 UsageError)
 from tenplex_jax.plain import decode_plain, encode_plain
 from tenplex_jax.locations import LOCAL, OBJECT, PEER, parse_location
-from tenplex_jax.layout import (PTC, Box, Placement, _slices_to_box,
+from tenplex_jax.layout import (PTC, Box, Placement, slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
 from tenplex_jax.planner import plan
@@ -46,7 +46,7 @@ from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.sources import StoreCopy, fetch_pieces, place
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
-                                      _chunk_shape, _take_lock, check_step,
+                                      chunk_shape, take_lock, check_step,
                                       check_tensor_path, ensure_store_id,
                                       from_storage, gc, next_seq,
                                       prune_snapshots,
@@ -150,7 +150,7 @@ def _snapshot_items(tree):
       seen = set()
       boxes = []
       for shard in data.addressable_shards:
-        box = _slices_to_box(shard.index, leaf.shape)
+        box = slices_to_box(shard.index, leaf.shape)
         if box in seen:
           continue
         seen.add(box)
@@ -381,7 +381,7 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
   if loc.kind == PEER:
     src = HostStore(os.path.dirname(os.path.dirname(os.path.dirname(
         snapshot))))
-    m = src._snap_manifest(proc, snapshot)
+    m = src.snap_manifest(proc, snapshot)
     rid = round_id(m)
     tensors = {p: {k: t[k] for k in ("dtype", "itemsize", "shape",
                                      "key_impl")}
@@ -410,7 +410,7 @@ def replicate(snapshot: str, proc: int, dest: str, *, keep: int = 2
   name = os.path.basename(snapshot)
   uid = uuid.uuid4().hex[:8]
   lock = os.path.join(pdir, f".lock-{uid}")
-  fd = _take_lock(lock)  # gc leaves the staging copy alone meanwhile
+  fd = take_lock(lock)  # gc leaves the staging copy alone meanwhile
   try:
     staging = os.path.join(pdir, f".staging-{uid}")
     try:
@@ -927,7 +927,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     rows = None
     if held is not None and held:
       info = tinfo[path]
-      rows = _chunk_shape(tuple(b - a for a, b in held)
+      rows = chunk_shape(tuple(b - a for a, b in held)
                           + tuple(info["extra"]),
                           np.dtype(info["storage"]).itemsize)[0]
     for sub, view in _split_rows(box, dest, held, rows):

@@ -120,7 +120,7 @@ def _read(args) -> int:
   from tenplex_jax.store.format import check_tensor_path, parse_index
   st = _store_dir(args.dir, "store read")
   check_tensor_path(args.path)
-  entries = st._round_of(args.path, args.proc, args.step, None)
+  entries = st.round_of(args.path, args.proc, args.step, None)
   shape = entries[0][2]["shape"]
   try:
     box = parse_index(args.index, shape) if shape else ()

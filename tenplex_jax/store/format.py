@@ -470,7 +470,7 @@ def _quote(path: str) -> str:
   return "/".join(x or "%00" for x in out)
 
 
-def _chunk_shape(shape: tuple[int, ...], itemsize: int) -> list[int]:
+def chunk_shape(shape: tuple[int, ...], itemsize: int) -> list[int]:
   if not shape:
     return []
   row = max(1, math.prod(shape[1:]) * itemsize)
@@ -486,7 +486,7 @@ def _zarr_spec(path: str, shape: tuple[int, ...], storage: str,
       "metadata": {
           "shape": list(shape),
           "chunk_grid": {"name": "regular", "configuration": {
-              "chunk_shape": _chunk_shape(shape, itemsize)}},
+              "chunk_shape": chunk_shape(shape, itemsize)}},
           "data_type": storage,
           "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                      {"name": "crc32c"}],
@@ -498,7 +498,7 @@ def _zarr_metadata(shape: tuple[int, ...], storage: str,
                    itemsize: int) -> dict:
   """The ``zarr.json`` tensorstore writes for :func:`_zarr_spec`."""
   return {"chunk_grid": {"configuration": {
-              "chunk_shape": _chunk_shape(shape, itemsize)},
+              "chunk_shape": chunk_shape(shape, itemsize)},
                          "name": "regular"},
           "chunk_key_encoding": {"name": "default"},
           "codecs": [{"configuration": {"endian": "little"}, "name": "bytes"},
@@ -875,7 +875,7 @@ class SnapshotWriter:
                    len(self.reclaimed["removed"]))
     self.uid = uuid.uuid4().hex[:8]
     self.name = None  # known at commit (the sequence number may be drawn then)
-    self._lockfd = _take_lock(os.path.join(self.pdir, f".lock-{self.uid}"))
+    self._lockfd = take_lock(os.path.join(self.pdir, f".lock-{self.uid}"))
     self.staging = os.path.join(self.pdir, f".staging-{self.uid}")
     try:
       os.mkdir(self.staging, private.DIR_MODE)
@@ -1044,7 +1044,7 @@ def write_current(pdir: str, name: str, *, fsync: bool = False) -> None:
     _fsync_dir(pdir)
 
 
-def _take_lock(path: str) -> int:
+def take_lock(path: str) -> int:
   fd = os.open(path, os.O_RDWR | os.O_CREAT, private.FILE_MODE)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1417,7 +1417,7 @@ class HostStore:
     for n in self._names(proc):
       snap = os.path.join(pdir, n)
       try:
-        m = self._snap_manifest(proc, snap)
+        m = self.snap_manifest(proc, snap)
       except StoreError as e:
         if self._exists(snap):  # not deleted meanwhile by a new commit
           problems.append(str(e))
@@ -1466,7 +1466,7 @@ class HostStore:
           continue
         snap = os.path.join(pdir, n)
         try:
-          m = self._snap_manifest(proc, snap)
+          m = self.snap_manifest(proc, snap)
         except StoreError:
           continue
         if round_id(m) == round and (
@@ -1503,9 +1503,9 @@ class HostStore:
         self.require_store()
         raise StoreError(f"store {self.root} is empty")
       proc = procs[0]
-    return self._snap_manifest(proc, self.snapshot_dir(proc, step, round))
+    return self.snap_manifest(proc, self.snapshot_dir(proc, step, round))
 
-  def _snap_manifest(self, proc: int, snap: str) -> dict:
+  def snap_manifest(self, proc: int, snap: str) -> dict:
     with self._lock:
       m = self._snap_manifests.get(snap)
     if m is None:
@@ -1608,7 +1608,7 @@ class HostStore:
     if proc is None:
       proc = self._proc_holding(path, box, step, round)
     snap = self.snapshot_dir(proc, step, round)
-    m = self._snap_manifest(proc, snap)
+    m = self.snap_manifest(proc, snap)
     t = m["tensors"].get(path)
     if t is None:
       raise StoreError(f"store {self.root} (process {proc}) holds no tensor"
@@ -1755,8 +1755,8 @@ class HostStore:
     raise StoreError(f"store {self.root} holds no box of {path!r} containing"
                      f" {list(box)}")
 
-  def _round_of(self, path: str, proc: int | None, step: int | None,
-                round: str | None) -> list[tuple[int, str, dict]]:
+  def round_of(self, path: str, proc: int | None, step: int | None,
+               round: str | None) -> list[tuple[int, str, dict]]:
     """The snapshots to read ``path`` from: ``(proc, round id, tensor
     entry)`` of every process's snapshot of one round (given, else the
     newest round here that holds ``path``: by step, then save time)."""
@@ -1812,7 +1812,7 @@ class HostStore:
       StoreError: the store holds no such tensor, or the boxes it holds do
         not cover the range (names the boxes held and an element missing).
     """
-    entries = self._round_of(path, proc, step, round)
+    entries = self.round_of(path, proc, step, round)
     t = entries[0][2]
     box = parse_index(slice(None) if index is None else index, t["shape"]) \
         if t["shape"] else ()

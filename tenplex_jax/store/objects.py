@@ -276,7 +276,7 @@ def _prune(url: str, fs, base: str, proc: int, current: str,
 
   def run_of(n):
     try:
-      return st._snap_manifest(proc, f"{pdir}/{n}").get("run", "")
+      return st.snap_manifest(proc, f"{pdir}/{n}").get("run", "")
     except StoreError:
       return None
 
