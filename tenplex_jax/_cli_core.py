@@ -6,13 +6,16 @@ import argparse
 import json
 import pathlib
 
+import jax
+
 from tenplex_jax.errors import LayoutError, UsageError
+from tenplex_jax.layout import PTC
+from tenplex_jax.planner import plan
 
 
 def _read_ptc(path: str, flag: str):
   """The layout in the PTC JSON file ``path``; UsageError naming the flag,
   the file and what is wrong with it."""
-  from tenplex_jax.layout import PTC
 
   try:
     text = pathlib.Path(path).read_text()
@@ -30,7 +33,6 @@ def _read_ptc(path: str, flag: str):
 
 
 def _plan(args: argparse.Namespace) -> int:
-  from tenplex_jax.planner import plan
 
   src = _read_ptc(args.src, "--from")
   dst = _read_ptc(args.dst, "--to")
@@ -122,7 +124,6 @@ def _demo(args: argparse.Namespace) -> int:
       if v < 1 or v % dp:
         raise UsageError(f"demo: --deterministic {v}: the data degree {dp} of the"
                          f" phase at step {p.step} must divide it")
-  import jax
 
   try:
     jax.config.update("jax_num_cpu_devices", args.devices)

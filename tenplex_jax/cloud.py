@@ -25,6 +25,8 @@ import re
 import threading
 from typing import Any
 
+import fsspec
+
 from tenplex_jax.errors import LocationError, UsageError
 
 __all__ = ["COMMIT_MARKERS", "OBJECT_SCHEMES", "Listing", "filesystem",
@@ -91,7 +93,6 @@ _FS_LOCK = threading.Lock()
 def filesystem(scheme: str):
   """An fsspec file system for ``scheme`` in the current environment
   (listings are never cached: a store changes under its readers)."""
-  import fsspec
   key = (scheme, os.getpid()) + tuple(os.environ.get(k) for k in _ENV_KEYS)
   with _FS_LOCK:
     fs = _FILESYSTEMS.get(key)

@@ -30,6 +30,9 @@ import optax
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tenplex_jax import determinism
+from tenplex_jax.data import ElasticIterator
+from tenplex_jax.errors import UsageError
 from tenplex_jax.remesh import RemeshReport, remesh
 
 __all__ = ["DemoResult", "LM_SCHEDULE", "LMDemoResult",
@@ -135,7 +138,6 @@ def deterministic_train_step(mesh: Mesh, virtual_workers: int):
   are summed in one fixed order, so the step gives the same bits on every
   mesh whose ``data`` axis divides ``virtual_workers``.
   """
-  from tenplex_jax import determinism
 
   model = MLP()
 
@@ -182,7 +184,6 @@ def run(schedule: Sequence[Phase] = default_schedule(), *, steps: int = 40,
   old iterators and given to new ones with the new shard count: the global
   batch of every step is the same whatever the device count.
   """
-  from tenplex_jax.data import ElasticIterator
 
   x_all, y_all = make_dataset(seed=seed)
   source = [{"x": x, "y": y} for x, y in zip(x_all, y_all)]
@@ -267,7 +268,6 @@ def load_lm_trainer():
   Raises:
     UsageError: the checkout's ``examples/lm`` is not there.
   """
-  from tenplex_jax.errors import UsageError
   if _LM_MODULE in sys.modules:
     return sys.modules[_LM_MODULE]
   if not (_LM_DIR / "train.py").is_file():
@@ -337,7 +337,6 @@ def run_lm(schedule: str = LM_SCHEDULE, *, steps: int = 24,
     >>> r.max_abs_loss_diff < 1e-5  # doctest: +SKIP
     True
   """
-  import numpy as np
   lm = load_lm_trainer()
   phases = lm.configs.parse(schedule)
   cfg = lm.configs.TINY

@@ -55,8 +55,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax import determinism
+from tenplex_jax.data import ElasticIterator
 from tenplex_jax.errors import LayoutError, SearchError, UsageError
 from tenplex_jax.layout import key_path_name
+from tenplex_jax.remesh import remesh
+from tenplex_jax.search import hardware_preset, search
+from tenplex_jax.search.hardware import Hardware
 
 __all__ = [
     "JOB_AXIS", "Placement", "PlacementReport", "RepackReport", "add", "hparams",
@@ -450,7 +454,6 @@ def job_iterators(source: Any, *, seeds: Sequence[int], global_batch_size: int,
     >>> next_batches(its)["data"].shape
     (2, 4)
   """
-  from tenplex_jax.data import ElasticIterator
   return [ElasticIterator(source, global_batch_size=global_batch_size, seed=s,
                           **kwargs) for s in seeds]
 
@@ -846,7 +849,6 @@ def resize(state: Any, mesh: Mesh, *, method: str = "auto") -> tuple[Any, Any]:
     >>> rep.moved_bytes, s["w"].sharding.spec
     (48, P('job',))
   """
-  from tenplex_jax.remesh import remesh
   return remesh(state, mesh, method=method)
 
 
@@ -975,8 +977,6 @@ def placement_search(model: Any, *, jobs: int, devices: int, batch: int,
     >>> rep.best.job
     8
   """
-  from tenplex_jax.search import hardware_preset, search
-  from tenplex_jax.search.hardware import Hardware
   hw = hardware if isinstance(hardware, Hardware) else hardware_preset(hardware)
   alts, rejected = [], []
   for j in range(1, devices + 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["decode_plain", "encode_plain"]
@@ -49,7 +50,6 @@ def decode_plain(v: Any) -> Any:
   ((1+2j), 'x')
   """
   if isinstance(v, dict) and "__ndarray__" in v:
-    import jax.numpy as jnp  # ml_dtypes' names (bfloat16) resolve through it
     a = np.frombuffer(base64.b64decode(v["__ndarray__"]),
                       dtype=jnp.dtype(v["dtype"])).reshape(v["shape"]).copy()
     return a[()] if v.get("scalar") else a

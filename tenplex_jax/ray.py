@@ -77,7 +77,6 @@ checkpoints in its Ray storage; ``train.py`` is a script written for
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import runpy
@@ -99,6 +98,7 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
                     " 'tenplex_jax[ray]'") from e
 
 from tenplex_jax.errors import StoreError, UsageError
+from tenplex_jax.locations import LOCAL, parse_location
 from tenplex_jax.store import private
 from tenplex_jax.store.launch import (
     CA_ENV,
@@ -106,12 +106,14 @@ from tenplex_jax.store.launch import (
     check_tls_options,
     ResizeExit,
     initialize,
+    last_restore,
     resize_due,
     restore_or_init,
     save_and_exit,
     save_snapshot,
     set_resize_source,
 )
+from tenplex_jax.store.server import make_server
 
 __all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
            "drain_node", "draining_nodes", "initialize", "resize_due",
@@ -134,8 +136,7 @@ def _resize_due(step: int) -> int | None:
     _ctrl["handle"] = _ray.get_actor(os.environ["TENPLEX_RAY_CONTROLLER"],
                                      namespace=NAMESPACE)
     # What this group restored, known to the driver even if it fails later.
-    restored = dict(importlib.import_module(
-        "tenplex_jax.store.launch").last_restore)
+    restored = dict(last_restore)
   return _ray.get(_ctrl["handle"].poll.remote(
       int(os.environ["TENPLEX_PROC_ID"]), int(step), restored))
 
@@ -151,7 +152,6 @@ class _StoreActor:
   ``tls`` (certificate, key: paths on that node)."""
 
   def __init__(self, root: str, tls: tuple[str, str] | None = None):
-    from tenplex_jax.store.server import make_server
     self.root = root
     private.check_dir(root)  # e.g. a tenplex-ray-JOB another user made first
     private.makedirs(root)
@@ -253,8 +253,7 @@ class _Worker:
           jax.distributed.shutdown()
         except Exception:  # noqa: BLE001 - already down or never up
           pass
-    launch = importlib.import_module("tenplex_jax.store.launch")
-    out["restored"] = dict(launch.last_restore)
+    out["restored"] = dict(last_restore)
     return out
 
 
@@ -616,7 +615,6 @@ def checkpoint_dir(run_config: Any, job: str) -> str:
     >>> checkpoint_dir(RunConfig(storage_path="/mnt/ckpt", name="lm"), "j")
     '/mnt/ckpt/lm'
   """
-  from tenplex_jax.locations import LOCAL, parse_location
   path = getattr(run_config, "storage_path", None) or "~/ray_results"
   loc = parse_location(str(path))  # an unknown scheme: UsageError
   if loc.kind != LOCAL:

@@ -50,6 +50,7 @@ from tenplex_jax._targets import (MISMATCH, context_mesh, is_box, per_leaf,
 from tenplex_jax.errors import LayoutError, ReplicationWarning
 from tenplex_jax.layout import key_path_name
 from tenplex_jax.reshard import ReshardReport, reshard_items, resolve_targets
+from tenplex_jax.search import best_mesh_for
 
 __all__ = ["Fallback", "RemeshReport", "remesh", "target_shardings"]
 
@@ -364,7 +365,6 @@ def _search_mesh(state, logical_axes, devices, *, global_batch, seq_len,
   """
   import flax.linen as nn
 
-  from tenplex_jax.search import best_mesh_for
 
   if global_batch is None:
     raise TypeError("remesh(devices=...) needs global_batch= for the"

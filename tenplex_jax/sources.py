@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import concurrent.futures as cf
 import dataclasses
 import math
 import mmap
@@ -34,6 +35,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tenplex_jax._targets import match_saved, raise_tree_problems
@@ -224,7 +226,6 @@ class StoreSource(Source):
       if i.get("key_impl"):
         storage = np.dtype(i["storage"])
       else:
-        import jax.numpy as jnp
         storage = np.dtype(jnp.dtype(i["dtype"]))
       self._tensors[t.path] = SourceTensor(
           t.path, tuple(t.shape), i["dtype"], storage, tuple(i["extra"]),
@@ -412,7 +413,6 @@ def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
     >>> served[0][0].name, out.tolist(), errs
     ('zeros', [0.0, 0.0, 0.0], ['disk on fire'])
   """
-  import concurrent.futures as cf
 
   dead = set() if dead is None else dead
 

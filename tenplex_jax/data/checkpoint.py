@@ -26,6 +26,7 @@ import json
 import re
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -35,7 +36,6 @@ _FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 
 
 def _process_index_and_count() -> tuple[int, int]:
-  import jax  # noqa: PLC0415 - the process info only
   return jax.process_index(), jax.process_count()
 
 

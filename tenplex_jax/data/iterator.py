@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from tenplex_jax.data import order
@@ -174,7 +175,6 @@ class ElasticIterator:
       >>> (it.shard_index, it.shard_count)
       (0, 1)
     """
-    import jax  # only this entry point needs jax's process info
     return cls(source, shard_index=jax.process_index(), shard_count=jax.process_count(),
                **kwargs)
 

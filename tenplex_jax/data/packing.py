@@ -43,6 +43,7 @@ import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from tenplex_jax.data import order
@@ -245,7 +246,6 @@ class PackedIterator:
       >>> (it.shard_index, it.shard_count)
       (0, 1)
     """
-    import jax  # noqa: PLC0415 - only this entry point needs jax's process info
     return cls(source, shard_index=jax.process_index(), shard_count=jax.process_count(),
                **kwargs)
 

@@ -19,6 +19,7 @@ always imported absolutely (``import orbax.checkpoint``).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tenplex_jax.orbax._convert import (MappedSource, convert, scan_mapping,
@@ -128,7 +129,6 @@ def save(tree: Any, path: str, *, step: int | None = None) -> str:
     >>> inspect(d)["step"]
     4
   """
-  import os
 
   import orbax.checkpoint as ocp
   path = os.path.abspath(path)

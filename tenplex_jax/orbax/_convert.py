@@ -24,6 +24,7 @@ import base64
 import dataclasses
 import collections
 import concurrent.futures as cf
+import itertools
 import json
 import math
 import os
@@ -36,7 +37,11 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
+import tensorstore as ts
+from rich.progress import (BarColumn, DownloadColumn, Progress,
+                           TimeRemainingColumn, TransferSpeedColumn)
 
 from tenplex_jax._problems import Problem
 from tenplex_jax._targets import (leaf_kind, match_layout, match_saved,
@@ -48,6 +53,9 @@ from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
                                 named_placement, box_volume,
                                 relative_index)
+from tenplex_jax.orbax._read import (ARRAY_TYPES, Location, OrbaxSource,
+                                     TreeEntry, read_json,
+                                     sharding_from_orbax)
 from tenplex_jax.planner import plan
 from tenplex_jax.sources import Source, SourceTensor, source_layout
 
@@ -434,7 +442,6 @@ def _target_ptc(target, tensors, saved, *, allow_unmatched: bool = False,
     return PTC(tuple(dataclasses.replace(t, path=paths[t.path])
                      if paths[t.path] != t.path else t for t in target),
                target.processes)
-  import jax
   _, _, slots, problems = match_saved(target, tensors, where="the source",
                                       mesh=mesh)
   if not any(x.array for x in slots) and not problems:
@@ -479,7 +486,6 @@ def _chunk_shape(boxes: Sequence[Box], shape: tuple[int, ...],
 
 
 def _grid(shape, chunk) -> list[Box]:
-  import itertools
   return list(itertools.product(*[
       [(a, min(a + c, n)) for a in range(0, n, c)] or [(0, 0)]
       for n, c in zip(shape, chunk)]))
@@ -605,9 +611,7 @@ def convert(src: str, dst: str, target: Any = None, *,
     >>> rep["bytes"], w["chunk_shape"], w["spec"]
     (128, [8, 2], 'P(None, tensor) on tensor=2')
   """
-  import tensorstore as ts
 
-  from tenplex_jax.orbax._read import OrbaxSource, read_json
   dloc = parse_location(dst)
   if dloc.kind == OBJECT:  # written here, then uploaded (markers last)
     with tempfile.TemporaryDirectory(prefix="tenplex-jax-convert-") as tmp:
@@ -632,7 +636,6 @@ def convert(src: str, dst: str, target: Any = None, *,
     held = source.tensors()
     saved = {}
     for e in base.entries:
-      from tenplex_jax.orbax._read import sharding_from_orbax
       d = sharding_from_orbax(base.shardings.get(e.param),
                     len(held[e.name].shape) if e.name in held else None)
       if d:
@@ -715,8 +718,6 @@ def convert(src: str, dst: str, target: Any = None, *,
     done = [0]
     bar = None
     if show:
-      from rich.progress import (BarColumn, DownloadColumn, Progress,
-                                 TimeRemainingColumn, TransferSpeedColumn)
       bar = Progress("[progress.description]{task.description}", BarColumn(),
                      DownloadColumn(binary_units=True), TransferSpeedColumn(),
                      TimeRemainingColumn(), transient=False)
@@ -788,7 +789,6 @@ def open_base(src: str, step: int | None, item: str | None,
   """The source of a conversion: an Orbax checkpoint, or a tenplex_jax store
   directory (a :class:`tenplex_jax.sources.StoreSource`, given the Orbax
   tree metadata a checkpoint would have)."""
-  from tenplex_jax.orbax._read import Location, OrbaxSource, TreeEntry
   from tenplex_jax.sources import StoreSource
   from tenplex_jax.store.format import HostStore
   path = os.path.abspath(os.fspath(src))
@@ -868,7 +868,6 @@ def _write_metadata(item, held, chunks, names, new, params, base, mapped,
         "chunk_shape": write_shape,
         "ext_metadata": {"random_key_impl": h.key_impl} if h.key_impl
         else None}})
-  from tenplex_jax.orbax._read import ARRAY_TYPES
   raw = (base.meta or {}).get("tree_metadata") or {}
   for e in base.entries:  # empty nodes (None, empty optax states) stay
     if e.value_type not in ARRAY_TYPES:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -35,7 +36,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
+import tensorstore as ts
 
 from tenplex_jax.cloud import Listing, kvstore_spec
 from tenplex_jax.errors import StoreError, UsageError
@@ -216,7 +219,6 @@ def read_json(path: str, fs=None) -> Any:
 
 
 def _key_extra(impl: str) -> tuple[tuple[int, ...], str]:
-  import jax
   k = jax.random.key(0, impl=impl)
   return tuple(jax.random.key_data(k).shape), str(k.dtype)
 
@@ -279,7 +281,6 @@ class OrbaxSource(Source):
 
   def __init__(self, path: str, *, step: int | None = None,
                item: str | None = None, cache_bytes: int = 0):
-    import tensorstore as ts
     self.location = locate(path, step=step, item=item)
     d = self.location.item
     self.fs = self.location.files or _LOCAL
@@ -321,7 +322,6 @@ class OrbaxSource(Source):
     return {"driver": "file", "path": f"{d}/" + (f"{param}/" if param else "")}
 
   def _list_params(self) -> list[str]:
-    import tensorstore as ts
     if self.ocdbt:
       kv = ts.KvStore.open(self._kvstore(None), context=self._ctx).result()
       keys = [k.decode() for k in kv.list().result()]
@@ -362,7 +362,6 @@ class OrbaxSource(Source):
             "recheck_cached_data": False, "recheck_cached_metadata": False}
 
   def _open_all(self) -> None:
-    import tensorstore as ts
     arrays = [e for e in self.entries if e.value_type in ARRAY_TYPES]
     tries = [self._zarr3] if self._zarr3 is not None else [True, False]
     pending = {e.name: (e, [ts.open(self._spec(e.param, z), read=True,
@@ -424,7 +423,6 @@ class OrbaxSource(Source):
     return store
 
   def read_async(self, path: str, box: Box, out: np.ndarray):
-    import tensorstore as ts
     src = self._view(path, box, out.dtype)
     return ts.array(out, copy=False, write=True).write(src)
 
@@ -468,7 +466,6 @@ class OrbaxSource(Source):
 
 
 def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[Box, ...]:
-  import itertools
   ranges = []
   for n, c in zip(shape, chunk):
     ranges.append([(a, min(a + c, n)) for a in range(0, n, c)] or [(0, 0)])

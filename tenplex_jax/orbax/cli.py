@@ -10,6 +10,9 @@ import sys
 import warnings
 
 from tenplex_jax.errors import UnmatchedRuleWarning, UsageError
+from tenplex_jax.orbax import (convert, inspect, scan_mapping,
+                               unscan_mapping)
+from tenplex_jax.orbax._convert import open_base
 
 __all__ = ["register"]
 
@@ -23,7 +26,6 @@ def _size(n: float) -> str:
 
 
 def _inspect(args) -> int:
-  from tenplex_jax.orbax import inspect
   info = inspect(args.path, step=args.step, item=args.item)
   if args.json:
     print(json.dumps(info, indent=1))
@@ -45,7 +47,6 @@ def _inspect(args) -> int:
 
 
 def _convert(args) -> int:
-  from tenplex_jax.orbax import convert
   layout = None  # the saved layout
   if args.layout:
     try:
@@ -59,8 +60,6 @@ def _convert(args) -> int:
     except (OSError, ValueError) as e:
       raise UsageError(f"--map {args.map}: {e}") from e
   if args.scan or args.unscan:
-    from tenplex_jax.orbax import scan_mapping, unscan_mapping
-    from tenplex_jax.orbax._convert import open_base
     with open_base(args.src, args.step, args.item, 0) as src:
       held = src.tensors()
       mapping = dict(mapping or {})

@@ -9,6 +9,9 @@ import argparse
 import json
 import sys
 
+from rich.console import Console
+from rich.table import Table
+
 from tenplex_jax.errors import SearchError, UsageError
 from tenplex_jax.search.hardware import HARDWARE_PRESETS
 from tenplex_jax.search.model import MODEL_PRESETS
@@ -86,8 +89,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(res: SearchResult, top: int) -> None:
-  from rich.console import Console
-  from rich.table import Table
 
   topo = res.topology
   table = Table(title=(

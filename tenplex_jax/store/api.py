@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax._problems import Problem
@@ -44,6 +45,7 @@ from tenplex_jax.layout import (PTC, Box, Placement, slices_to_box,
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.sources import StoreCopy, fetch_pieces, place
+from tenplex_jax.store import checkpoint as ckpt
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       chunk_shape, take_lock, check_step,
@@ -713,7 +715,6 @@ class _Fallback(Exception):
 def _vote(mine: int) -> int:
   """The largest of every process's ``mine`` (0 ok, 1 checkpoint, 2 error),
   so that all processes take the same path (Orbax restores collectively)."""
-  from jax.experimental import multihost_utils
   votes = multihost_utils.process_allgather(np.array([mine], np.int32))
   return int(np.max(votes))
 
@@ -824,7 +825,6 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     raise _Fallback(reason[0], reason[1], reason[2], fallbacks, dead)
   step = st
   if step < newest:
-    from tenplex_jax.store import checkpoint as ckpt
     ck = ckpt.latest_step(checkpoint) if checkpoint else None
     if ck is not None and ck > step:  # the checkpoint is newer: use it
       raise _Fallback(reason[0] + f"; checkpoint step {ck} is newer than"
@@ -1070,7 +1070,6 @@ def _from_checkpoint(checkpoint, target, fb: _Fallback, t0, locations):
   if not checkpoint:
     raise NoCopyError(f"cannot restore from stores {list(locations)}{dead}:"
                       f" {fb.why}; no checkpoint= to fall back to")
-  from tenplex_jax.store import checkpoint as ckpt
   try:
     tree, ck_step = ckpt.restore_checkpoint(checkpoint, target)
   except NoCopyError as e:

@@ -9,9 +9,17 @@ arrays; non-array leaves go through Orbax's own handling.
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
 import jax
+
+from tenplex_jax.cloud import upload_tree
+from tenplex_jax.errors import NoCopyError, UsageError
+from tenplex_jax.locations import LOCAL, OBJECT, parse_location
+from tenplex_jax.orbax import locate
+from tenplex_jax.orbax import restore as orbax_restore
+from tenplex_jax.store import private
 
 __all__ = ["latest_step", "restore_checkpoint", "save_checkpoint"]
 
@@ -50,9 +58,6 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
     5
   """
   import orbax.checkpoint as ocp
-
-  from tenplex_jax.errors import UsageError
-  from tenplex_jax.locations import LOCAL, OBJECT, parse_location
   loc = parse_location(directory)
   name = f"step_{int(step):010d}"
   if loc.kind == OBJECT:
@@ -64,9 +69,6 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
                        " on object storage is written from one process; a"
                        " multi-process job saves to s3:// or gs:// with"
                        " tenplex_jax.store.save (each process its shards)")
-    import tempfile
-
-    from tenplex_jax.cloud import upload_tree
     with tempfile.TemporaryDirectory(prefix="tenplex-jax-ckpt-") as tmp:
       save_checkpoint(tmp, tree, step)
       upload_tree(os.path.join(tmp, name), f"{loc.target}/{name}")
@@ -74,7 +76,6 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
   if loc.kind != LOCAL:
     raise UsageError(f"save_checkpoint({directory!r}): a directory, s3:// or"
                      " gs://, not a store server")
-  from tenplex_jax.store import private
   path = os.path.join(os.path.abspath(loc.target), name)
   # Orbax and tensorstore create the files inside with their default modes;
   # the directories made here are 0700, so other users cannot reach them.
@@ -95,8 +96,6 @@ def latest_step(directory: str) -> int | None:
   writes them), a step directory, or an item directory (step 0 when no step
   is recorded).
   """
-  from tenplex_jax.errors import UsageError
-  from tenplex_jax.orbax import locate
   try:
     loc = locate(directory)
   except UsageError:
@@ -118,12 +117,10 @@ def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
   Raises:
     NoCopyError: ``directory`` holds no Orbax checkpoint.
   """
-  from tenplex_jax.errors import NoCopyError, UsageError
-  from tenplex_jax.orbax import locate, restore
   try:
     loc = locate(directory)
   except UsageError as e:
     raise NoCopyError(f"no Orbax checkpoint in {directory} to fall back to"
                       f" ({e})") from e
-  tree = restore(loc.item, target)
+  tree = orbax_restore(loc.item, target)
   return tree, 0 if loc.step is None else loc.step

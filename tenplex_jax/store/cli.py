@@ -15,13 +15,19 @@ import json
 import os
 import sys
 
+import numpy as np
+
 from tenplex_jax.errors import StoreError, UsageError
+from tenplex_jax.locations import OBJECT, PEER, parse_location
+from tenplex_jax.store.format import (HostStore, check_tensor_path, gc,
+                                      parse_index)
+from tenplex_jax.store.objects import ObjectStore, gc_objects
+from tenplex_jax.store.server import RemoteStore, serve
 
 __all__ = ["register"]
 
 
 def _serve(args) -> int:
-  from tenplex_jax.store.server import serve
   if args.read_only and not os.path.isdir(args.dir):
     raise UsageError(f"--dir {args.dir}: no such directory (a --read-only"
                      " server does not create it)")
@@ -34,14 +40,11 @@ def _serve(args) -> int:
 def _store_dir(path: str, verb: str = "this verb"):
   """The handle of ``path``, which must be an existing store: a directory
   (:class:`HostStore`) or an object-storage prefix (``ObjectStore``)."""
-  from tenplex_jax.locations import OBJECT, PEER, parse_location
-  from tenplex_jax.store.format import HostStore
   loc = parse_location(path)
   if loc.kind == PEER:
     raise UsageError(f"{path}: {verb} takes a store directory or an"
                      " s3:// or gs:// store, not a store server")
   if loc.kind == OBJECT:
-    from tenplex_jax.store.objects import ObjectStore
     st = ObjectStore(loc.target)
     if not st.is_store():
       raise UsageError(f"{path} is not a tenplex_jax store (no STORE_ID and"
@@ -66,10 +69,8 @@ def _when(t) -> str:
 
 
 def _ls(args) -> int:
-  from tenplex_jax.locations import PEER, parse_location
   loc = args.location
   if parse_location(loc).kind == PEER:
-    from tenplex_jax.store.server import RemoteStore
     with RemoteStore(parse_location(loc).target, timeout=10,
                      retries=1, ca_file=args.ca_file) as rs:
       rounds, problems = rs.all_rounds()
@@ -116,8 +117,6 @@ def _ls(args) -> int:
 
 
 def _read(args) -> int:
-  import numpy as np
-  from tenplex_jax.store.format import check_tensor_path, parse_index
   st = _store_dir(args.dir, "store read")
   check_tensor_path(args.path)
   entries = st.round_of(args.path, args.proc, args.step, None)
@@ -144,12 +143,10 @@ def _verify(args) -> int:
 
 
 def _gc(args) -> int:
-  from tenplex_jax.store.format import gc
   st = _store_dir(args.dir, "store gc")
   if args.min_age < 0:
     raise UsageError(f"--min-age {args.min_age}: must be >= 0")
   if st.remote:
-    from tenplex_jax.store.objects import gc_objects
     out = dict(gc_objects(st.root, min_age=args.min_age), skipped=[])
   else:
     out = gc(st.root, min_age=args.min_age)

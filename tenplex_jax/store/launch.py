@@ -44,8 +44,13 @@ interpreters (``compilation_cache``, ``standby`` of :func:`launch`).
 from __future__ import annotations
 
 import argparse
+import atexit
+import builtins
+import ctypes
+import faulthandler
 import json
 import os
+import platform
 import secrets
 import shutil
 import signal
@@ -54,12 +59,18 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tenplex_jax.errors import StoreError, UsageError
+import jax
+
+from tenplex_jax.errors import NoCopyError, StoreError, UsageError
+from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.store import private
+from tenplex_jax.store.api import restore_with_report, save
+from tenplex_jax.store.server import free_port
 
 __all__ = ["RESIZE_EXIT_CODE", "initialize", "launch", "register",
            "request_resize", "resize_due", "restore_or_init", "save_and_exit",
@@ -122,7 +133,6 @@ def initialize() -> dict:
     >>> info["num_processes"], info["process_id"]  # doctest: +SKIP
     (2, 0)
   """
-  import jax
   n = int(_env("TENPLEX_NUM_PROCS", "1"))
   i = int(_env("TENPLEX_PROC_ID", "0"))
   if _env("TENPLEX_JOB_DIR") and _env("TENPLEX_NUM_PROCS"):
@@ -228,14 +238,10 @@ def _exit_status(status: Any) -> int:
 
 def _install_failure_hooks() -> None:
   """See :func:`initialize`. Idempotent."""
-  import atexit
-  import builtins
-  import faulthandler
-  import traceback
   if _hooks:
     return
-  import jax  # noqa: F401  (its atexit barrier is registered on import;
-  # ours, registered after it, runs before it)
+  # jax registered its atexit shutdown barrier when this module imported
+  # it; ours, registered after it, runs before it.
   _hooks["exit_status"] = None
   prev_hook = sys.excepthook
 
@@ -388,7 +394,6 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
   Returns:
     The committed snapshot's directory.
   """
-  from tenplex_jax.store.api import save
   if replicas is None:
     replicas = int(_env("TENPLEX_REPLICAS", "0"))
   peers = json.loads(_env("TENPLEX_STORES", "[]"))
@@ -414,7 +419,6 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
   :class:`ResizeExit` (``tenplex_jax.ray.ResizeExit``) instead of exiting (the Ray worker catches
   it, shuts ``jax.distributed`` down and reports the resize to the driver).
   """
-  import jax
   procs = procs or resize_due(step) or int(_env("TENPLEX_NUM_PROCS", "1"))
   save_snapshot(state, step, replicas=replicas)
   if _env("TENPLEX_RAY_JOB"):
@@ -454,9 +458,6 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
   """
-  import jax
-  from tenplex_jax.errors import NoCopyError
-  from tenplex_jax.store.api import restore_with_report
   stores = json.loads(_env("TENPLEX_PEERS", "[]"))
   start = int(_env("TENPLEX_START_STEP", "0"))
   failed = _env("TENPLEX_FAILED_STEP")
@@ -532,7 +533,6 @@ def _no_orphans() -> Callable[[], None] | None:
   launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``)."""
   if not sys.platform.startswith("linux"):
     return None
-  import ctypes
   try:
     prctl = ctypes.CDLL(None, use_errno=True).prctl
   except (OSError, AttributeError):
@@ -879,7 +879,6 @@ _FUTEX = {"x86_64": 202, "aarch64": 98, "arm64": 98}
 def _blocked_on_futex(pid: int) -> bool | None:
   """Whether ``pid``'s main thread waits on a futex (a lock, a condition: how
   a thread blocked in a collective waits), from ``/proc/PID/syscall``."""
-  import platform
   nr = _FUTEX.get(platform.machine())
   try:
     first = _text(f"/proc/{pid}/syscall").split()[0]
@@ -1028,7 +1027,6 @@ def _checkpoint_location(checkpoint: str) -> str:
   """The checkpoint location the scripts get: a local directory made
   absolute, an ``s3://`` or ``gs://`` URL as given; ``UsageError`` for a
   store server or an unknown scheme."""
-  from tenplex_jax.locations import LOCAL, OBJECT, parse_location
   loc = parse_location(checkpoint)
   if loc.kind == LOCAL:
     return os.path.abspath(loc.target)
@@ -1123,7 +1121,6 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     ...        schedule="sched.txt")  # doctest: +SKIP
     0
   """
-  from tenplex_jax.store.server import free_port
   if on_failure not in ("same", "shrink"):
     raise UsageError(f"on_failure must be 'same' or 'shrink', not"
                      f" {on_failure!r}")

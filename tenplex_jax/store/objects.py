@@ -23,6 +23,7 @@ object.
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -30,6 +31,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 
 from tenplex_jax.cloud import (Listing, filesystem, fs_path, kvstore_spec,
                                location_error, split_url)
@@ -139,7 +141,6 @@ class ObjectStore(HostStore):
   def _kvstore(self):
     with self._lock:
       if self._kv is None:
-        import tensorstore as ts
         spec = kvstore_spec(self.root)
         retries = "s3_request_retries" if self.scheme == "s3" \
             else "gcs_request_retries"
@@ -307,7 +308,6 @@ def _mtime(info: dict) -> float:
     if hasattr(v, "timestamp"):
       return v.timestamp()
     try:
-      import datetime
       return datetime.datetime.fromisoformat(
           str(v).replace("Z", "+00:00")).timestamp()
     except ValueError:
