@@ -99,6 +99,7 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
 
 from tenplex_jax.errors import StoreError, UsageError
 from tenplex_jax.locations import LOCAL, parse_location
+from tenplex_jax.runtime.env import job_env
 from tenplex_jax.store import private
 from tenplex_jax.store.launch import (
     CA_ENV,
@@ -133,12 +134,12 @@ def _resize_due(step: int) -> int | None:
   """``resize_due`` under :func:`run`: asks the job's controller actor."""
   restored = None
   if "handle" not in _ctrl:
-    _ctrl["handle"] = _ray.get_actor(os.environ["TENPLEX_RAY_CONTROLLER"],
+    _ctrl["handle"] = _ray.get_actor(job_env().ray_controller,
                                      namespace=NAMESPACE)
     # What this group restored, known to the driver even if it fails later.
     restored = dict(last_restore)
   return _ray.get(_ctrl["handle"].poll.remote(
-      int(os.environ["TENPLEX_PROC_ID"]), int(step), restored))
+      job_env().proc_id, int(step), restored))
 
 
 def store_actor_name(job: str, node_id: str) -> str:
@@ -248,7 +249,7 @@ class _Worker:
       out["outcome"] = "done"
     finally:
       jax = sys.modules.get("jax")
-      if jax is not None and int(env.get("TENPLEX_NUM_PROCS", "1")) > 1:
+      if jax is not None and job_env().procs > 1:
         try:
           jax.distributed.shutdown()
         except Exception:  # noqa: BLE001 - already down or never up
@@ -367,7 +368,7 @@ class Job:
       checkpoint = checkpoint_dir(run_config, self.job)
     self.checkpoint, self.store_root = checkpoint, store_root
     self.keep_stores, self.start_timeout = keep_stores, start_timeout
-    self.token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+    self.token = job_env().token or secrets.token_urlsafe(32)
     self.tls, ca = check_tls_options(tls_cert, tls_key, tls_ca,
                                      "tenplex_jax.ray",
                                      ("tls_cert", "tls_key", "tls_ca"))

@@ -24,6 +24,9 @@ import runpy
 import sys
 import time
 
+from tenplex_jax.runtime.env import (STANDBY_ASSIGNED_ENV, STANDBY_READY_ENV,
+                                     job_env)
+
 
 def _read_all(fd: int) -> bytes:
   chunks = []
@@ -38,8 +41,7 @@ def main(argv: list[str]) -> None:
   fd, mode, target = int(argv[0]), argv[1], argv[2]
   if mode == "path":  # as `python SCRIPT`: the script's directory first
     sys.path[0] = os.path.dirname(os.path.abspath(target))
-  for name in filter(None, os.environ.get("TENPLEX_STANDBY_IMPORTS",
-                                          "").split(",")):
+  for name in job_env().standby_imports:
     try:
       importlib.import_module(name)
     except Exception:  # noqa: BLE001  (the script's own import reports it)
@@ -52,8 +54,8 @@ def main(argv: list[str]) -> None:
   msg = json.loads(data)
   os.environ.clear()
   os.environ.update(msg["env"])
-  os.environ["TENPLEX_STANDBY_READY"] = repr(ready)
-  os.environ["TENPLEX_STANDBY_ASSIGNED"] = repr(time.time())
+  os.environ[STANDBY_READY_ENV] = repr(ready)
+  os.environ[STANDBY_ASSIGNED_ENV] = repr(time.time())
   sys.argv = list(msg["argv"])
   if mode == "path":
     runpy.run_path(target, run_name="__main__")

@@ -69,8 +69,9 @@ import jax
 from tenplex_jax.errors import NoCopyError, StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.store import private
+from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
 from tenplex_jax.store.api import restore_with_report, save
-from tenplex_jax.store.server import free_port
+from tenplex_jax.store.server import CA_ENV, TOKEN_ENV, free_port
 
 __all__ = ["RESIZE_EXIT_CODE", "initialize", "launch", "register",
            "request_resize", "resize_due", "restore_or_init", "save_and_exit",
@@ -109,10 +110,6 @@ def _text(path: str) -> str:
     return f.read()
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-  return os.environ.get(name, default)
-
-
 def initialize() -> dict:
   """Configures gloo CPU collectives and ``jax.distributed`` from the
   launcher's environment; returns the job description.
@@ -133,26 +130,24 @@ def initialize() -> dict:
     >>> info["num_processes"], info["process_id"]  # doctest: +SKIP
     (2, 0)
   """
-  n = int(_env("TENPLEX_NUM_PROCS", "1"))
-  i = int(_env("TENPLEX_PROC_ID", "0"))
-  if _env("TENPLEX_JOB_DIR") and _env("TENPLEX_NUM_PROCS"):
+  env = job_env()
+  n, i = env.procs, env.proc_id
+  if env.job_dir and env.launched:
     _install_failure_hooks()
     _heartbeat()  # started; the next one after jax.distributed is up
-  devices = _env("TENPLEX_DEVICES")
-  if devices:
-    jax.config.update("jax_num_cpu_devices", int(devices))
+  if env.devices:
+    jax.config.update("jax_num_cpu_devices", env.devices)
   if n > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if _env("TENPLEX_COMPILATION_CACHE"):
+    if env.compilation_cache:
       _one_cache_key_for_every_process()
-    jax.distributed.initialize(coordinator_address=_env("TENPLEX_COORDINATOR"),
+    jax.distributed.initialize(coordinator_address=env.coordinator,
                                num_processes=n, process_id=i,
                                initialization_timeout=120)
   _heartbeat()
   return {"num_processes": n, "process_id": i,
-          "store": _env("TENPLEX_STORE"), "job_dir": _env("TENPLEX_JOB_DIR"),
-          "generation": int(_env("TENPLEX_GENERATION", "0")),
-          "checkpoint": _env("TENPLEX_CHECKPOINT")}
+          "store": env.store, "job_dir": env.job_dir,
+          "generation": env.generation, "checkpoint": env.checkpoint}
 
 
 def _one_cache_key_for_every_process() -> None:
@@ -193,23 +188,22 @@ _hooks: dict = {}
 
 
 def _job_file(prefix: str, ext: str) -> str:
-  return os.path.join(_env("TENPLEX_JOB_DIR"), f"{prefix}_"
-                      f"{_env('TENPLEX_GENERATION', '0')}_"
-                      f"{_env('TENPLEX_PROC_ID', '0')}.{ext}")
+  env = job_env()
+  return os.path.join(env.job_dir,
+                      f"{prefix}_{env.generation}_{env.proc_id}.{ext}")
 
 
 def _report_failure(kind: str, code: int, error: str) -> None:
   """Writes this process's failure report for the launcher (best effort)."""
+  env = job_env()
   try:
-    step = int(_text(os.path.join(_env("TENPLEX_JOB_DIR"),
-                                  f"progress_{_env('TENPLEX_PROC_ID', '0')}")))
+    step = int(_text(os.path.join(env.job_dir, f"progress_{env.proc_id}")))
   except (OSError, ValueError):
     step = None
   p = _job_file("failure", "json")
   try:
     with private.open_private(p + ".tmp") as f:
-      json.dump({"process": int(_env("TENPLEX_PROC_ID", "0")),
-                 "generation": int(_env("TENPLEX_GENERATION", "0")),
+      json.dump({"process": env.proc_id, "generation": env.generation,
                  "kind": kind, "exit_code": code, "error": error[-2000:],
                  "step": step, "time": time.time(), "pid": os.getpid()}, f)
     os.replace(p + ".tmp", p)
@@ -299,9 +293,9 @@ def _install_failure_hooks() -> None:
 
 
 def _progress(step: int) -> None:
-  job = _env("TENPLEX_JOB_DIR")
-  if job:
-    p = os.path.join(job, f"progress_{_env('TENPLEX_PROC_ID', '0')}")
+  env = job_env()
+  if env.job_dir:
+    p = os.path.join(env.job_dir, f"progress_{env.proc_id}")
     with private.open_private(p + ".tmp") as f:
       f.write(str(step))
     os.replace(p + ".tmp", p)
@@ -312,18 +306,18 @@ def _heartbeat() -> None:
   """Marks this process alive for the launcher's ``step_timeout``: on
   entering and leaving ``initialize``, after the restore, at every step and
   snapshot."""
-  job = _env("TENPLEX_JOB_DIR")
-  if job and _env("TENPLEX_NUM_PROCS"):
-    p = os.path.join(job, f"heartbeat_{_env('TENPLEX_PROC_ID', '0')}")
+  env = job_env()
+  if env.job_dir and env.launched:
+    p = os.path.join(env.job_dir, f"heartbeat_{env.proc_id}")
     try:
       with private.open_private(p) as f:
-        f.write(f"{_env('TENPLEX_GENERATION', '0')} {time.time()}")
+        f.write(f"{env.generation} {time.time()}")
     except OSError:
       pass
 
 
 def _schedule() -> list[tuple[int, int]]:
-  path = _env("TENPLEX_SCHEDULE")
+  path = job_env().schedule
   out = []
   if path and os.path.exists(path):
     for line in _text(path).splitlines():
@@ -339,7 +333,7 @@ def request_resize(procs: int, *, at_step: int) -> None:
   Call it in every process with the same arguments (e.g. from a decision all
   processes compute alike); :func:`resize_due` then fires at that step.
   """
-  job = _env("TENPLEX_JOB_DIR")
+  job = job_env().job_dir
   if not job:
     raise RuntimeError("request_resize needs tenplex-jax launch"
                        " (TENPLEX_JOB_DIR is not set)")
@@ -359,12 +353,12 @@ def resize_due(step: int) -> int | None:
   _progress(step)
   if _resize_source:  # under tenplex_jax.ray: its controller decides
     return _resize_source[0](step)
-  start = int(_env("TENPLEX_START_STEP", "0"))
-  n = int(_env("TENPLEX_NUM_PROCS", "1"))
+  env = job_env()
+  start, n = env.start_step, env.procs
   for s, m in _schedule():
     if s == step and s > start and m != n:
       return m
-  job = _env("TENPLEX_JOB_DIR")
+  job = env.job_dir
   if job:
     p = os.path.join(job, "resize_request.json")
     try:
@@ -394,17 +388,18 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
   Returns:
     The committed snapshot's directory.
   """
+  env = job_env()
   if replicas is None:
-    replicas = int(_env("TENPLEX_REPLICAS", "0"))
-  peers = json.loads(_env("TENPLEX_STORES", "[]"))
+    replicas = env.replicas
+  peers = list(env.stores)
   if len(peers) < 2:
     replicas = 0  # a single process has no other host to replicate to
-  store = _env("TENPLEX_STORE")
+  store = env.store
   if not store:
     raise RuntimeError("save_snapshot needs tenplex-jax launch"
                        " (TENPLEX_STORE is not set)")
   out = save(state, store, step=step, replicas=replicas,
-             peers=peers or None, run=run)
+             peers=peers or None, run=env.run if run is None else run)
   _heartbeat()
   return out
 
@@ -419,11 +414,12 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
   :class:`ResizeExit` (``tenplex_jax.ray.ResizeExit``) instead of exiting (the Ray worker catches
   it, shuts ``jax.distributed`` down and reports the resize to the driver).
   """
-  procs = procs or resize_due(step) or int(_env("TENPLEX_NUM_PROCS", "1"))
+  procs = procs or resize_due(step) or job_env().procs
   save_snapshot(state, step, replicas=replicas)
-  if _env("TENPLEX_RAY_JOB"):
+  env = job_env()
+  if env.ray_job:
     raise ResizeExit(procs, step)
-  job = _env("TENPLEX_JOB_DIR")
+  job = env.job_dir
   if job:
     with private.open_private(
         os.path.join(job, f"resize_{jax.process_index()}.json")) as f:
@@ -458,9 +454,9 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
   """
-  stores = json.loads(_env("TENPLEX_PEERS", "[]"))
-  start = int(_env("TENPLEX_START_STEP", "0"))
-  failed = _env("TENPLEX_FAILED_STEP")
+  env = job_env()
+  stores = list(env.peers)
+  start, failed = env.start_step, env.failed_step
   last_restore.clear()
   if not stores or (start == 0 and failed is None):
     state = init_fn()
@@ -468,11 +464,9 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
     return state, 0
   if target is None:
     target = jax.eval_shape(init_fn)
-  own = _env("TENPLEX_STORE")
+  own = env.store
   locations = ([own] if own and os.path.isdir(own) else []) + stores
-  ckpt = _env("TENPLEX_CHECKPOINT")
-  job = _env("TENPLEX_JOB_DIR")
-  gen = _env("TENPLEX_GENERATION", "0")
+  ckpt, job, gen = env.checkpoint, env.job_dir, env.generation
   try:
     state, report = restore_with_report(locations, target, checkpoint=ckpt)
   except NoCopyError as e:
@@ -514,8 +508,6 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
 
 # ------------------------------------------------------------ the launcher
 
-TOKEN_ENV = "TENPLEX_JAX_STORE_TOKEN"
-CA_ENV = "TENPLEX_JAX_STORE_CA"
 _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping processes
 
 
@@ -1144,13 +1136,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if temporary:
     print(f"tenplex-jax launch: job directory {job_dir} (temporary: removed"
           " when the job succeeds)", flush=True)
-  token = os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32)
+  token = job_env().token or secrets.token_urlsafe(32)
   base_env = {**os.environ, "PYTHONPATH": _pythonpath(), TOKEN_ENV: token}
   if tls_ca:
     base_env[CA_ENV] = tls_ca
   base_env.update(_cache_env(job_dir, compilation_cache))
   form = _standby_form(cmd) if standby else None
-  standby_env = {**base_env, "TENPLEX_STANDBY_IMPORTS": ",".join(
+  standby_env = {**base_env, STANDBY_IMPORTS_ENV: ",".join(
       _STANDBY_IMPORTS if standby_imports is None else standby_imports)}
   standbys: list[_Standby] = []
   most = procs  # standbys to keep: the largest generation so far
@@ -1388,7 +1380,7 @@ def check_tls_options(cert: str | None, key: str | None, ca: str | None,
   """
   if (cert is None) != (key is None):
     raise UsageError(f"{who}: TLS needs both {names[0]} and {names[1]}")
-  ca = ca or os.environ.get(CA_ENV) or None
+  ca = ca or job_env().ca
   for flag, path in zip(names, (cert, key, ca)):
     if path is not None and not os.path.isfile(path):
       raise UsageError(f"{who}: {flag} {path}: no such file")
