@@ -30,7 +30,7 @@ _VERBS: tuple[str, ...] = (
     "tenplex_jax.orbax.cli",
     "tenplex_jax.search.cli",
     "tenplex_jax.store.cli",
-    "tenplex_jax.store.launch",
+    "tenplex_jax.runtime.launch",
 )
 
 EXIT_USAGE = 2

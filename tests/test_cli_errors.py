@@ -139,7 +139,7 @@ def test_exit_codes_of_the_convention():
   for e in (errors.StoreError("x"), errors.ReshardError("x"),
             errors.NoCopyError("x"), OSError("x"), RuntimeError("x")):
     assert exit_code(e) == 1, e
-  from tenplex_jax.store.launch import _Interrupted
+  from tenplex_jax.runtime.launch import _Interrupted
   import signal
   assert exit_code(_Interrupted(signal.SIGTERM)) == 143
   assert exit_code(KeyboardInterrupt()) == 130

@@ -250,7 +250,7 @@ def test_temporary_job_dir_is_removed_after_success_and_token_is_kept(
 
 def _standbys_of(launcher_pid):
   """The launcher's standby processes (its children running
-  tenplex_jax.store._standby)."""
+  tenplex_jax.runtime._standby)."""
   out = []
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
@@ -258,7 +258,7 @@ def _standbys_of(launcher_pid):
       cmdline = _text(f"/proc/{pid}/cmdline").split("\0")
     except (OSError, ValueError, IndexError):
       continue
-    if ppid == launcher_pid and "tenplex_jax.store._standby" in cmdline \
+    if ppid == launcher_pid and "tenplex_jax.runtime._standby" in cmdline \
         and _alive(int(pid)):
       out.append(int(pid))
   return sorted(out)
@@ -317,7 +317,7 @@ def test_standby_runs_a_script_or_a_module_as_python_would(tmp_path, capfd):
   # is the one handed over (a module that fails to import is skipped), and
   # the exit status is the script's. Other commands get no standby; an
   # unused standby is killed and reaped.
-  from tenplex_jax.store.launch import _Standby, _standby_form
+  from tenplex_jax.runtime.launch import _Standby, _standby_form
   (tmp_path / "pk").mkdir()
   (tmp_path / "pk" / "__init__.py").write_text("")
   (tmp_path / "pk" / "m.py").write_text(

@@ -414,7 +414,7 @@ def test_persistent_checkpoint_on_s3(s3):
   back to it (the launcher's --checkpoint s3://...)."""
   from tenplex_jax.store import (latest_step, restore_checkpoint,
                                  save_checkpoint)
-  from tenplex_jax.store.launch import _checkpoint_location
+  from tenplex_jax.runtime.launch import _checkpoint_location
   url = f"s3://{s3}/persistent"
   assert _checkpoint_location(url + "/") == url
   with pytest.raises(UsageError, match="not a store server"):

@@ -101,7 +101,7 @@ from tenplex_jax.errors import StoreError, UsageError
 from tenplex_jax.locations import LOCAL, parse_location
 from tenplex_jax.runtime.env import job_env
 from tenplex_jax.store import private
-from tenplex_jax.store.launch import (
+from tenplex_jax.runtime.launch import (
     CA_ENV,
     TOKEN_ENV,
     check_tls_options,

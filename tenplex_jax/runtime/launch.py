@@ -678,7 +678,7 @@ def _standby_form(cmd: Sequence[str]) -> tuple[str, str] | None:
 
 class _Standby:
   """A process of a later generation, started ahead of need: Python with
-  the heavy modules imported (``tenplex_jax.store._standby``), waiting on
+  the heavy modules imported (``tenplex_jax.runtime._standby``), waiting on
   a pipe for its rank and environment (:meth:`assign`). Its own process
   group, and the kernel kills it with the launcher, as a child's."""
 
@@ -687,7 +687,7 @@ class _Standby:
     watch_r, watch_w = os.pipe()  # its end, seen as a _Child's
     try:
       self.popen = subprocess.Popen(
-          [cmd[0], "-m", "tenplex_jax.store._standby", str(r), *form],
+          [cmd[0], "-m", "tenplex_jax.runtime._standby", str(r), *form],
           env=env, pass_fds=(r, watch_w), start_new_session=True,
           preexec_fn=_no_orphans())
     except BaseException:
@@ -1084,7 +1084,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       ``JAX_COMPILATION_CACHE_DIR`` in the launcher's environment wins.
     standby: keep processes for the next generation started, with Python
       and ``standby_imports`` imported, waiting for their rank before
-      ``jax.distributed`` starts (``tenplex_jax.store._standby``): a resize
+      ``jax.distributed`` starts (``tenplex_jax.runtime._standby``): a resize
       or a restart hands them the process count and ranks over a pipe
       instead of starting interpreters. As many as the largest generation
       so far, started with the first generation and, as replacements, once

@@ -11,8 +11,8 @@ ARGS``) would, in this process, with the modules already in
 ``sys.modules``. When the launcher closes the pipe without an assignment
 (an unused standby at the end of the job) it exits with status 0.
 
-  python -m tenplex_jax.store._standby FD path SCRIPT
-  python -m tenplex_jax.store._standby FD module MODULE
+  python -m tenplex_jax.runtime._standby FD path SCRIPT
+  python -m tenplex_jax.runtime._standby FD module MODULE
 """
 
 from __future__ import annotations
