@@ -53,7 +53,6 @@ _VARS = {
     "schedule": ("TENPLEX_SCHEDULE", str),
     "checkpoint": ("TENPLEX_CHECKPOINT", str),
     "compilation_cache": ("TENPLEX_COMPILATION_CACHE", bool),
-    "ray_job": ("TENPLEX_RAY_JOB", str),
     "ray_controller": ("TENPLEX_RAY_CONTROLLER", str),
     "standby_imports": (STANDBY_IMPORTS_ENV, "csv"),
     "token": (TOKEN_ENV, str),
@@ -92,7 +91,6 @@ class JobEnv:
   schedule: str | None = None
   checkpoint: str | None = None
   compilation_cache: bool = False
-  ray_job: str | None = None
   ray_controller: str | None = None
   standby_imports: tuple[str, ...] = ()
   token: str | None = None

@@ -81,28 +81,62 @@ RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
 
 
-class ResizeExit(BaseException):
-  """Raised by :func:`save_and_exit` in a Ray worker after its save: the
-  worker catches it and reports the resize (a ``BaseException``, so a
-  script's ``except Exception`` does not swallow it). Exported as
-  ``tenplex_jax.ray.ResizeExit``."""
+class Controller:
+  """Who decides a resize and how a process leaves for one.
 
-  def __init__(self, procs: int, step: int):
-    super().__init__(f"resize to {procs} workers at step {step}")
-    self.procs, self.step = int(procs), int(step)
+  This one is ``tenplex-jax launch``'s: a resize is due at a ``step S procs
+  M`` line of the schedule file or at a request (:func:`request_resize`,
+  SIGUSR1 to the launcher), and a process leaves by exiting with
+  :data:`RESIZE_EXIT_CODE` for the launcher to relaunch the script. The Ray
+  integration's workers use their own (:mod:`tenplex_jax.runtime.ray`). A
+  process has one, chosen once (:func:`controller`).
+  """
+
+  def resize_due(self, step: int) -> int | None:
+    """The new process count if a resize is due at ``step``, else None."""
+    env = job_env()
+    start, n = env.start_step, env.procs
+    for s, m in _schedule():
+      if s == step and s > start and m != n:
+        return m
+    if env.job_dir:
+      p = os.path.join(env.job_dir, "resize_request.json")
+      try:
+        req = json.loads(_text(p))
+      except (OSError, ValueError):
+        req = None
+      if req and req["step"] == step and step > start and req["procs"] != n:
+        return int(req["procs"])
+    return None
+
+  def leave_for_resize(self, procs: int, step: int) -> None:
+    """Ends this process after its resize save (does not return)."""
+    job = job_env().job_dir
+    if job:
+      with private.open_private(
+          os.path.join(job, f"resize_{jax.process_index()}.json")) as f:
+        json.dump({"procs": procs, "step": step}, f)
+    if jax.process_count() > 1:
+      jax.distributed.shutdown()
+    sys.stdout.flush()
+    os._exit(RESIZE_EXIT_CODE)
 
 
-# Who decides resize_due in a process another controller runs (a
-# tenplex_jax.ray worker asks its job's controller actor), set with
-# set_resize_source; None: the launcher's schedule file and requests.
-_resize_source: list = []
+_controller: list = []
 
 
-def set_resize_source(fn: Callable[[int], int | None] | None) -> None:
-  """Makes ``fn(step)`` answer :func:`resize_due` in this process (the Ray
-  integration's workers ask their controller); ``None``: the launcher's
-  schedule and requests again."""
-  _resize_source[:] = [] if fn is None else [fn]
+def use_controller(c: Controller) -> None:
+  """Makes ``c`` this process's controller (a Ray worker does, before it
+  runs the script); call it before the script's first :func:`resize_due`."""
+  _controller[:] = [c]
+
+
+def controller() -> Controller:
+  """This process's controller: the one :func:`use_controller` gave, else
+  the launcher's, chosen on first use and kept."""
+  if not _controller:
+    _controller.append(Controller())
+  return _controller[0]
 
 
 def _text(path: str) -> str:
@@ -347,27 +381,13 @@ def request_resize(procs: int, *, at_step: int) -> None:
 def resize_due(step: int) -> int | None:
   """The new process count if a resize is due at ``step``, else ``None``.
 
-  Sources: the schedule file (a ``step S procs M`` line with S == step,
-  after this generation's start step) and resize requests.
+  This process's :func:`controller` decides: under ``tenplex-jax launch``
+  the schedule file (a ``step S procs M`` line with S == step, after this
+  generation's start step) and resize requests; under
+  :mod:`tenplex_jax.ray` the job's driver.
   """
   _progress(step)
-  if _resize_source:  # under tenplex_jax.ray: its controller decides
-    return _resize_source[0](step)
-  env = job_env()
-  start, n = env.start_step, env.procs
-  for s, m in _schedule():
-    if s == step and s > start and m != n:
-      return m
-  job = env.job_dir
-  if job:
-    p = os.path.join(job, "resize_request.json")
-    try:
-      req = json.loads(_text(p))
-    except (OSError, ValueError):
-      req = None
-    if req and req["step"] == step and step > start and req["procs"] != n:
-      return int(req["procs"])
-  return None
+  return controller().resize_due(step)
 
 
 def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
@@ -411,23 +431,13 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
   Every process calls it at the same step. The launcher relaunches the
   script with the new process count, whose :func:`restore_or_init` restores
   the state. Under :mod:`tenplex_jax.ray` it raises
-  :class:`ResizeExit` (``tenplex_jax.ray.ResizeExit``) instead of exiting (the Ray worker catches
-  it, shuts ``jax.distributed`` down and reports the resize to the driver).
+  ``tenplex_jax.ray.ResizeExit`` instead of exiting (the Ray worker catches
+  it, shuts ``jax.distributed`` down and reports the resize to the driver):
+  this process's :func:`controller` ends it.
   """
   procs = procs or resize_due(step) or job_env().procs
   save_snapshot(state, step, replicas=replicas)
-  env = job_env()
-  if env.ray_job:
-    raise ResizeExit(procs, step)
-  job = env.job_dir
-  if job:
-    with private.open_private(
-        os.path.join(job, f"resize_{jax.process_index()}.json")) as f:
-      json.dump({"procs": procs, "step": step}, f)
-  if jax.process_count() > 1:
-    jax.distributed.shutdown()
-  sys.stdout.flush()
-  os._exit(RESIZE_EXIT_CODE)
+  controller().leave_for_resize(procs, step)
 
 
 last_restore: dict = {}  # what the last restore_or_init restored (step,

@@ -4,7 +4,7 @@
 ``tenplex-jax launch`` and under :func:`run`: it calls the launcher's script
 API (:func:`initialize`, :func:`restore_or_init`, :func:`resize_due`,
 :func:`save_and_exit`, :func:`save_snapshot`, re-exported here from
-:mod:`tenplex_jax.store.launch`), which reads its job from ``TENPLEX_*``
+:mod:`tenplex_jax.runtime.launch`), which reads its job from ``TENPLEX_*``
 environment variables that :func:`run` sets in each Ray worker.
 
 What :func:`run` does on a Ray cluster:
@@ -104,15 +104,15 @@ from tenplex_jax.store import private
 from tenplex_jax.runtime.launch import (
     CA_ENV,
     TOKEN_ENV,
+    Controller,
     check_tls_options,
-    ResizeExit,
     initialize,
     last_restore,
     resize_due,
     restore_or_init,
     save_and_exit,
     save_snapshot,
-    set_resize_source,
+    use_controller,
 )
 from tenplex_jax.store.server import make_server
 
@@ -127,19 +127,37 @@ _MARGIN = 3  # steps ahead of the furthest worker for a request
 
 # ------------------------------------------------------------ worker side
 
-_ctrl: dict = {}
+class ResizeExit(BaseException):
+  """Raised by ``save_and_exit`` in a Ray worker after its save: the
+  worker catches it and reports the resize (a ``BaseException``, so a
+  script's ``except Exception`` does not swallow it)."""
+
+  def __init__(self, procs: int, step: int):
+    super().__init__(f"resize to {procs} workers at step {step}")
+    self.procs, self.step = int(procs), int(step)
 
 
-def _resize_due(step: int) -> int | None:
-  """``resize_due`` under :func:`run`: asks the job's controller actor."""
-  restored = None
-  if "handle" not in _ctrl:
-    _ctrl["handle"] = _ray.get_actor(job_env().ray_controller,
-                                     namespace=NAMESPACE)
-    # What this group restored, known to the driver even if it fails later.
-    restored = dict(last_restore)
-  return _ray.get(_ctrl["handle"].poll.remote(
-      job_env().proc_id, int(step), restored))
+class _WorkerController(Controller):
+  """A worker's controller under :func:`run`: the job's driver decides
+  (``resize_due`` asks the controller actor), and a worker leaves for a
+  resize by raising :class:`ResizeExit` to :meth:`_Worker.run`."""
+
+  def __init__(self):
+    self.handle = None
+
+  def resize_due(self, step: int) -> int | None:
+    restored = None
+    if self.handle is None:
+      self.handle = _ray.get_actor(job_env().ray_controller,
+                                   namespace=NAMESPACE)
+      # What this group restored, known to the driver even if it fails
+      # later.
+      restored = dict(last_restore)
+    return _ray.get(self.handle.poll.remote(
+        job_env().proc_id, int(step), restored))
+
+  def leave_for_resize(self, procs: int, step: int) -> None:
+    raise ResizeExit(procs, step)
 
 
 def store_actor_name(job: str, node_id: str) -> str:
@@ -232,7 +250,7 @@ class _Worker:
   def run(self, train: str | Callable, args: Sequence[str],
           env: Mapping[str, str]) -> dict:
     os.environ.update(env)
-    set_resize_source(_resize_due)  # resize_due asks this job's controller
+    use_controller(_WorkerController())  # the driver decides resizes
     out: dict = {"pid": os.getpid()}
     try:
       if callable(train):

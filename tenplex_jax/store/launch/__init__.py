@@ -7,6 +7,5 @@ existing imports (``from tenplex_jax.store.launch import launch``) and for
 
 from tenplex_jax.runtime.launch import *  # noqa: F403
 from tenplex_jax.runtime.launch import (CA_ENV, TOKEN_ENV,  # noqa: F401
-                                        ResizeExit, __all__,
-                                        check_tls_options, last_restore,
-                                        set_resize_source)
+                                        __all__, check_tls_options,
+                                        last_restore)
