@@ -16,7 +16,6 @@ from tenplex_jax.planner import plan
 def _read_ptc(path: str, flag: str):
   """The layout in the PTC JSON file ``path``; UsageError naming the flag,
   the file and what is wrong with it."""
-
   try:
     text = pathlib.Path(path).read_text()
   except OSError as e:
@@ -33,7 +32,6 @@ def _read_ptc(path: str, flag: str):
 
 
 def _plan(args: argparse.Namespace) -> int:
-
   src = _read_ptc(args.src, "--from")
   dst = _read_ptc(args.dst, "--to")
   p = plan(src, dst)

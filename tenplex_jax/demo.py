@@ -138,7 +138,6 @@ def deterministic_train_step(mesh: Mesh, virtual_workers: int):
   are summed in one fixed order, so the step gives the same bits on every
   mesh whose ``data`` axis divides ``virtual_workers``.
   """
-
   model = MLP()
 
   def loss_fn(params, batch):
@@ -184,7 +183,6 @@ def run(schedule: Sequence[Phase] = default_schedule(), *, steps: int = 40,
   old iterators and given to new ones with the new shard count: the global
   batch of every step is the same whatever the device count.
   """
-
   x_all, y_all = make_dataset(seed=seed)
   source = [{"x": x, "y": y} for x, y in zip(x_all, y_all)]
   phases = sorted(schedule, key=lambda p: p.step)

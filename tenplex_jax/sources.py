@@ -413,7 +413,6 @@ def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
     >>> served[0][0].name, out.tolist(), errs
     ('zeros', [0.0, 0.0, 0.0], ['disk on fire'])
   """
-
   dead = set() if dead is None else dead
 
   def fetch_one(job, errs):

@@ -129,7 +129,6 @@ def save(tree: Any, path: str, *, step: int | None = None) -> str:
     >>> inspect(d)["step"]
     4
   """
-
   import orbax.checkpoint as ocp
   path = os.path.abspath(path)
   if step is None:

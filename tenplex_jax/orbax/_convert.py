@@ -611,7 +611,6 @@ def convert(src: str, dst: str, target: Any = None, *,
     >>> rep["bytes"], w["chunk_shape"], w["spec"]
     (128, [8, 2], 'P(None, tensor) on tensor=2')
   """
-
   dloc = parse_location(dst)
   if dloc.kind == OBJECT:  # written here, then uploaded (markers last)
     with tempfile.TemporaryDirectory(prefix="tenplex-jax-convert-") as tmp:

@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(res: SearchResult, top: int) -> None:
-
   topo = res.topology
   table = Table(title=(
       f"{res.model.name} on {topo.devices} x {topo.hardware.name}"
