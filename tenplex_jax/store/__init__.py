@@ -11,7 +11,8 @@
 * :func:`gc` reclaims what interrupted saves left (``tenplex-jax store gc``).
 * :func:`initialize`, :func:`resize_due`, :func:`save_and_exit`,
   :func:`restore_or_init`, :func:`request_resize`, :func:`save_snapshot` are
-  the calls a training script makes under ``tenplex-jax launch``.
+  the calls a training script makes under ``tenplex-jax launch``; they live
+  in :mod:`tenplex_jax.runtime.launch` and are re-exported here.
 """
 
 from tenplex_jax.errors import (ChecksumError, NoCopyError, StoreError,
