@@ -1,4 +1,4 @@
-"""``tenplex_jax.ray``: elastic JAX jobs on Ray (``pip install tenplex_jax[ray]``).
+"""``tenplex_jax.ray``: elastic JAX jobs on Ray (``tenplex_jax[ray]``).
 
 The code lives in :mod:`tenplex_jax.runtime.ray`; this path stays for
 existing imports (``from tenplex_jax import ray as tray``).
