@@ -73,9 +73,10 @@ from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
 from tenplex_jax.store.api import restore_with_report, save
 from tenplex_jax.store.server import CA_ENV, TOKEN_ENV, free_port
 
-__all__ = ["RESIZE_EXIT_CODE", "initialize", "launch", "register",
-           "request_resize", "resize_due", "restore_or_init", "save_and_exit",
-           "save_snapshot"]
+__all__ = ["Controller", "RESIZE_EXIT_CODE", "controller", "initialize",
+           "launch", "register", "request_resize", "resize_due",
+           "restore_or_init", "save_and_exit", "save_snapshot",
+           "use_controller"]
 
 RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
