@@ -774,12 +774,12 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
   return out
 
 
-def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
-             me):
-  fallbacks = list(unreachable.values())
-  for s in sources:
-    fallbacks.extend(s.problems)  # snapshots left out (bad manifests)
-  dead = set(unreachable)
+def _choose_round(sources, unreachable, target, step, checkpoint, fallbacks,
+                  dead):
+  """The round to restore: ``(round id, its step, the newest step any
+  store holds, _saved_state of it)``; what was passed over goes to
+  ``fallbacks``. Raises :class:`_Fallback` when no round has a copy of
+  every box (or the checkpoint is newer than the newest that has)."""
   # Every kept round (run, step, save sequence) of every process, newest
   # first. Without a step, the newest round of which every box has a copy
   # (an incomplete newer one is reported as steps lost); snapshots of
@@ -836,38 +836,20 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   elif reason is not None:
     fallbacks.append(reason[0] + f"; restored the previous complete round"
                      f" {rid!r} of step {step}")
-  holding, job, src_ptc, tinfo, lost, src2, src_host, missing = saved
-  extras = job["extras"]
-  host_ids = {id(s): i for i, s in enumerate(sources)}
-  my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
+  return rid, step, newest, saved
+
+
+def _rank_copies(filled, the_plan, dst_ptc, saved, rid, my_host, maps):
+  """Who serves each piece of the ``filled`` new boxes (see
+  :func:`tenplex_jax.assembly.fill`): one :class:`StoreCopy` per (store,
+  old process) snapshot of round ``rid``, ranked. Returns the
+  :func:`tenplex_jax.assembly.fetch_pieces` jobs (large pieces split at
+  chunk rows) and, for the report, the planned network bytes, the host
+  lower bound and the bytes of every device's pieces."""
+  holding, _, src_ptc, tinfo, _, src2, src_host, _ = saved
   old_proc = src_ptc.process_of
-  # New layout (physical: what each device must hold).
-  flat, treedef, dst_sds, values = _match_target(target, src_ptc, extras,
-                                                step)
-  dst_ptc = PTC.from_tree(dst_sds)
-  dst2 = PTC(dst_ptc.tensors, tuple(
-      (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
-  t1 = time.perf_counter()
-  the_plan = plan(src2, dst2)
-  t2 = time.perf_counter()
-  # The distinct new boxes this process's devices hold (the restore core,
-  # tenplex_jax.assembly), each in one aligned host buffer (storage dtype;
-  # large ones recycled, see tenplex_jax._hostmem) that becomes the device
-  # buffer without another copy (CPU devices alias aligned host memory).
-  mine = {d.id for d in jax.local_devices()}
-  bufs: dict[tuple[str, Box], np.ndarray] = {}
-
-  def alloc(nb: NewBox) -> np.ndarray:
-    info = tinfo[nb.path]
-    buf = bufs[(nb.path, nb.box)] = host_empty(
-        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
-    return buf
-
-  filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
-  # Who serves each piece: one StoreCopy per (store, old process) snapshot
-  # of the round, ranked: the plan's choice first, then other replicas,
-  # this host's stores before peers and buckets.
-  maps = ChunkMaps()  # local chunks, each mapped and checked once
+  # Ranked: the plan's choice first, then other replicas, this host's
+  # stores before peers and buckets.
   copies: dict[tuple[int, int], StoreCopy] = {}
 
   def copy_of(s, k):
@@ -917,7 +899,47 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
           if held else None
       for sub, part in _split_rows(piece, view, held, rows):
         jobs.append((nb.path, sub, part, cands, (nb.path, piece)))
-  t3 = time.perf_counter()
+  return jobs, planned_net, host_lb, dev_piece
+
+
+def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
+             me):
+  fallbacks = list(unreachable.values())
+  for s in sources:
+    fallbacks.extend(s.problems)  # snapshots left out (bad manifests)
+  dead = set(unreachable)
+  rid, step, newest, saved = _choose_round(
+      sources, unreachable, target, step, checkpoint, fallbacks, dead)
+  holding, job, src_ptc, tinfo, lost, src2, _, _ = saved
+  extras = job["extras"]
+  host_ids = {id(s): i for i, s in enumerate(sources)}
+  my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
+  # New layout (physical: what each device must hold).
+  flat, treedef, dst_sds, values = _match_target(target, src_ptc, extras,
+                                                step)
+  dst_ptc = PTC.from_tree(dst_sds)
+  dst2 = PTC(dst_ptc.tensors, tuple(
+      (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
+  t1 = time.perf_counter()
+  the_plan = plan(src2, dst2)
+  t2 = time.perf_counter()  # "read" from here: buffers, ranking, reads
+  # The distinct new boxes this process's devices hold (the restore core,
+  # tenplex_jax.assembly), each in one aligned host buffer (storage dtype;
+  # large ones recycled, see tenplex_jax._hostmem) that becomes the device
+  # buffer without another copy (CPU devices alias aligned host memory).
+  mine = {d.id for d in jax.local_devices()}
+  bufs: dict[tuple[str, Box], np.ndarray] = {}
+
+  def alloc(nb: NewBox) -> np.ndarray:
+    info = tinfo[nb.path]
+    buf = bufs[(nb.path, nb.box)] = host_empty(
+        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
+    return buf
+
+  filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
+  maps = ChunkMaps()  # local chunks, each mapped and checked once
+  jobs, planned_net, host_lb, dev_piece = _rank_copies(
+      filled, the_plan, dst_ptc, saved, rid, my_host, maps)
   per_source = collections.Counter()
   counts = {"local": 0, "net": 0}
   if any(isinstance(s.handle, HostStore) and s.handle.remote
@@ -975,7 +997,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       host_lower_bound_bytes=host_lb, device_piece_bytes=dev_piece,
       per_source_bytes=dict(per_source), fallbacks=tuple(fallbacks),
       lost_processes=lost, from_checkpoint=False, steps_lost=newest - step,
-      seconds={"manifest": t1 - t0, "plan": t2 - t1, "read": t4 - t3,
+      seconds={"manifest": t1 - t0, "plan": t2 - t1, "read": t4 - t2,
                "build": t5 - t4, "total": t5 - t0},
       dead_sources=tuple(sorted(dead)))
   return tree, report
