@@ -35,7 +35,7 @@ into: the saved layout (rows on 8 devices), columns on 4
 (a random subset of 1-16 devices in a random order, a 1- or 2-axis mesh,
 per leaf rows, columns, 2-D blocks or replicated). Methods: ``tenplex``
 (``tenplex_jax.orbax.restore``), ``per-piece`` (the same with
-``sources._GROUP_READS = False``: a tensorstore read per piece, which
+``assembly._GROUP_READS = False``: a tensorstore read per piece, which
 decodes a chunk once per new box that takes a part of it; the code before
 reads were grouped by chunk) and ``orbax`` (Orbax's own restore). Reports
 wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
@@ -337,7 +337,7 @@ def _layout_restore(args) -> None:
   import tensorstore  # noqa: F401 - both methods use it: in the baseline
   import orbax.checkpoint as ocp
   import tenplex_jax.orbax as tor
-  from tenplex_jax import sources
+  from tenplex_jax import assembly
   from tenplex_jax.layout import PTC
   info = tor.inspect(args.dir)["tensors"]
   flat = _layout_target(jax, args.kind, {
@@ -360,7 +360,7 @@ def _layout_restore(args) -> None:
     with ocp.CheckpointManager(args.dir) as m:
       out = m.restore(1, args=ocp.args.StandardRestore(target))
   else:
-    sources._GROUP_READS = args.method == "tenplex"
+    assembly._GROUP_READS = args.method == "tenplex"
     out = tor.restore(args.dir, target)
   jax.block_until_ready(out)
   secs = time.perf_counter() - t0

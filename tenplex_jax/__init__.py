@@ -6,7 +6,7 @@ movement between two layouts, and execute it in one process, across a
 restart through per-host tensor stores, or on a Flax train state.
 """
 
-from tenplex_jax import data, determinism, jobarray, orbax, search, sources, store
+from tenplex_jax import assembly, data, determinism, jobarray, orbax, search, sources, store
 from tenplex_jax._hostmem import host_pool_stats, release_host_pool
 from tenplex_jax.errors import (DataError, LayoutError, PlanError, ReplicationWarning,
                                 ReshardError, SearchError, StoreError, TenplexError,
@@ -37,6 +37,7 @@ __all__ = [
     "UsageError",
     "Transfer",
     "__version__",
+    "assembly",
     "bubble_fraction",
     "data",
     "determinism",

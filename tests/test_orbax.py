@@ -394,7 +394,8 @@ def test_store_snapshot_exported_for_stock_orbax(tmp_path):
   restore first), with and without OCDBT: stock Orbax restores it bitwise;
   the store is only read; the same snapshot restores through the shared
   assemble path."""
-  from tenplex_jax import sources, store
+  from tenplex_jax import assembly, store
+  from tenplex_jax.store.source import StoreSource
   from tenplex_jax.cli import main
   mesh = mesh_of((4, 2), ("data", "model"))
   tree = dict(small_tree(mesh), step=7, opt=(
@@ -433,8 +434,8 @@ def test_store_snapshot_exported_for_stock_orbax(tmp_path):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
   # The store as a source of boxes: assemble onto the target.
-  with sources.StoreSource(d) as src:
-    got, arep = sources.assemble(src, target)
+  with StoreSource(d) as src:
+    got, arep = assembly.assemble(src, target)
   def arrays(t):
     return dict({k: v for k, v in t.items() if k not in ("step", "opt")},
                 o=t["opt"][1])
@@ -444,7 +445,7 @@ def test_store_snapshot_exported_for_stock_orbax(tmp_path):
   assert got["step"] == 7 and got["opt"][0] == {"n": None}
   assert arep.read_bytes == arep.new_shard_bytes
   with pytest.raises(NoCopyError, match="step 8"):
-    sources.StoreSource(d, step=8)
+    StoreSource(d, step=8)
   store.save({"s": "text"}, str(tmp_path / "s2"), step=1)
   with pytest.raises(TreeError, match="s: str"):
     tor.convert(str(tmp_path / "s2"), str(tmp_path / "s2o"))

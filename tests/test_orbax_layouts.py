@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax import orbax as tor
-from tenplex_jax import sources
+from tenplex_jax import assembly, sources
+from tenplex_jax.errors import StoreError
 
 
 def _mesh(shape, names):
@@ -118,7 +119,7 @@ def test_per_piece_path_reads_each_piece(rows_ckpt, monkeypatch):
   the grouping is what cuts the reads."""
   d, saved = rows_ckpt
   target = _target("cols4")
-  monkeypatch.setattr(sources, "_GROUP_READS", False)
+  monkeypatch.setattr(assembly, "_GROUP_READS", False)
   out, rep = tor.restore_with_report(d, target)
   # 2-D leaves: 8 row chunks x 4 columns; 1-D leaves (bias, rng): 8 chunks.
   assert rep.reads == rep.pieces == 3 * 8 * 4 + 2 * 8
@@ -137,11 +138,11 @@ def test_grouped_read_error_names_leaf(tmp_path):
           boxes=(((0, 2), (0, 4)), ((2, 4), (0, 4))))}
 
     def read_into(self, path, box, out):
-      raise sources.StoreError(f"{path} box {list(box)}: disk on fire")
+      raise StoreError(f"{path} box {list(box)}: disk on fire")
 
   s = NamedSharding(_mesh((2,), ("t",)), P(None, "t"))
-  with pytest.raises(sources.StoreError, match="w box .*disk on fire"):
-    sources.assemble(Broken(), {"w": jax.ShapeDtypeStruct(
+  with pytest.raises(StoreError, match="w box .*disk on fire"):
+    assembly.assemble(Broken(), {"w": jax.ShapeDtypeStruct(
         (4, 4), jnp.float32, sharding=s)})
 
 
@@ -164,7 +165,7 @@ def test_grouped_read_copies_sub_boxes():
       out[...] = full[tuple(slice(a, b) for a, b in box)]
 
   s = NamedSharding(_mesh((2, 3), ("a", "b")), P("a", "b"))
-  tree, rep = sources.assemble(Whole(), {"w": jax.ShapeDtypeStruct(
+  tree, rep = assembly.assemble(Whole(), {"w": jax.ShapeDtypeStruct(
       (8, 6), jnp.float32, sharding=s)})
   assert calls == [((0, 8), (0, 6))] and rep.reads == 1 and rep.pieces == 6
   assert np.asarray(tree["w"]).tobytes() == full.tobytes()

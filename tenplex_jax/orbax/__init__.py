@@ -25,7 +25,7 @@ from typing import Any
 from tenplex_jax.orbax._convert import (MappedSource, convert, scan_mapping,
                                         unscan_mapping)
 from tenplex_jax.orbax._read import Location, OrbaxSource, inspect, locate
-from tenplex_jax.sources import AssembleReport, assemble
+from tenplex_jax.assembly import AssembleReport, assemble
 
 __all__ = ["Location", "MappedSource", "OrbaxSource", "convert", "inspect",
            "locate", "restore", "restore_with_report", "save",
@@ -37,7 +37,7 @@ def restore_with_report(path: str, target: Any, *, step: int | None = None,
                         inflight_bytes: int = 32 << 20,
                         mesh: Any = None) -> tuple[Any, AssembleReport]:
   """Like :func:`restore`, and also returns the
-  :class:`tenplex_jax.sources.AssembleReport` (bytes read, seconds).
+  :class:`tenplex_jax.assembly.AssembleReport` (bytes read, seconds).
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, numpy as np

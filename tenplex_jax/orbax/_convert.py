@@ -57,7 +57,8 @@ from tenplex_jax.orbax._read import (ARRAY_TYPES, Location, OrbaxSource,
                                      TreeEntry, read_json,
                                      sharding_from_orbax)
 from tenplex_jax.planner import plan
-from tenplex_jax.sources import Source, SourceTensor, source_layout
+from tenplex_jax.assembly import fill, new_boxes, read_source, source_layout
+from tenplex_jax.sources import Source, SourceTensor
 
 __all__ = ["MappedSource", "convert", "layout_from_spec", "scan_mapping",
            "unscan_mapping"]
@@ -558,7 +559,7 @@ def convert(src: str, dst: str, target: Any = None, *,
     src: an Orbax checkpoint (manager, step or item directory), or a
       tenplex_jax store directory: its newest complete snapshot (or
       ``step``) is exported as a standard Orbax checkpoint, box by box
-      (see :class:`tenplex_jax.sources.StoreSource`; plain numbers become
+      (see :class:`tenplex_jax.store.source.StoreSource`; plain numbers become
       Orbax scalars, ``None`` an empty node).
     dst: the new checkpoint; must not exist. When ``src`` is a step of a
       ``CheckpointManager`` or a store, ``dst`` is written as a manager
@@ -698,20 +699,17 @@ def convert(src: str, dst: str, target: Any = None, *,
               "fill_value": 0},
           "store_data_equal_to_fill_value": True,
       }, create=True, open=False, context=ctx).result()
-    # Stream.
-    jobs = []
-    for t in dst_ptc:
-      h = used[t.path]
-      tpl, _ = the_plan.template(t.path)
-      src_bytes = [box_volume(b) * h.storage.itemsize * math.prod(h.extra)
-                   for b in h.boxes]
-      for bi, box in enumerate(t.placement.boxes):
-        pieces = tpl.merges[bi]
-        cost = 2 * box_volume(box) * h.storage.itemsize + max(
-            src_bytes[si] for _, si in pieces)
-        jobs.append((t.path, box, pieces, cost))
-    total = sum(box_volume(b) * used[p].storage.itemsize
-                for p, b, _, _ in jobs)
+    # Stream: every new chunk is a new box of the restore core
+    # (tenplex_jax.assembly), read into a buffer and written as a chunk.
+    jobs = []  # (new box, bytes in flight while it is converted)
+    for nb in new_boxes(the_plan, dst_ptc):
+      h = used[nb.path]
+      per = h.storage.itemsize * math.prod(h.extra)
+      cost = 2 * box_volume(nb.box) * h.storage.itemsize + max(
+          box_volume(h.boxes[si]) * per for _, si in nb.pieces)
+      jobs.append((nb, cost))
+    total = sum(box_volume(nb.box) * used[nb.path].storage.itemsize
+                for nb, _ in jobs)
     budget = _Budget(max(1, limit // 4))
     show = progress if progress is not None else os.isatty(2)
     done = [0]
@@ -724,25 +722,22 @@ def convert(src: str, dst: str, target: Any = None, *,
       bar.start()
 
     def run(job):
-      path, box, pieces, cost = job
-      h = used[path]
-      buf = np.empty(tuple(b - a for a, b in box), h.storage)
-      futs = []
-      for piece, _ in pieces:
-        view = buf[relative_index(piece[:len(h.shape)], box[:len(h.shape)])]
-        futs.append(source.read_async(path, piece[:len(h.shape)], view))
-      for f in futs:
-        f.result()
-      stores[path][tuple(slice(a, b) for a, b in box)].write(buf).result()
+      nb = job[0]  # a scratch buffer (not a device buffer): np.empty
+      [(_, buf, views)] = fill([nb], lambda nb: np.empty(
+          nb.shape, used[nb.path].storage))
+      # Every piece's read at once (the chunk's cost is budgeted above).
+      read_source(source, [(nb, buf, views)], inflight_bytes=1 << 62)
+      stores[nb.path][tuple(slice(a, b) for a, b in nb.box)].write(
+          buf).result()
       return buf.nbytes
 
     pool = cf.ThreadPoolExecutor(max_workers=max(1, workers))
     futs = collections.deque()
     try:
       for job in jobs:
-        budget.take(job[3])
+        budget.take(job[1])
         f = pool.submit(run, job)
-        f.add_done_callback(lambda _f, c=job[3]: budget.give(c))
+        f.add_done_callback(lambda _f, c=job[1]: budget.give(c))
         futs.append(f)
         while futs and futs[0].done():
           done[0] += futs.popleft().result()
@@ -786,9 +781,10 @@ def convert(src: str, dst: str, target: Any = None, *,
 def open_base(src: str, step: int | None, item: str | None,
               cache_bytes: int):
   """The source of a conversion: an Orbax checkpoint, or a tenplex_jax store
-  directory (a :class:`tenplex_jax.sources.StoreSource`, given the Orbax
+  directory (a :class:`tenplex_jax.store.source.StoreSource`, given the Orbax
   tree metadata a checkpoint would have)."""
-  from tenplex_jax.sources import StoreSource
+  from tenplex_jax.orbax._read import Location, OrbaxSource, TreeEntry
+  from tenplex_jax.store.source import StoreSource
   from tenplex_jax.store.format import HostStore
   path = os.path.abspath(os.fspath(src))
   if not (os.path.isdir(path) and HostStore(path).is_store()):

@@ -32,6 +32,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from tenplex_jax._hostmem import host_empty
+from tenplex_jax.assembly import (NewBox, fetch_pieces, fill, new_boxes, place,
+                                  shards_of)
 from tenplex_jax._problems import Problem
 from tenplex_jax._targets import (bind_target, leaf_kind, match_saved,
                                   raise_tree_problems)
@@ -40,12 +42,9 @@ from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
 from tenplex_jax.plain import decode_plain, encode_plain
 from tenplex_jax.locations import LOCAL, OBJECT, PEER, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, slices_to_box,
-                                box_volume, intersect, key_path_name,
-                                relative_index)
+                                box_volume, intersect, key_path_name)
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import key_data_sharding
-from tenplex_jax.sources import StoreCopy, fetch_pieces, place
-from tenplex_jax.store import checkpoint as ckpt
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       chunk_shape, take_lock, check_step,
@@ -54,6 +53,7 @@ from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       prune_snapshots,
                                       round_id, storage_of, write_current)
 from tenplex_jax.store.objects import ObjectStore, upload_snapshot
+from tenplex_jax.store.source import StoreCopy
 from tenplex_jax.store.server import RemoteStore
 
 __all__ = ["RestoreReport", "open_store", "restore", "restore_with_report",
@@ -774,12 +774,12 @@ def restore_with_report(locations: Sequence[str] | str, target: Any, *,
   return out
 
 
-def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
-             me):
-  fallbacks = list(unreachable.values())
-  for s in sources:
-    fallbacks.extend(s.problems)  # snapshots left out (bad manifests)
-  dead = set(unreachable)
+def _choose_round(sources, unreachable, target, step, checkpoint, fallbacks,
+                  dead):
+  """The round to restore: ``(round id, its step, the newest step any
+  store holds, _saved_state of it)``; what was passed over goes to
+  ``fallbacks``. Raises :class:`_Fallback` when no round has a copy of
+  every box (or the checkpoint is newer than the newest that has)."""
   # Every kept round (run, step, save sequence) of every process, newest
   # first. Without a step, the newest round of which every box has a copy
   # (an incomplete newer one is reported as steps lost); snapshots of
@@ -835,23 +835,20 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   elif reason is not None:
     fallbacks.append(reason[0] + f"; restored the previous complete round"
                      f" {rid!r} of step {step}")
-  holding, job, src_ptc, tinfo, lost, src2, src_host, missing = saved
-  extras = job["extras"]
-  host_ids = {id(s): i for i, s in enumerate(sources)}
-  my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
+  return rid, step, newest, saved
+
+
+def _rank_copies(filled, the_plan, dst_ptc, saved, rid, my_host, maps):
+  """Who serves each piece of the ``filled`` new boxes (see
+  :func:`tenplex_jax.assembly.fill`): one :class:`StoreCopy` per (store,
+  old process) snapshot of round ``rid``, ranked. Returns the
+  :func:`tenplex_jax.assembly.fetch_pieces` jobs (large pieces split at
+  chunk rows) and, for the report, the planned network bytes, the host
+  lower bound and the bytes of every device's pieces."""
+  holding, _, src_ptc, tinfo, _, src2, src_host, _ = saved
   old_proc = src_ptc.process_of
-  # New layout (physical: what each device must hold).
-  flat, treedef, dst_sds, values = _match_target(target, src_ptc, extras,
-                                                step)
-  dst_ptc = PTC.from_tree(dst_sds)
-  dst2 = PTC(dst_ptc.tensors, tuple(
-      (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
-  t1 = time.perf_counter()
-  the_plan = plan(src2, dst2)
-  t2 = time.perf_counter()
-  # Distinct pieces of this process's devices, with their sources ranked:
-  # one StoreCopy per (store, old process) snapshot of the round.
-  maps = ChunkMaps()  # local chunks, each mapped and checked once
+  # Ranked: the plan's choice first, then other replicas, this host's
+  # stores before peers and buckets.
   copies: dict[tuple[int, int], StoreCopy] = {}
 
   def copy_of(s, k):
@@ -861,77 +858,87 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
                                          s.rounds[k][rid], maps)
     return c
 
-  mine = {d.id for d in jax.local_devices()}
-  tasks: dict[tuple[str, Box], list[tuple[_Source, int]]] = {}
-  dests: dict[tuple[str, Box], list[Box]] = {}  # piece -> new boxes
-  planned_net = host_lb = dev_piece = 0
-  for t in dst_ptc:
-    tpl, rot = the_plan.template(t.path)
-    s_t = src2[t.path]
-    local_boxes = [i for i, hs in enumerate(s_t.placement.holders)
-                   if any(src_host[h] == my_host for h in hs)]
-    seen_dst = set()
-    for d in sorted(mine & set(t.placement.devices)):
-      dbox = t.shard_box(d)
-      first = dbox not in seen_dst
-      seen_dst.add(dbox)
-      if first:  # host lower bound: this box minus what this host held
-        kept = 0
-        for i in local_boxes:
-          c = intersect(dbox, s_t.placement.boxes[i])
-          kept += 0 if c is None else box_volume(c)
-        host_lb += (box_volume(dbox) - kept) * t.itemsize
-      for m in tpl.moves_to(d):
-        nb = box_volume(m.box) * t.itemsize
-        dev_piece += nb
-        key = (t.path, m.box)
-        if dbox not in dests.setdefault(key, []):
-          dests[key].append(dbox)
-        if key in tasks:
-          continue
-        L = len(m.sources)
-        order = [m.sources[(rot + j) % L] for j in range(L)]
-        cands = []
-        for dev in order:  # the plan's choice first, then other replicas
-          for s in holding[old_proc[dev - _OFFSET]]:
-            c = copy_of(s, old_proc[dev - _OFFSET])
-            if c not in cands:
-              cands.append(c)
-        cands.sort(key=lambda c: c.preference)  # own host first (stable)
-        if not cands[0].local:
-          planned_net += nb
-        tasks[key] = cands
-  t3 = time.perf_counter()
-  # One aligned host buffer per distinct new box (storage dtype; large ones
-  # recycled, see tenplex_jax._hostmem): pieces are
-  # read straight into their place in it, and it becomes the device buffer
-  # without another copy (CPU devices alias aligned host memory).
-  bufs: dict[tuple[str, Box], np.ndarray] = {}
-  for key, dboxes in dests.items():
-    info = tinfo[key[0]]
-    for dbox in dboxes:
-      if (key[0], dbox) not in bufs:
-        bufs[(key[0], dbox)] = host_empty(
-            tuple(b - a for a, b in dbox) + tuple(info["extra"]),
-            np.dtype(info["storage"]))
   jobs = []  # (path, box, destination view, candidates, piece key)
-  for key, cands in tasks.items():
-    path, box = key
-    dbox = dests[key][0]
-    dest = bufs[(path, dbox)][relative_index(box, dbox)]
-    if dest.size == 0:
-      continue
-    held = next((b for b in src2[path].placement.boxes
-                 if all(h0 <= p0 and p1 <= h1
-                        for (p0, p1), (h0, h1) in zip(box, b))), None)
-    rows = None
-    if held is not None and held:
-      info = tinfo[path]
+  planned_net = host_lb = dev_piece = 0
+  local_boxes: dict[str, list[Box]] = {}  # old boxes this host's stores hold
+  for nb, _, views in filled:
+    t = dst_ptc[nb.path]
+    tpl, rot = the_plan.template(nb.path)
+    s_t = src2[nb.path]
+    info = tinfo[nb.path]
+    here = local_boxes.get(nb.path)
+    if here is None:
+      here = local_boxes[nb.path] = [
+          box for box, hs in zip(s_t.placement.boxes, s_t.placement.holders)
+          if any(src_host[h] == my_host for h in hs)]
+    # Host lower bound: this box minus what this host's stores held.
+    kept = 0
+    for box in here:
+      c = intersect(nb.box, box)
+      kept += 0 if c is None else box_volume(c)
+    host_lb += (box_volume(nb.box) - kept) * t.itemsize
+    dev_piece += box_volume(nb.box) * t.itemsize * len(nb.holders)
+    moves = {m.box: m for m in tpl.moves_to(nb.holders[0])}
+    for piece, si, view in views:
+      m = moves[piece]
+      L = len(m.sources)
+      cands = []
+      for dev in (m.sources[(rot + j) % L] for j in range(L)):
+        for s in holding[old_proc[dev - _OFFSET]]:
+          c = copy_of(s, old_proc[dev - _OFFSET])
+          if c not in cands:
+            cands.append(c)
+      cands.sort(key=lambda c: c.preference)  # own host first (stable)
+      if not cands[0].local:
+        planned_net += view.nbytes
+      held = s_t.placement.boxes[si]
       rows = chunk_shape(tuple(b - a for a, b in held)
                           + tuple(info["extra"]),
-                          np.dtype(info["storage"]).itemsize)[0]
-    for sub, view in _split_rows(box, dest, held, rows):
-      jobs.append((path, sub, view, cands, key))
+                          np.dtype(info["storage"]).itemsize)[0] \
+          if held else None
+      for sub, part in _split_rows(piece, view, held, rows):
+        jobs.append((nb.path, sub, part, cands, (nb.path, piece)))
+  return jobs, planned_net, host_lb, dev_piece
+
+
+def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
+             me):
+  fallbacks = list(unreachable.values())
+  for s in sources:
+    fallbacks.extend(s.problems)  # snapshots left out (bad manifests)
+  dead = set(unreachable)
+  rid, step, newest, saved = _choose_round(
+      sources, unreachable, target, step, checkpoint, fallbacks, dead)
+  holding, job, src_ptc, tinfo, lost, src2, _, _ = saved
+  extras = job["extras"]
+  host_ids = {id(s): i for i, s in enumerate(sources)}
+  my_host = next((host_ids[id(s)] for s in sources if s.local), -1)
+  # New layout (physical: what each device must hold).
+  flat, treedef, dst_sds, values = _match_target(target, src_ptc, extras,
+                                                step)
+  dst_ptc = PTC.from_tree(dst_sds)
+  dst2 = PTC(dst_ptc.tensors, tuple(
+      (d, my_host if p == me else -(p + 1)) for d, p in dst_ptc.processes))
+  t1 = time.perf_counter()
+  the_plan = plan(src2, dst2)
+  t2 = time.perf_counter()  # "read" from here: buffers, ranking, reads
+  # The distinct new boxes this process's devices hold (the restore core,
+  # tenplex_jax.assembly), each in one aligned host buffer (storage dtype;
+  # large ones recycled, see tenplex_jax._hostmem) that becomes the device
+  # buffer without another copy (CPU devices alias aligned host memory).
+  mine = {d.id for d in jax.local_devices()}
+  bufs: dict[tuple[str, Box], np.ndarray] = {}
+
+  def alloc(nb: NewBox) -> np.ndarray:
+    info = tinfo[nb.path]
+    buf = bufs[(nb.path, nb.box)] = host_empty(
+        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
+    return buf
+
+  filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
+  maps = ChunkMaps()  # local chunks, each mapped and checked once
+  jobs, planned_net, host_lb, dev_piece = _rank_copies(
+      filled, the_plan, dst_ptc, saved, rid, my_host, maps)
   per_source = collections.Counter()
   counts = {"local": 0, "net": 0}
   if any(isinstance(s.handle, HostStore) and s.handle.remote
@@ -955,11 +962,6 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     nb = job[2].nbytes
     per_source[src.name] += nb
     counts["local" if src.local else "net"] += nb
-  for key, dboxes in dests.items():  # a piece several new boxes share
-    path, box = key
-    src = bufs[(path, dboxes[0])][relative_index(box, dboxes[0])]
-    for dbox in dboxes[1:]:
-      bufs[(path, dbox)][relative_index(box, dbox)] = src
   local_bytes, net_bytes = counts["local"], counts["net"]
   t4 = time.perf_counter()
   # Place each distinct new box on its devices (one batched transfer).
@@ -968,25 +970,21 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     if i in values:
       continue
     name = key_path_name(kp)
-    leaf = dst_sds[name]
-    t = dst_ptc[name]
     info = tinfo[name]
     extra = tuple(info["extra"])
     key_impl = info.get("key_impl")
-    sharding = leaf.sharding
+    t = dst_ptc[name]
+    sharding = dst_sds[name].sharding
     if key_impl:
       sharding = key_data_sharding(sharding, len(t.shape), len(extra))
-    hosts = {}
-    for dev in sharding.addressable_devices:
-      dbox = t.shard_box(dev.id)
-      host = bufs.get((name, dbox))
-      if host is None:  # an empty box: no pieces
-        host = np.empty(tuple(b - a for a, b in dbox) + extra,
-                        np.dtype(info["storage"]))
-      hosts[dev.id] = from_storage(host, info["dtype"])
-    leaves.append((i, (tuple(t.shape) + extra, sharding, hosts, key_impl)))
+    hosts = shards_of(t, sharding, bufs, lambda box: np.empty(  # empty box
+        tuple(b - a for a, b in box) + extra, np.dtype(info["storage"])))
+    leaves.append((i, (tuple(t.shape) + extra, sharding,
+                       {d: from_storage(h, info["dtype"])
+                        for d, h in hosts.items()}, key_impl)))
   built = dict(zip([i for i, _ in leaves], place([x for _, x in leaves])))
   bufs.clear()
+  filled.clear()
   out_leaves = [values[i] if i in values else built[i]
                 for i in range(len(flat))]
   tree = jax.tree_util.tree_unflatten(treedef, out_leaves)
@@ -998,7 +996,7 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       host_lower_bound_bytes=host_lb, device_piece_bytes=dev_piece,
       per_source_bytes=dict(per_source), fallbacks=tuple(fallbacks),
       lost_processes=lost, from_checkpoint=False, steps_lost=newest - step,
-      seconds={"manifest": t1 - t0, "plan": t2 - t1, "read": t4 - t3,
+      seconds={"manifest": t1 - t0, "plan": t2 - t1, "read": t4 - t2,
                "build": t5 - t4, "total": t5 - t0},
       dead_sources=tuple(sorted(dead)))
   return tree, report

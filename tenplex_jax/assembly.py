@@ -1,0 +1,619 @@
+"""The restore core: one assembly path from sources of boxes to new shards.
+
+Every restore runs the same steps, written once here:
+
+  plan(source layout, target layout)
+    -> :func:`new_boxes`: the distinct new boxes the selected devices hold
+       (a box several of this process's devices hold is read once), each
+       with its pieces (one per source box it overlaps)
+    -> :func:`fill`: one host buffer per new box, a view of it per piece
+    -> reads, into those views; *who serves a piece* is the one pluggable
+       part: :func:`read_source` (one :class:`~tenplex_jax.sources.Source`,
+       reads pipelined, a box read whole read once for all its pieces) or
+       :func:`fetch_pieces` (ranked copies of a piece in several stores,
+       batched per peer, falling back to the next copy)
+    -> placement: :func:`place` turns the buffers into ``jax.Array``\\ s in
+       one batched transfer (CPU devices alias them: no copy).
+
+Its users: :func:`assemble` (one source onto a target tree:
+``tenplex_jax.orbax.restore``, a store round as a
+:class:`tenplex_jax.store.source.StoreSource`), the store restore
+(``tenplex_jax.store.restore``: ranks
+:class:`tenplex_jax.store.source.StoreCopy` objects per piece and adds its
+round choice, fallbacks and report) and ``tenplex_jax.orbax.convert`` (all
+new boxes, each written as a chunk of the new checkpoint instead of
+placed). Device buffers come from the one host allocator,
+:func:`tenplex_jax._hostmem.host_empty`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from tenplex_jax._hostmem import host_empty
+from tenplex_jax._targets import match_saved, raise_tree_problems
+from tenplex_jax.errors import StoreError, UnreachableError
+from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
+                                relative_index)
+from tenplex_jax.planner import Plan, plan
+from tenplex_jax.reshard import key_data_sharding
+from tenplex_jax.sources import Source, SourceTensor
+
+__all__ = ["AssembleReport", "NewBox", "assemble", "fetch_pieces", "fill",
+           "match_target", "new_boxes", "place", "read_source",
+           "source_layout"]
+
+
+# -- plan -> distinct new boxes -> buffers -----------------------------------
+@dataclasses.dataclass(frozen=True)
+class NewBox:
+  """One distinct new box of a tensor, as the selected devices hold it.
+
+  Attributes:
+    path: the tensor.
+    box: the box, in the plan's coordinates.
+    index: its index in the tensor's new placement.
+    holders: the selected devices that hold it, in id order.
+    pieces: ``(piece box, source box index)``, tiling ``box`` (the plan's
+      merges).
+  """
+
+  path: str
+  box: Box
+  index: int
+  holders: tuple[int, ...]
+  pieces: tuple[tuple[Box, int], ...]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(b - a for a, b in self.box)
+
+
+def new_boxes(the_plan: Plan, dst: PTC,
+              devices: Collection[int] | None = None) -> Iterator[NewBox]:
+  """The distinct new boxes of ``dst`` that ``devices`` hold (every box
+  when ``None``), tensor by tensor in ``dst``'s order, each once however
+  many of the devices hold it."""
+  for t in dst:
+    tpl, _ = the_plan.template(t.path)
+    for i, (box, hs) in enumerate(zip(t.placement.boxes,
+                                      t.placement.holders)):
+      sel = tuple(sorted(hs if devices is None else
+                         (h for h in hs if h in devices)))
+      if sel:
+        yield NewBox(t.path, box, i, sel, tpl.merges[i])
+
+
+# A filled new box: (box, its buffer, [(piece, source box index, view)]).
+Filled = tuple[NewBox, np.ndarray, list[tuple[Box, int, np.ndarray]]]
+
+
+def fill(boxes: Iterable[NewBox], alloc: Callable[[NewBox], np.ndarray]
+         ) -> Iterator[Filled]:
+  """Allocates each new box's buffer (``alloc``; trailing dimensions beyond
+  the box, such as key data, are whole) as it is reached, and gives the
+  view of every non-empty piece in it."""
+  for nb in boxes:
+    buf = alloc(nb)
+    views = []
+    for piece, si in nb.pieces:
+      view = buf[relative_index(piece, nb.box)]
+      if view.size:
+        views.append((piece, si, view))
+    yield nb, buf, views
+
+
+def shards_of(t: TensorLayout, sharding: jax.sharding.Sharding,
+              bufs: Mapping[tuple[str, Box], np.ndarray],
+              missing: Callable[[Box], np.ndarray] | None = None
+              ) -> dict[int, np.ndarray]:
+  """Each addressable device's host buffer: its new box's in ``bufs``
+  (keyed ``(path, box)``), else ``missing(box)`` (an empty box)."""
+  out = {}
+  for d in sharding.addressable_devices:
+    box = t.shard_box(d.id)
+    buf = bufs.get((t.path, box))
+    out[d.id] = missing(box) if buf is None else buf
+  return out
+
+
+def place(leaves) -> list:
+  """Turns host buffers into ``jax.Array`` objects, every shard of every
+  leaf in one batched ``jax.device_put`` (CPU devices alias aligned
+  buffers).
+
+  Args:
+    leaves: ``(shape, sharding, {device id: host buffer}, key impl)`` per
+      array, in the physical form (a PRNG key array's key data and its
+      sharding; ``key impl`` then names the implementation to wrap it in).
+
+  Returns:
+    The arrays, in order.
+
+  Example:
+    >>> import jax
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> [a] = place([((3,), s, {jax.devices()[0].id: np.arange(3.0)}, None)])
+    >>> a.tolist(), a.sharding == s
+    ([0.0, 1.0, 2.0], True)
+  """
+  bufs, devs, spans = [], [], []
+  for shape, sharding, hosts, _ in leaves:
+    lo = len(bufs)
+    for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
+      bufs.append(hosts[d.id])
+      devs.append(d)
+    spans.append((lo, len(bufs)))
+  shards = jax.device_put(bufs, devs, may_alias=True) if bufs else []
+  del bufs
+  out = []
+  for (shape, sharding, _, impl), (lo, hi) in zip(leaves, spans):
+    arr = jax.make_array_from_single_device_arrays(tuple(shape), sharding,
+                                                   shards[lo:hi])
+    if impl:
+      arr = jax.random.wrap_key_data(arr, impl=impl)
+    out.append(arr)
+  return out
+
+
+# -- reads: one source -------------------------------------------------------
+# False: every piece is its own read, as before source boxes were grouped
+# (kept for benchmarks/bench_orbax.py's before/after comparison).
+_GROUP_READS = True
+
+
+@dataclasses.dataclass
+class ReadStats:
+  """What :func:`read_source` read: ``pieces``, their ``bytes``, and the
+  ``reads`` issued to the source."""
+
+  pieces: int = 0
+  bytes: int = 0
+  reads: int = 0
+
+
+def read_source(source: Source, filled: Iterable[Filled], *,
+                inflight_bytes: int = 32 << 20,
+                stats: ReadStats | None = None) -> ReadStats:
+  """Reads every piece of ``filled`` from ``source`` into its view.
+
+  Reads overlap (``Source.read_async``), with at most ``inflight_bytes`` of
+  source boxes being read at once (but always two, so that two cores
+  decode). From a source whose boxes are read whole
+  (``Source.whole_boxes``: compressed chunks) the pieces one source box
+  gives the boxes of one tensor are read together, the part of it they
+  cover once, then copied into place. Boxes are consumed lazily, so that
+  their buffers are allocated while earlier reads run.
+  """
+  held = source.tensors()
+  whole = _GROUP_READS and getattr(source, "whole_boxes", False)
+  st = ReadStats() if stats is None else stats
+  pending: collections.deque = collections.deque()
+  inflight = 0
+
+  def issue(path, box, out, cost, scatter=()):
+    nonlocal inflight
+    while len(pending) >= 2 and inflight + cost > inflight_bytes:
+      retire()
+    pending.append((source.read_async(path, box, out), cost, out, scatter))
+    inflight += cost
+    st.reads += 1
+
+  def retire():
+    nonlocal inflight
+    f, c, tmp, scatter = pending.popleft()
+    f.result()
+    for index, view in scatter:  # one source box read, copied to its pieces
+      view[...] = tmp[index]
+    inflight -= c
+
+  try:
+    for path, items in itertools.groupby(filled, key=lambda x: x[0].path):
+      t = held[path]
+      rank = len(t.shape)  # pieces are read by their logical box
+      per = t.storage.itemsize * math.prod(t.extra)
+      by_src: dict[int, list] = {}  # source box -> [(piece, view)]
+      for _, _, views in items:
+        for piece, si, view in views:
+          st.pieces += 1
+          st.bytes += view.nbytes
+          if whole:  # issued once this tensor's boxes are known, below
+            by_src.setdefault(si, []).append((piece, view))
+          else:
+            issue(path, piece[:rank], view, box_volume(t.boxes[si]) * per)
+      for si, group in by_src.items():
+        cost = box_volume(t.boxes[si]) * per
+        if len(group) == 1:
+          piece, view = group[0]
+          issue(path, piece[:rank], view, cost)
+          continue
+        # Several pieces lie in one source box: read the part of it they
+        # cover once (a compressed chunk is decoded once, not once per
+        # piece), then copy each piece to its place.
+        ubox = tuple((min(p[k][0] for p, _ in group),
+                      max(p[k][1] for p, _ in group))
+                     for k in range(len(group[0][0])))
+        tmp = np.empty(tuple(b - a for a, b in ubox), group[0][1].dtype)
+        issue(path, ubox[:rank], tmp, cost,
+              [(relative_index(p, ubox), v) for p, v in group])
+    while pending:
+      retire()
+  finally:
+    for f, _, _, _ in pending:  # an error: let outstanding reads finish first
+      try:
+        f.result()
+      except Exception:  # noqa: BLE001 - the first error is raised
+        pass
+  return st
+
+
+# -- reads: ranked copies ----------------------------------------------------
+class _Single(Exception):
+  """Internal: read a batch piece by piece."""
+
+
+def _direct(src) -> bool:
+  """Whether ``src`` serves one piece per read (a directory, a bucket),
+  each read then a task of its own, as opposed to many per request."""
+  return getattr(src, "direct", src.local)
+
+
+def _batches(jobs, batch_bytes: int, batch_pieces: int):
+  """Groups jobs by their first source into requests of bounded size, then
+  interleaves the groups (every peer is read from at once)."""
+  groups: dict[int, list] = {}
+  for job in jobs:
+    groups.setdefault(id(job[3][0]), []).append(job)
+  per_group = []
+  for group in groups.values():
+    out = []
+    per_group.append(out)
+    cur, nb = [], 0
+    for job in group:
+      if cur and (nb + job[2].nbytes > batch_bytes
+                  or len(cur) >= batch_pieces or _direct(job[3][0])):
+        out.append(cur)
+        cur, nb = [], 0
+      cur.append(job)
+      nb += job[2].nbytes
+    if cur:
+      out.append(cur)
+  out = []
+  for i in range(max((len(g) for g in per_group), default=0)):
+    out.extend(g[i] for g in per_group if i < len(g))
+  return out
+
+
+def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
+                 batch_bytes: int = 16 << 20, batch_pieces: int = 256):
+  """Reads pieces from ranked sources, falling back to the next source of a
+  piece when one fails ("try the next source", in one place).
+
+  Args:
+    jobs: ``(path, box, destination view, [sources, best first], key)``;
+      sources are :class:`~tenplex_jax.sources.Source` objects with
+      ``name`` and ``local``; one with ``read_batch`` serves several pieces
+      per request.
+    workers: requests in flight.
+    dead: names of sources known dead; a source that raises
+      :class:`UnreachableError` is added, and skipped from then on.
+    batch_bytes, batch_pieces: bound on one request.
+
+  Returns:
+    ``[(source that served it, job), ...]`` and the errors that were
+    fallen back from.
+
+  Raises:
+    StoreError: every source of some piece failed (names them all).
+
+  Example:
+    >>> class Broken(Source):
+    ...   name, local = "broken", True
+    ...   def tensors(self): return {}
+    ...   def read_into(self, path, box, out):
+    ...     raise StoreError("disk on fire")
+    >>> class Zeros(Broken):
+    ...   name = "zeros"
+    ...   def read_into(self, path, box, out): out[...] = 0
+    >>> out = np.ones(3)
+    >>> served, errs = fetch_pieces([("w", ((0, 3),), out,
+    ...                               [Broken(), Zeros()], None)])
+    >>> served[0][0].name, out.tolist(), errs
+    ('zeros', [0.0, 0.0, 0.0], ['disk on fire'])
+  """
+  dead = set() if dead is None else dead
+
+  def fetch_one(job, errs):
+    path, box, dest, cands, _ = job
+    skipped = []
+    for src in cands:
+      if src.name in dead:  # a peer that died earlier in this restore
+        skipped.append(f"{src.name} (dead earlier in this restore)")
+        continue
+      try:
+        src.read_into(path, box, dest)
+        return src
+      except UnreachableError as e:
+        dead.add(src.name)
+        errs.append(str(e))
+      except StoreError as e:
+        errs.append(str(e))
+    raise StoreError(f"{path} box {list(box)}: every copy failed:\n  "
+                     + "\n  ".join(errs + skipped))
+
+  def fetch(batch):
+    errs = []
+    src = batch[0][3][0]
+    try:
+      if _direct(src) or len(batch) == 1 or src.name in dead or \
+          not hasattr(src, "read_batch"):
+        raise _Single()
+      src.read_batch([(path, box, dest) for path, box, dest, _, _ in batch])
+      served = [(src, job) for job in batch]
+    except (StoreError, _Single) as e:
+      if isinstance(e, UnreachableError):
+        dead.add(src.name)
+      if isinstance(e, StoreError):
+        errs.append(str(e))
+      served = [(fetch_one(job, errs), job) for job in batch]
+    return served, errs
+
+  served_all, errs_all = [], []
+  pool = cf.ThreadPoolExecutor(max_workers=max(1, workers))
+  try:
+    for served, errs in pool.map(fetch, _batches(jobs, batch_bytes,
+                                                 batch_pieces)):
+      errs_all.extend(errs)
+      served_all.extend(served)
+  except BaseException:
+    pool.shutdown(wait=True, cancel_futures=True)
+    raise
+  finally:
+    pool.shutdown(wait=True)
+  return served_all, errs_all
+
+
+# -- one source onto a target tree -------------------------------------------
+_OFFSET = 1 << 30  # source "devices" (its boxes) never look like new ones
+
+
+def source_layout(tensors: Mapping[str, SourceTensor],
+                  dtypes: Mapping[str, tuple[str, int]] | None = None) -> PTC:
+  """The layout of ``tensors`` as a PTC: each held box is a "device"
+  ``2**30 + i`` of process ``-1`` (a source outside the job).
+
+  ``dtypes`` overrides a tensor's ``(dtype name, itemsize)`` (a target read
+  with a cast is planned in the target's dtype).
+  """
+  out = []
+  for path, t in tensors.items():
+    boxes = tuple(b + tuple((0, e) for e in t.extra) for b in t.boxes)
+    holders = tuple((_OFFSET + i,) for i in range(len(boxes)))
+    dt, size = (dtypes or {}).get(path, (t.storage.name, t.storage.itemsize))
+    out.append(TensorLayout(path, t.stored_shape, dt, size,
+                            Placement(boxes, holders)))
+  n = max((len(t.boxes) for t in tensors.values()), default=0)
+  return PTC(tuple(out), tuple((_OFFSET + i, -1) for i in range(n)))
+
+
+@dataclasses.dataclass(frozen=True)
+class AssembleReport:
+  """What :func:`assemble` read.
+
+  Attributes:
+    process_index: this process.
+    n_tensors: tensors restored.
+    new_shard_bytes: bytes of the distinct new boxes this process holds.
+    read_bytes: bytes of the pieces read from the source (each piece once
+      per process).
+    pieces: pieces read.
+    reads: reads issued to the source: one per source box when the source
+      reads whole boxes (``Source.whole_boxes``: the pieces of one box are
+      read together, then copied), else one per piece.
+    seconds: ``plan``, ``read``, ``build`` and ``total``.
+  """
+
+  process_index: int
+  n_tensors: int
+  new_shard_bytes: int
+  read_bytes: int
+  pieces: int
+  seconds: Mapping[str, float]
+  reads: int = 0
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def match_target(target: Any, held: Mapping[str, SourceTensor], *,
+                 mesh: jax.sharding.Mesh | None = None):
+  """Pairs the array leaves of ``target`` with the tensors a source holds
+  (:func:`tenplex_jax._targets.match_saved`).
+
+  Args:
+    target: a pytree; leaves that are ``jax.Array``s or
+      ``jax.ShapeDtypeStruct``s with a sharding are restored (a sharding on
+      an ``AbstractMesh`` is bound to ``mesh`` or the mesh in context), any
+      other leaf (a Python number, ``None``, a ``ShapeDtypeStruct`` without
+      a sharding) is a *plain* leaf.
+    held: the source's tensors.
+    mesh: the concrete mesh for shardings on an ``AbstractMesh``.
+
+  Returns:
+    ``(flat, treedef, arrays, plain)``: the flattened target, ``arrays``
+    maps leaf index -> (saved path or ``None`` for a zero-size array,
+    target leaf on a concrete sharding), ``plain`` maps leaf index -> saved
+    path (or ``None`` when nothing is saved there).
+
+  Raises:
+    TreeError: some array leaves are not in the source or their shape
+      differs (every such leaf is named, with both shapes and dtypes); a
+      dtype may differ (the source reads with a cast), a PRNG key's may not.
+  """
+  flat, treedef, slots, problems = match_saved(
+      target, held, where="the checkpoint", mesh=mesh, cast=True)
+  raise_tree_problems("the target does not match the checkpoint", problems)
+  arrays = {x.index: (x.saved if math.prod(x.leaf.shape) else None, x.leaf)
+            for x in slots if x.array}  # Orbax stores no zero-size arrays
+  plain = {x.index: x.saved for x in slots if not x.array}
+  return flat, treedef, arrays, plain
+
+
+def _is_key_dtype(dtype) -> bool:
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _physical(leaf) -> tuple[jax.ShapeDtypeStruct, str | None]:
+  """The leaf as stored: a key array's key data, with its sharding."""
+  if _is_key_dtype(leaf.dtype):
+    data = jax.eval_shape(jax.random.key_data, leaf)
+    s = key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=s), \
+        _impl_name(leaf.dtype)
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                              sharding=leaf.sharding), None
+
+
+def _impl_name(dtype) -> str:
+  tag = str(dtype)[4:-1]
+  for name in ("threefry2x32", "rbg", "unsafe_rbg"):
+    if str(jax.random.key(0, impl=name).dtype)[4:-1] == tag:
+      return name
+  return tag
+
+
+def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
+             mesh: jax.sharding.Mesh | None = None
+             ) -> tuple[Any, AssembleReport]:
+  """Restores ``target``'s arrays from ``source``; call in every process.
+
+  Each process reads only the boxes its own devices hold: per tensor, the
+  plan from the source's boxes to the target layout gives each distinct new
+  box's pieces (a new box is read once per process, into one 64-byte
+  aligned host buffer, even when several local devices hold it), and the
+  pieces are read straight into their place in that buffer
+  (:func:`read_source`: reads overlap, at most ``inflight_bytes`` of source
+  boxes at once; a box read whole is read once for all its pieces). The
+  buffers then become the device buffers in one batched ``jax.device_put``
+  (CPU devices alias them: no copy).
+
+  Args:
+    source: where the boxes come from.
+    target: a pytree of ``jax.ShapeDtypeStruct``s with shardings (or live
+      arrays, or Flax boxes holding them). Plain leaves take the saved value
+      at their path when there is one (a whole-array read), else pass
+      through.
+    inflight_bytes: bound on the source bytes being read at once.
+    mesh: the concrete mesh for target shardings on an ``AbstractMesh``
+      (default: the mesh in context, ``jax.set_mesh``).
+
+  Returns:
+    ``(tree, report)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> class Ramp(Source):  # a source holding one tensor in two boxes
+    ...   def tensors(self):
+    ...     return {"w": SourceTensor("w", (4,), "float32",
+    ...                               np.dtype(np.float32),
+    ...                               boxes=(((0, 2),), ((2, 4),)))}
+    ...   def read_into(self, path, box, out):
+    ...     out[...] = np.arange(*box[0], dtype=out.dtype)
+    >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> tree, rep = assemble(Ramp(), {"w": jax.ShapeDtypeStruct(
+    ...     (4,), jnp.float32, sharding=s)})
+    >>> tree["w"].tolist(), rep.pieces, rep.read_bytes
+    ([0.0, 1.0, 2.0, 3.0], 2, 16)
+  """
+  t0 = time.perf_counter()
+  held = source.tensors()
+  flat, treedef, arrays, plain = match_target(target, held, mesh=mesh)
+  phys, impls, dtypes = {}, {}, {}
+  empty = {i for i, (saved, _) in arrays.items() if saved is None}
+  for i in empty:
+    arrays.pop(i)
+  for i, (saved, leaf) in arrays.items():
+    sds, impl = _physical(leaf)
+    phys[saved] = sds
+    impls[saved] = impl
+    dt = np.dtype(sds.dtype)
+    dtypes[saved] = (dt.name, dt.itemsize)
+  used = {saved: held[saved] for saved, _ in arrays.values()}
+  dst = PTC.from_tree(phys)
+  the_plan = plan(source_layout(used, dtypes), dst)
+  t1 = time.perf_counter()
+  bufs: dict[tuple[str, Box], np.ndarray] = {}
+
+  def alloc(nb: NewBox) -> np.ndarray:
+    buf = bufs[(nb.path, nb.box)] = host_empty(nb.shape,
+                                               phys[nb.path].dtype)
+    return buf
+
+  mine = {d.id for d in jax.local_devices()}
+  st = read_source(source, fill(new_boxes(the_plan, dst, mine), alloc),
+                   inflight_bytes=inflight_bytes)
+  new_bytes = sum(b.nbytes for b in bufs.values())
+  t2 = time.perf_counter()
+  # Every shard of every leaf in one batched transfer, then the arrays.
+  order = list(arrays)
+  built = dict(zip(order, place([
+      (phys[saved].shape, phys[saved].sharding,
+       shards_of(dst[saved], phys[saved].sharding, bufs), impls[saved])
+      for saved, _ in (arrays[i] for i in order)])))
+  bufs.clear()
+  out = []
+  for i, (kp, leaf) in enumerate(flat):
+    if i in built:
+      out.append(built[i])
+    elif i in empty:
+      out.append(_empty_array(leaf))
+    elif plain.get(i) is not None:
+      out.append(_plain(source, held[plain[i]], leaf))
+    else:
+      out.append(leaf)
+  built.clear()
+  tree = jax.tree_util.tree_unflatten(treedef, out)
+  t3 = time.perf_counter()
+  return tree, AssembleReport(
+      process_index=jax.process_index(), n_tensors=len(dst),
+      new_shard_bytes=new_bytes, read_bytes=st.bytes, pieces=st.pieces,
+      reads=st.reads, seconds={"plan": t1 - t0, "read": t2 - t1,
+                               "build": t3 - t2, "total": t3 - t0})
+
+
+def _empty_array(leaf):
+  sds, impl = _physical(leaf)
+  arr = jax.make_array_from_callback(
+      sds.shape, sds.sharding, lambda idx: np.zeros(
+          [len(range(*s.indices(n))) for s, n in zip(idx, sds.shape)]
+          + list(sds.shape[len(idx):]), sds.dtype))
+  return jax.random.wrap_key_data(arr, impl=impl) if impl else arr
+
+
+def _plain(source: Source, t: SourceTensor, leaf):
+  """A plain leaf's saved value: the whole array, as a number when the
+  target leaf is one."""
+  whole = tuple((0, n) for n in t.shape)
+  buf = np.empty(t.stored_shape, t.storage)
+  source.read_into(t.path, whole, buf)
+  if t.key_impl:
+    return jax.random.wrap_key_data(buf, impl=t.key_impl)
+  if isinstance(leaf, bool):
+    return bool(buf)
+  if isinstance(leaf, int):
+    return int(buf)
+  if isinstance(leaf, float):
+    return float(buf)
+  if isinstance(leaf, jax.ShapeDtypeStruct):  # no sharding: a host array
+    return buf.astype(leaf.dtype, copy=False)
+  return buf

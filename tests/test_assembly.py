@@ -1,0 +1,169 @@
+"""The restore core (tenplex_jax.assembly): one assembly path that
+``assemble``, the store restore and ``orbax.convert`` share."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tenplex_jax import assembly, store
+from tenplex_jax import orbax as tor
+from tenplex_jax.layout import PTC, box_volume
+from tenplex_jax.planner import plan
+from tenplex_jax.sources import Source, SourceTensor
+from tenplex_jax.store.source import StoreSource
+
+
+def _mesh(shape, names, start=0):
+  n = int(np.prod(shape))
+  devs = jax.devices()[start:start + n]
+  return Mesh(np.array(devs).reshape(shape), names)
+
+
+def _tree(mesh):
+  rng = np.random.default_rng(0)
+  return {
+      "w": jax.device_put(rng.standard_normal((12, 16), np.float32),
+                          NamedSharding(mesh, P("d", "t"))),
+      "b": jax.device_put(rng.standard_normal(12).astype(jnp.bfloat16),
+                          NamedSharding(mesh, P("t"))),
+      "r": jax.device_put(rng.integers(0, 9, (8, 6), np.int32),
+                          NamedSharding(mesh, P())),
+      "key": jax.device_put(jax.random.key(3), NamedSharding(mesh, P())),
+  }
+
+
+def _target(tree, mesh, specs):
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                  sharding=NamedSharding(mesh, specs[k]))
+          for k, v in tree.items()}
+
+
+def _bits(a):
+  if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+    a = jax.random.key_data(a)
+  return np.asarray(a).tobytes()
+
+
+# A target where several devices hold each box (replicas along "r"), some
+# leaves cut across the saved boxes, one replicated everywhere.
+NEW = {"w": P("t", None), "b": P(), "r": P(None, "t"), "key": P()}
+
+
+def test_new_boxes_are_distinct_and_tiled_by_their_pieces():
+  mesh = _mesh((2, 4), ("d", "t"))
+  tree = _tree(mesh)
+  tmesh = _mesh((2, 3), ("r", "t"))
+  target = _target(tree, tmesh, NEW)
+  src = PTC.from_tree({k: v for k, v in tree.items() if k != "key"})
+  dst = PTC.from_tree({k: v for k, v in target.items() if k != "key"})
+  the_plan = plan(src, dst)
+  mine = {0, 1, 2, 3}  # devices of the first "r" row and one of the second
+  got = list(assembly.new_boxes(the_plan, dst, mine))
+  for t in dst:
+    boxes = [nb for nb in got if nb.path == t.path]
+    want = {b for b, hs in zip(t.placement.boxes, t.placement.holders)
+            if set(hs) & mine}
+    assert [nb.box for nb in boxes] == list(dict.fromkeys(
+        b for b in t.placement.boxes if b in want))  # each box once
+    for nb in boxes:
+      assert nb.holders == tuple(sorted(set(
+          t.placement.holders[nb.index]) & mine))
+      assert sum(box_volume(p) for p, _ in nb.pieces) == box_volume(nb.box)
+  every = list(assembly.new_boxes(the_plan, dst))
+  assert len(every) == sum(len(t.placement.boxes) for t in dst)
+
+
+def test_fill_gives_each_piece_a_view_of_its_box_buffer():
+  mesh = _mesh((2, 4), ("d", "t"))
+  tree = _tree(mesh)
+  tmesh = _mesh((3,), ("t",))
+  w = {"w": jax.ShapeDtypeStruct((12, 16), jnp.float32,
+                                 sharding=NamedSharding(tmesh, P("t", None)))}
+  the_plan = plan(PTC.from_tree({"w": tree["w"]}), PTC.from_tree(w))
+  dst = PTC.from_tree(w)
+  bufs = {}
+  for nb, buf, views in assembly.fill(
+      assembly.new_boxes(the_plan, dst),
+      lambda nb: bufs.setdefault(nb.box, np.zeros(nb.shape, np.float32))):
+    assert buf is bufs[nb.box]
+    for piece, _, view in views:
+      view[...] = 1  # a view, not a copy: writes land in the buffer
+      assert view.shape == tuple(b - a for a, b in piece)
+    assert buf.all()  # the pieces tile the box
+
+
+def test_store_assemble_and_convert_agree_bitwise(tmp_path):
+  """The three users of the core give the same bytes on the same layout,
+  also when several local devices hold one new box (read once)."""
+  mesh = _mesh((2, 4), ("d", "t"))
+  tree = _tree(mesh)
+  d = str(tmp_path / "store")
+  store.save(tree, d, step=5)
+  tmesh = _mesh((2, 3), ("r", "t"))
+  target = _target(tree, tmesh, NEW)
+  via_store, rep = store.restore_with_report([d], target)
+  # Each distinct new box is read once: the bytes read are the distinct
+  # boxes' bytes, the device pieces count every replica.
+  distinct = sum(box_volume(b) * t.itemsize
+                 for t in PTC.from_tree(target)
+                 for b in dict.fromkeys(t.placement.boxes))
+  assert rep.local_bytes == distinct < rep.device_piece_bytes
+  with StoreSource(d) as src:
+    via_source, arep = assembly.assemble(src, target)
+  assert arep.read_bytes == arep.new_shard_bytes == distinct
+  tor.convert(d, str(tmp_path / "ck"), target, progress=False)
+  via_convert = tor.restore(str(tmp_path / "ck"), target)
+  for k in tree:
+    for got in (via_store, via_source, via_convert):
+      assert got[k].sharding == target[k].sharding, k
+      assert _bits(got[k]) == _bits(tree[k]), k
+
+
+def test_read_source_groups_pieces_of_one_whole_box():
+  """From a source that reads boxes whole, the pieces one source box gives
+  are read with one read; otherwise one read per piece."""
+  full = np.arange(64, dtype=np.float32).reshape(8, 8)
+  reads = []
+
+  class Whole(Source):
+    whole_boxes = True
+
+    def tensors(self):
+      return {"w": SourceTensor("w", (8, 8), "float32",
+                                np.dtype(np.float32),
+                                boxes=(((0, 8), (0, 4)), ((0, 8), (4, 8))))}
+
+    def read_into(self, path, box, out):
+      reads.append(box)
+      out[...] = full[tuple(slice(a, b) for a, b in box)]
+
+  src = Whole()
+  tgt = PTC.from_tree({"w": jax.ShapeDtypeStruct(
+      (8, 8), jnp.float32, sharding=NamedSharding(_mesh((4,), ("t",)),
+                                                  P("t")))})
+  the_plan = plan(assembly.source_layout(src.tensors()), tgt)
+  bufs = {}
+
+  def alloc(nb):
+    return bufs.setdefault(nb.box, np.empty(nb.shape, np.float32))
+
+  st = assembly.read_source(src, assembly.fill(
+      assembly.new_boxes(the_plan, tgt), alloc))
+  assert st.pieces == 8 and st.reads == 2 and len(reads) == 2
+  for box, buf in bufs.items():
+    assert buf.tobytes() == full[tuple(slice(a, b) for a, b in box)].tobytes()
+  reads.clear()
+  Whole.whole_boxes = False
+  st = assembly.read_source(src, assembly.fill(
+      assembly.new_boxes(the_plan, tgt), alloc))
+  assert st.reads == st.pieces == 8 == len(reads)
+
+
+def test_sources_module_is_the_interface_only():
+  from tenplex_jax import sources
+  assert set(sources.__all__) == {"DEVICE", "HOST", "PEER", "PERSISTENT",
+                                  "REPLICA", "Source", "SourceTensor"}
+  with pytest.raises(TypeError):
+    sources.Source()  # abstract: tensors() and read_into() are required
