@@ -372,7 +372,8 @@ class Job:
     self.tls, ca = check_tls_options(tls_cert, tls_key, tls_ca,
                                      "tenplex_jax.ray",
                                      ("tls_cert", "tls_key", "tls_ca"))
-    self.env = {**({CA_ENV: ca} if ca else {}), **dict(env or {})}
+    self.env = {**_storage_env(self.checkpoint),
+                **({CA_ENV: ca} if ca else {}), **dict(env or {})}
     self.on_progress = on_progress
     self.ctrl = _Controller.options(  # on the driver's node: it outlives
         # any other node leaving
@@ -606,28 +607,50 @@ class Job:
 
 def checkpoint_dir(run_config: Any, job: str) -> str:
   """The persistent checkpoint directory of a Ray ``RunConfig``:
-  ``<storage_path>/<name>`` (Ray's defaults: ``~/ray_results`` and the job's
-  name), where the script's ``store.save_checkpoint(info["checkpoint"],
-  state, step)`` writes Orbax checkpoints and the last restore fallback
-  reads them.
+  ``<storage_path>/<name>`` (defaults: ``~/ray_results``, and the name
+  Ray's ``RunConfig`` gives, else the job's), where the script's
+  ``store.save_checkpoint(info["checkpoint"], state, step)`` writes its
+  checkpoints and the last restore fallback reads them. ``storage_path`` may be ``s3://BUCKET/PREFIX`` or
+  ``gs://BUCKET/PREFIX``: a multi-process group then saves a tenplex store
+  there, each worker its own shards (``tenplex_jax.store.save_checkpoint``),
+  read back by any later group on any nodes.
 
   Example:
     >>> from ray.train import RunConfig
     >>> checkpoint_dir(RunConfig(storage_path="/mnt/ckpt", name="lm"), "j")
     '/mnt/ckpt/lm'
+    >>> checkpoint_dir(RunConfig(storage_path="s3://b/runs/", name="lm"), "j")
+    's3://b/runs/lm'
   """
-  from tenplex_jax.locations import LOCAL, parse_location
+  from tenplex_jax.locations import LOCAL, OBJECT, parse_location
   path = getattr(run_config, "storage_path", None) or "~/ray_results"
   loc = parse_location(str(path))  # an unknown scheme: UsageError
+  name = getattr(run_config, "name", None) or job
+  if loc.kind == OBJECT:
+    return f"{loc.target}/{name}"
   if loc.kind != LOCAL:
-    raise UsageError(f"run_config.storage_path {path!r}: tenplex_jax.ray"
-                     " writes its checkpoint fallback with Orbax from every"
-                     " worker process to a directory every node mounts"
-                     " (Orbax 0.12 writes no s3:// path, and an object-storage"
-                     " checkpoint is written from one process); give a local"
-                     " or shared file system path")
-  return os.path.join(os.path.expanduser(loc.target),
-                      getattr(run_config, "name", None) or job)
+    raise UsageError(f"run_config.storage_path {path!r}: a directory every"
+                     " node mounts, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX,"
+                     " not a store server")
+  return os.path.join(os.path.expanduser(loc.target), name)
+
+
+# The object-storage SDKs' standard environment (endpoint, credentials,
+# region; the GCS emulator): what the driver has set of it is passed to the
+# workers when the checkpoint is on object storage, since a worker's
+# environment is its node's, not the driver's.
+STORAGE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+               "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+               "AWS_DEFAULT_REGION", "AWS_PROFILE", "STORAGE_EMULATOR_HOST",
+               "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def _storage_env(checkpoint: str | None) -> dict[str, str]:
+  """:data:`STORAGE_ENV` as the driver has it, for an object-storage
+  ``checkpoint`` (else nothing)."""
+  if not checkpoint or "://" not in checkpoint:
+    return {}
+  return {k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)}
 
 
 def stop_store(job: str, node: str) -> bool:
