@@ -653,26 +653,35 @@ def _storage_env(checkpoint: str | None) -> dict[str, str]:
   return {k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)}
 
 
+def _stop_stores(job: str, nodes: Sequence[str], timeout: float) -> int:
+  """Stops job ``job``'s store actors on ``nodes`` all at once (each
+  removes its directory), waits for them up to ``timeout`` seconds in all,
+  then kills the actors; returns how many there were."""
+  actors = []
+  for node in nodes:
+    try:
+      actors.append(_ray.get_actor(store_actor_name(job, node),
+                                   namespace=NAMESPACE))
+    except ValueError:
+      pass
+  refs = [a.stop.remote() for a in actors]
+  if refs:  # a stop that fails (its node gone) is ready with its error
+    _ray.wait(refs, num_returns=len(refs), timeout=timeout)
+  for a in actors:
+    _ray.kill(a)
+  return len(actors)
+
+
 def stop_store(job: str, node: str) -> bool:
   """Stops job ``job``'s store actor on node ``node`` and removes its
   directory (e.g. before a node leaves); returns whether there was one."""
-  try:
-    actor = _ray.get_actor(store_actor_name(job, node), namespace=NAMESPACE)
-  except ValueError:
-    return False
-  try:
-    _ray.get(actor.stop.remote(), timeout=30)
-  except (_ray.exceptions.RayError, TimeoutError):
-    pass
-  _ray.kill(actor)
-  return True
+  return _stop_stores(job, [node], 30.0) > 0
 
 
 def cleanup_stores(job: str) -> None:
   """Stops job ``job``'s store actors on every node and removes their
-  directories."""
-  for node in [n["NodeID"] for n in _ray.nodes() if n["Alive"]]:
-    stop_store(job, node)
+  directories (the stops run at once, up to 60 s in all)."""
+  _stop_stores(job, [n["NodeID"] for n in _ray.nodes() if n["Alive"]], 60.0)
 
 
 def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
