@@ -42,14 +42,17 @@ What :func:`run` does on a Ray cluster:
 * a worker that fails (an exception, its process or node gone) ends the
   group; the next one (on the nodes that still answer, within the bounds)
   restores the newest complete :func:`save_snapshot` (the lost node's
-  shards from store replicas), else the newest Orbax checkpoint in the
-  user's Ray storage (``run_config=RunConfig(storage_path, name)``, written
-  by the script with ``store.save_checkpoint(info["checkpoint"], ...)``),
-  reporting the steps lost.
+  shards from store replicas), else the newest checkpoint in the user's
+  Ray storage (``run_config=RunConfig(storage_path, name)``: a file system
+  every node mounts, or ``s3://``/``gs://``, where each worker uploads its
+  own shards; written by the script with
+  ``store.save_checkpoint(info["checkpoint"], ...)``), reporting the steps
+  lost.
 
 The job token (``TENPLEX_JAX_STORE_TOKEN``: the driver's value, else a new
 secret) is passed to the store actors and the workers in their
-environment.
+environment; so are the driver's object-storage variables
+(:data:`STORAGE_ENV`) when the checkpoint is on object storage.
 
 Example (a local 3-node cluster, a 2-worker job that grows to 3 at step 4;
 then a (1, 4)-worker job that follows the cluster and falls back to the
