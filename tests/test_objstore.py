@@ -440,7 +440,10 @@ def test_persistent_checkpoint_on_s3(s3):
 @pytest.mark.slow
 def test_multiprocess_jobs_save_to_and_restore_from_s3(s3, tmp_path):
   """Two jax.distributed processes save to one s3:// store (each its own
-  shards); three restore it onto another mesh, each reading only from S3."""
+  shards) and their persistent checkpoint to S3 (save_checkpoint: a
+  tenplex store inside it); three restore the store onto another mesh, each
+  reading only from S3, and then, with no store holding a snapshot, the
+  checkpoint."""
   import sys
 
   from procs import run_all
@@ -466,24 +469,43 @@ def test_multiprocess_jobs_save_to_and_restore_from_s3(s3, tmp_path):
       res.append(json.loads((out / f"result_{i}.json").read_text()))
     return res, out
 
-  res, _ = job("save", 2, [4, 2], "save", stores=[url, url])
+  # The job also saves its persistent checkpoint to S3 (save_checkpoint:
+  # each process uploads its own shards to the tenplex store inside).
+  ckpt = f"s3://{s3}/persistent"
+  res, _ = job("save", 2, [4, 2], "save", stores=[url, url],
+               checkpoint=ckpt, checkpoint_step=9)
   assert all(r["ok"] for r in res)
   st = ObjectStore(url)
   assert st.procs() == [0, 1]
+  assert ObjectStore(ckpt + "/tenplex-store").procs() == [0, 1]
+  from tenplex_jax.store import latest_step
+  assert latest_step(ckpt) == 9
+  exp = expected_state()
+
+  def same_as_saved(out):
+    n = 0
+    for i in range(3):
+      with np.load(out / f"shards_{i}.npz") as z:
+        for key in z.files:
+          path, _, box = key.split("|")
+          idx = tuple(slice(int(a), int(b)) for a, b in
+                      (r.split(":") for r in box.split(",") if r))
+          np.testing.assert_array_equal(z[key],
+                                        storage_view(exp[path][idx]))
+          n += 1
+    assert n > 0
+
   res, out = job("restore", 3, [2, 6], "restore",
                  locations=[[url]] * 3)
   assert all(r["ok"] and all(r["shardings_ok"].values()) for r in res), res
-  exp = expected_state()
-  n = 0
-  for i in range(3):
-    with np.load(out / f"shards_{i}.npz") as z:
-      for key in z.files:
-        path, _, box = key.split("|")
-        idx = tuple(slice(int(a), int(b)) for a, b in
-                    (r.split(":") for r in box.split(",") if r))
-        np.testing.assert_array_equal(z[key], storage_view(exp[path][idx]))
-        n += 1
-  assert n > 0
+  same_as_saved(out)
+  # No store holds a snapshot: every process falls back to the checkpoint.
+  res, out = job("fallback", 3, [2, 6], "restore",
+                 locations=[[f"s3://{s3}/none"]] * 3, checkpoint=ckpt)
+  assert all(r["ok"] and all(r["shardings_ok"].values())
+             and r["report"]["from_checkpoint"]
+             and r["report"]["step"] == 9 for r in res), res
+  same_as_saved(out)
 
 
 @contextlib.contextmanager

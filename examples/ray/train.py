@@ -32,10 +32,12 @@ with a deadline): the job saves and moves off it with no step lost, then
 the node goes and a fresh one joins; at ``--kill-at`` a node running
 a worker is killed without warning (the job restarts on the nodes left from
 the newest snapshot, the lost node's shards from their store replicas, or
-from the Orbax checkpoint in the Ray ``RunConfig`` storage when no store
-copy survives). At the end the driver checks that every restored state's
-digest equals the one saved at that step and that the surviving trajectory
-read each step's global batch exactly once; it exits 1 otherwise.
+from the checkpoint in the Ray ``RunConfig`` storage when no store copy
+survives: Orbax on a shared file system, or with ``--storage s3://...`` a
+tenplex store in the bucket that every worker uploads its own shards to).
+At the end the driver checks that every restored state's digest equals the
+one saved at that step and that the surviving trajectory read each step's
+global batch exactly once; it exits 1 otherwise.
 """
 
 from __future__ import annotations
@@ -117,6 +119,49 @@ def digest(tree):
   return int(total)
 
 
+def log_append(log_dir: str, name: str, record: dict) -> None:
+  """Appends ``record`` to log ``name`` (``digests``, ``batches``,
+  ``final``) in ``log_dir``: a JSON line in ``<log_dir>/<name>.jsonl``, or
+  on object storage (``s3://``, ``gs://``: nodes that share no file
+  system) one object ``<log_dir>/<name>/<time>-<random>.json``."""
+  line = json.dumps(record)
+  if "://" not in log_dir:
+    with open(os.path.join(log_dir, f"{name}.jsonl"), "a") as f:
+      f.write(line + "\n")
+    return
+  import uuid
+  from tenplex_jax.cloud import filesystem, fs_path, split_url
+  fs = filesystem(split_url(log_dir)[0])
+  fs.pipe_file(f"{fs_path(log_dir)}/{name}/{time.time_ns():020d}-"
+               f"{uuid.uuid4().hex[:8]}.json", line.encode())
+
+
+def log_read(log_dir: str, name: str) -> list[dict]:
+  """The records of log ``name`` in ``log_dir``, in the order written."""
+  if "://" not in log_dir:
+    path = os.path.join(log_dir, f"{name}.jsonl")
+    if not os.path.exists(path):
+      return []
+    with open(path) as f:
+      return [json.loads(x) for x in f if x.strip()]
+  from tenplex_jax.cloud import filesystem, fs_path, split_url
+  fs = filesystem(split_url(log_dir)[0])
+  keys = sorted(fs.find(f"{fs_path(log_dir)}/{name}"))
+  return [json.loads(fs.cat_file(k)) for k in keys]
+
+
+def log_remove(log_dir: str) -> None:
+  """Removes ``log_dir`` (a directory, or every object under the prefix)."""
+  if "://" not in log_dir:
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return
+  from tenplex_jax.cloud import filesystem, fs_path, split_url
+  fs = filesystem(split_url(log_dir)[0])
+  keys = fs.find(fs_path(log_dir))
+  if keys:
+    fs.rm(keys)
+
+
 def train(total: int, snapshot_every: int, log_dir: str, how: str,
           checkpoint_every: int) -> None:
   """The training script (every worker): a decoder LM, sharded params,
@@ -162,12 +207,10 @@ def train(total: int, snapshot_every: int, log_dir: str, how: str,
       "step": 0, "data": {"epoch": 0, "index": 0}}  # the data position
   state, step = store.restore_or_init(init, target)
   gen, me = info["generation"], info["process_id"]
-  sums = os.path.join(log_dir, "digests.jsonl")
   arrays = {"params": state["params"], "opt": state["opt"]}
   if step and me == 0:  # what the previous group saved at this step
-    with open(sums, "a") as f:
-      f.write(json.dumps({"gen": gen, "restored": step,
-                          "digest": digest(arrays)}) + "\n")
+    log_append(log_dir, "digests", {"gen": gen, "restored": step,
+                                    "digest": digest(arrays)})
   elif step:
     digest(arrays)  # a collective: every process takes part
 
@@ -185,8 +228,7 @@ def train(total: int, snapshot_every: int, log_dir: str, how: str,
     arrays = {"params": state["params"], "opt": state["opt"]}
     d = digest(arrays)
     if me == 0:
-      with open(sums, "a") as f:
-        f.write(json.dumps({"gen": gen, kind: step, "digest": d}) + "\n")
+      log_append(log_dir, "digests", {"gen": gen, kind: step, "digest": d})
     fn(state, step)
 
   mesh_desc = {a: int(n) for a, n in mesh.shape.items() if n > 1}
@@ -198,9 +240,8 @@ def train(total: int, snapshot_every: int, log_dir: str, how: str,
     params, opt_state, loss = train_step(state["params"], state["opt"], x)
     loss = float(loss)
     if me == 0:
-      with open(os.path.join(log_dir, "batches.jsonl"), "a") as f:
-        f.write(json.dumps({"gen": gen, "step": step,
-                            "ids": ids.tolist()}) + "\n")
+      log_append(log_dir, "batches", {"gen": gen, "step": step,
+                                      "ids": ids.tolist()})
       print(f"step {step + 1} workers {info['num_processes']} mesh"
             f" {mesh_desc or {'data': 1}} loss {loss:.4f}", flush=True)
     step += 1
@@ -218,8 +259,8 @@ def train(total: int, snapshot_every: int, log_dir: str, how: str,
     if store.resize_due(step):
       save("saved", store.save_and_exit)
   if me == 0:
-    with open(os.path.join(log_dir, "final.json"), "w") as f:
-      json.dump({"step": step, "workers": info["num_processes"]}, f)
+    log_append(log_dir, "final", {"step": step,
+                                  "workers": info["num_processes"]})
 
 
 def check(log_dir: str, total: int) -> list[str]:
@@ -230,8 +271,7 @@ def check(log_dir: str, total: int) -> list[str]:
   import numpy as np
   from tenplex_jax.data import global_batch_ids
   problems = []
-  with open(os.path.join(log_dir, "digests.jsonl")) as f:
-    rows = [json.loads(x) for x in f]
+  rows = log_read(log_dir, "digests")
   saved = {}
   for r in rows:
     for kind in ("saved", "snapshot", "checkpoint"):
@@ -242,16 +282,14 @@ def check(log_dir: str, total: int) -> list[str]:
     if saved.get(r["restored"]) != {r["digest"]}:
       problems.append(f"group {r['gen']}: the state restored at step"
                       f" {r['restored']} differs from the one saved")
-  with open(os.path.join(log_dir, "final.json")) as f:
-    final = json.load(f)
+  finals = log_read(log_dir, "final")
+  final = finals[-1] if finals else {"step": None}
   if final["step"] != total:
     problems.append(f"the job ended at step {final['step']}, not {total}")
   newest = {}
-  with open(os.path.join(log_dir, "batches.jsonl")) as f:
-    for line in f:
-      r = json.loads(line)
-      if r["gen"] >= newest.get(r["step"], (-1, None))[0]:
-        newest[r["step"]] = (r["gen"], r["ids"])
+  for r in log_read(log_dir, "batches"):
+    if r["gen"] >= newest.get(r["step"], (-1, None))[0]:
+      newest[r["step"]] = (r["gen"], r["ids"])
   if sorted(newest) != list(range(total)):
     problems.append(f"steps run: {sorted(newest)}")
   per_epoch = N_SAMPLES // BATCH
@@ -429,19 +467,28 @@ def drive(args: argparse.Namespace) -> int:
   job = f"example-{os.getpid()}"
   # Share-nothing nodes see no /tmp of the driver: the logs for the check
   # and the checkpoints go to a host directory standing for the shared
-  # file system a real cluster would mount.
+  # file system a real cluster would mount, or with --storage s3://... to
+  # the bucket (nothing shared but the network).
   tmp = tempfile.mkdtemp(prefix="tenplex-ray-example-", dir=(
       "/var/tmp" if args.share_nothing else None))
-  log_dir = args.log_dir or os.path.join(tmp, "logs")
-  os.makedirs(log_dir, exist_ok=True)
   storage = args.storage_path or os.path.join(tmp, "ray_results")
+  on_objects = "://" in storage
+  log_dir = args.log_dir or (f"{storage.rstrip('/')}/{job}-logs"
+                             if on_objects else os.path.join(tmp, "logs"))
+  if "://" not in log_dir:
+    os.makedirs(log_dir, exist_ok=True)
+  run_config = RunConfig(storage_path=storage, name=job)
+  if on_objects:
+    print(f"driver: the persistent checkpoint goes to"
+          f" {tray.checkpoint_dir(run_config, job)}, the logs for the check"
+          f" to {log_dir}", flush=True)
   try:
     result = tray.run(os.path.abspath(__file__),
                       ["--worker", str(args.steps), str(args.snapshot_every),
                        log_dir, args.layout, str(args.checkpoint_every)],
                       num_workers=workers, replicas=args.replicas,
                       on_progress=on_progress, job=job,
-                      run_config=RunConfig(storage_path=storage, name=job),
+                      run_config=run_config,
                       env={"EXAMPLE_SLEEP": str(args.sleep)})
     for g in result["generations"]:
       r = g.get("restored") or {}
@@ -487,6 +534,11 @@ def drive(args: argparse.Namespace) -> int:
       if not args.share_nothing:  # a killed node's store directory (all
         # process-tree nodes share /dev/shm; share-nothing ones took theirs)
         shutil.rmtree(f"/dev/shm/tenplex-ray-{job}", ignore_errors=True)
+    if not args.log_dir and "://" in log_dir:
+      try:
+        log_remove(log_dir)
+      except Exception as e:  # noqa: BLE001 - the check already ran
+        print(f"driver: could not remove {log_dir}: {e}", file=sys.stderr)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -502,8 +554,8 @@ def main(argv: list[str] | None = None) -> int:
   where.add_argument("--address", help="an existing Ray cluster's address"
                      " (e.g. 'auto' or 'ray://host:10001'); the script must"
                      " exist at the same path on every node, and"
-                     " --storage and --log-dir must be on a file system"
-                     " every node mounts")
+                     " --storage and --log-dir must be s3:// or gs:// or"
+                     " on a file system every node mounts")
   where.add_argument("--local-nodes", type=int, metavar="N",
                      help="start a local cluster of N nodes (1 CPU each,"
                      " N >= 3; N - 1 at first, one joins at --grow-at),"
@@ -542,15 +594,19 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--replicas", type=int, default=1,
                  help="store replicas of each snapshot on other nodes")
   p.add_argument("--checkpoint-every", type=int, default=10,
-                 help="an Orbax checkpoint to the Ray storage path every k"
+                 help="a checkpoint to the Ray storage path every k"
                  " steps (the fallback when no store holds a snapshot);"
                  " 0: never")
   p.add_argument("--storage", "--storage-path", dest="storage_path",
-                 help="Ray RunConfig storage_path for the checkpoints"
-                 " (default: a temporary directory; a file system every"
-                 " node mounts)")
+                 help="Ray RunConfig storage_path for the checkpoints:"
+                 " s3://BUCKET/PREFIX or gs://BUCKET/PREFIX (endpoint and"
+                 " credentials from the AWS_* / Google environment, passed"
+                 " to the workers), or a file system every node mounts"
+                 " (default: a temporary directory)")
   p.add_argument("--log-dir", help="where the workers log state digests and"
-                 " batches for the final check (default: temporary)")
+                 " batches for the final check (default: beside the"
+                 " checkpoints with an s3:// or gs:// --storage, removed at"
+                 " the end; else temporary)")
   p.add_argument("--sleep", type=float, default=0.2,
                  help="seconds each step sleeps (to watch the events)")
   args = p.parse_args(argv)

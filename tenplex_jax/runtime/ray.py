@@ -42,14 +42,17 @@ What :func:`run` does on a Ray cluster:
 * a worker that fails (an exception, its process or node gone) ends the
   group; the next one (on the nodes that still answer, within the bounds)
   restores the newest complete :func:`save_snapshot` (the lost node's
-  shards from store replicas), else the newest Orbax checkpoint in the
-  user's Ray storage (``run_config=RunConfig(storage_path, name)``, written
-  by the script with ``store.save_checkpoint(info["checkpoint"], ...)``),
-  reporting the steps lost.
+  shards from store replicas), else the newest checkpoint in the user's
+  Ray storage (``run_config=RunConfig(storage_path, name)``: a file system
+  every node mounts, or ``s3://``/``gs://``, where each worker uploads its
+  own shards; written by the script with
+  ``store.save_checkpoint(info["checkpoint"], ...)``), reporting the steps
+  lost.
 
 The job token (``TENPLEX_JAX_STORE_TOKEN``: the driver's value, else a new
 secret) is passed to the store actors and the workers in their
-environment.
+environment; so are the driver's object-storage variables
+(:data:`STORAGE_ENV`) when the checkpoint is on object storage.
 
 Example (a local 3-node cluster, a 2-worker job that grows to 3 at step 4;
 then a (1, 4)-worker job that follows the cluster and falls back to the
@@ -98,7 +101,7 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
                     " 'tenplex_jax[ray]'") from e
 
 from tenplex_jax.errors import StoreError, UsageError
-from tenplex_jax.locations import LOCAL, parse_location
+from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.runtime.env import job_env
 from tenplex_jax.store import private
 from tenplex_jax.runtime.launch import (
@@ -390,7 +393,8 @@ class Job:
     self.tls, ca = check_tls_options(tls_cert, tls_key, tls_ca,
                                      "tenplex_jax.ray",
                                      ("tls_cert", "tls_key", "tls_ca"))
-    self.env = {**({CA_ENV: ca} if ca else {}), **dict(env or {})}
+    self.env = {**_storage_env(self.checkpoint),
+                **({CA_ENV: ca} if ca else {}), **dict(env or {})}
     self.on_progress = on_progress
     self.ctrl = _Controller.options(  # on the driver's node: it outlives
         # any other node leaving
@@ -624,49 +628,80 @@ class Job:
 
 def checkpoint_dir(run_config: Any, job: str) -> str:
   """The persistent checkpoint directory of a Ray ``RunConfig``:
-  ``<storage_path>/<name>`` (Ray's defaults: ``~/ray_results`` and the job's
-  name), where the script's ``store.save_checkpoint(info["checkpoint"],
-  state, step)`` writes Orbax checkpoints and the last restore fallback
-  reads them.
+  ``<storage_path>/<name>`` (defaults: ``~/ray_results``, and the name
+  Ray's ``RunConfig`` gives, else the job's), where the script's
+  ``store.save_checkpoint(info["checkpoint"], state, step)`` writes its
+  checkpoints and the last restore fallback reads them. ``storage_path`` may be ``s3://BUCKET/PREFIX`` or
+  ``gs://BUCKET/PREFIX``: a multi-process group then saves a tenplex store
+  there, each worker its own shards (``tenplex_jax.store.save_checkpoint``),
+  read back by any later group on any nodes.
 
   Example:
     >>> from ray.train import RunConfig
     >>> checkpoint_dir(RunConfig(storage_path="/mnt/ckpt", name="lm"), "j")
     '/mnt/ckpt/lm'
+    >>> checkpoint_dir(RunConfig(storage_path="s3://b/runs/", name="lm"), "j")
+    's3://b/runs/lm'
   """
   path = getattr(run_config, "storage_path", None) or "~/ray_results"
   loc = parse_location(str(path))  # an unknown scheme: UsageError
+  name = getattr(run_config, "name", None) or job
+  if loc.kind == OBJECT:
+    return f"{loc.target}/{name}"
   if loc.kind != LOCAL:
-    raise UsageError(f"run_config.storage_path {path!r}: tenplex_jax.ray"
-                     " writes its checkpoint fallback with Orbax from every"
-                     " worker process to a directory every node mounts"
-                     " (Orbax 0.12 writes no s3:// path, and an object-storage"
-                     " checkpoint is written from one process); give a local"
-                     " or shared file system path")
-  return os.path.join(os.path.expanduser(loc.target),
-                      getattr(run_config, "name", None) or job)
+    raise UsageError(f"run_config.storage_path {path!r}: a directory every"
+                     " node mounts, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX,"
+                     " not a store server")
+  return os.path.join(os.path.expanduser(loc.target), name)
+
+
+# The object-storage SDKs' standard environment (endpoint, credentials,
+# region; the GCS emulator): what the driver has set of it is passed to the
+# workers when the checkpoint is on object storage, since a worker's
+# environment is its node's, not the driver's.
+STORAGE_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+               "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+               "AWS_DEFAULT_REGION", "AWS_PROFILE", "STORAGE_EMULATOR_HOST",
+               "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def _storage_env(checkpoint: str | None) -> dict[str, str]:
+  """:data:`STORAGE_ENV` as the driver has it, for an object-storage
+  ``checkpoint`` (else nothing)."""
+  if not checkpoint or "://" not in checkpoint:
+    return {}
+  return {k: os.environ[k] for k in STORAGE_ENV if os.environ.get(k)}
+
+
+def _stop_stores(job: str, nodes: Sequence[str], timeout: float) -> int:
+  """Stops job ``job``'s store actors on ``nodes`` all at once (each
+  removes its directory), waits for them up to ``timeout`` seconds in all,
+  then kills the actors; returns how many there were."""
+  actors = []
+  for node in nodes:
+    try:
+      actors.append(_ray.get_actor(store_actor_name(job, node),
+                                   namespace=NAMESPACE))
+    except ValueError:
+      pass
+  refs = [a.stop.remote() for a in actors]
+  if refs:  # a stop that fails (its node gone) is ready with its error
+    _ray.wait(refs, num_returns=len(refs), timeout=timeout)
+  for a in actors:
+    _ray.kill(a)
+  return len(actors)
 
 
 def stop_store(job: str, node: str) -> bool:
   """Stops job ``job``'s store actor on node ``node`` and removes its
   directory (e.g. before a node leaves); returns whether there was one."""
-  try:
-    actor = _ray.get_actor(store_actor_name(job, node), namespace=NAMESPACE)
-  except ValueError:
-    return False
-  try:
-    _ray.get(actor.stop.remote(), timeout=30)
-  except (_ray.exceptions.RayError, TimeoutError):
-    pass
-  _ray.kill(actor)
-  return True
+  return _stop_stores(job, [node], 30.0) > 0
 
 
 def cleanup_stores(job: str) -> None:
   """Stops job ``job``'s store actors on every node and removes their
-  directories."""
-  for node in [n["NodeID"] for n in _ray.nodes() if n["Alive"]]:
-    stop_store(job, node)
+  directories (the stops run at once, up to 60 s in all)."""
+  _stop_stores(job, [n["NodeID"] for n in _ray.nodes() if n["Alive"]], 60.0)
 
 
 def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:

@@ -1,9 +1,17 @@
-"""The persistent fallback: Orbax checkpoints.
+"""The persistent fallback: Orbax checkpoints, and stores on object storage.
 
 Used only when no store copy of some piece survives; reads any Orbax
 checkpoint through :mod:`tenplex_jax.orbax`. PRNG keys are saved as
 their key data (with the implementation name) since Orbax stores plain
 arrays; non-array leaves go through Orbax's own handling.
+
+On object storage (``s3://``, ``gs://``) a multi-process job's checkpoint
+is a tenplex store in ``<directory>/tenplex-store`` (Orbax 0.12 writes no
+``s3://`` path, and an Orbax checkpoint written locally can be uploaded
+only from one process): every process uploads its own shards with
+:func:`tenplex_jax.store.save`, and a round commits by its manifests,
+written last. :func:`latest_step` and :func:`restore_checkpoint` read the
+newer of the two.
 """
 
 from __future__ import annotations
@@ -21,7 +29,11 @@ from tenplex_jax.orbax import locate
 from tenplex_jax.orbax import restore as orbax_restore
 from tenplex_jax.store import private
 
-__all__ = ["latest_step", "restore_checkpoint", "save_checkpoint"]
+__all__ = ["STORE_NAME", "latest_step", "restore_checkpoint",
+           "save_checkpoint"]
+
+STORE_NAME = "tenplex-store"  # the store a multi-process job's object-
+# storage checkpoint is, inside the checkpoint directory
 
 
 def _is_key(x) -> bool:
@@ -46,6 +58,13 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
   """Saves ``tree`` as ``directory/step_<step>`` with Orbax; call in every
   process. Returns the checkpoint path.
 
+  On object storage (``s3://BUCKET/DIR``, ``gs://...``) a single process
+  writes the Orbax checkpoint locally and uploads it (its commit markers
+  last); in a multi-process job every process saves its own shards to the
+  tenplex store ``DIR/tenplex-store`` instead (``tenplex_jax.store.save``,
+  ``keep=2``: the round commits by its manifests, written last) and the
+  path returned is its snapshot's.
+
   ``directory`` (if made here) and ``step_<step>`` are made ``0700``, so
   other users cannot reach the files Orbax writes inside (with its own
   default modes).
@@ -61,14 +80,17 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
   loc = parse_location(directory)
   name = f"step_{int(step):010d}"
   if loc.kind == OBJECT:
-    # Orbax 0.12 writes no s3:// path; written here, then uploaded with its
-    # commit markers last (one process: the others' shards would be on
-    # their hosts).
     if jax.process_count() > 1:
-      raise UsageError(f"save_checkpoint({directory!r}): an Orbax checkpoint"
-                       " on object storage is written from one process; a"
-                       " multi-process job saves to s3:// or gs:// with"
-                       " tenplex_jax.store.save (each process its shards)")
+      # Orbax 0.12 writes no s3:// path, and a checkpoint written locally
+      # holds only this host's shards: each process uploads its own to the
+      # tenplex store, the round committed by the manifests, written last.
+      from tenplex_jax.store.api import save
+      return save(tree, f"{loc.target}/{STORE_NAME}", step=step, keep=2)
+    # One process: the Orbax checkpoint is written here, then uploaded with
+    # its commit markers last.
+    import tempfile
+
+    from tenplex_jax.cloud import upload_tree
     with tempfile.TemporaryDirectory(prefix="tenplex-jax-ckpt-") as tmp:
       save_checkpoint(tmp, tree, step)
       upload_tree(os.path.join(tmp, name), f"{loc.target}/{name}")
@@ -95,12 +117,45 @@ def latest_step(directory: str) -> int | None:
   directory (steps ``<n>`` or ``<prefix>_<n>``, as :func:`save_checkpoint`
   writes them), a step directory, or an item directory (step 0 when no step
   is recorded).
+
+  On object storage, the newer of that and the newest complete round of
+  the tenplex store ``directory/tenplex-store`` (see
+  :func:`save_checkpoint`).
   """
   try:
     loc = locate(directory)
   except UsageError:
+    step = None
+  else:
+    step = 0 if loc.step is None else loc.step
+  in_store = _store_step(directory)
+  if in_store is not None and (step is None or in_store > step):
+    return in_store
+  return step
+
+
+def _store_step(directory: str) -> int | None:
+  """The step of the newest complete round (every process of the saving
+  job has its snapshot) of the tenplex store in object-storage checkpoint
+  directory ``directory``; None when there is none (or ``directory`` is
+  not on object storage)."""
+  from tenplex_jax.locations import OBJECT, parse_location
+  loc = parse_location(directory)
+  if loc.kind != OBJECT:
     return None
-  return 0 if loc.step is None else loc.step
+  from tenplex_jax.store.format import round_id
+  from tenplex_jax.store.objects import ObjectStore
+  store = ObjectStore(f"{loc.target}/{STORE_NAME}")
+  if not store.is_store():
+    return None
+  held: dict[str, tuple[int, int, set[int]]] = {}
+  for proc, manifests in store.all_rounds()[0].items():
+    for m in manifests:
+      e = held.setdefault(round_id(m), (int(m["step"]),
+                                        int(m["num_processes"]), set()))
+      e[2].add(proc)
+  done = [st for st, n, procs in held.values() if procs >= set(range(n))]
+  return max(done, default=None)
 
 
 def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
@@ -114,13 +169,29 @@ def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
   devices' boxes. Zero-size arrays and string leaves of the target (which
   Orbax does not store) are rebuilt from the target.
 
+  On object storage, the tenplex store ``directory/tenplex-store`` when
+  its newest complete round is newer than the Orbax checkpoints there
+  (:func:`tenplex_jax.store.restore`: every plain leaf as saved, each
+  process reading only the boxes its devices need).
+
   Raises:
-    NoCopyError: ``directory`` holds no Orbax checkpoint.
+    NoCopyError: ``directory`` holds no Orbax checkpoint (nor store).
   """
+  from tenplex_jax.errors import NoCopyError, UsageError
+  from tenplex_jax.orbax import locate, restore
+  in_store = _store_step(directory)
   try:
     loc = locate(directory)
   except UsageError as e:
-    raise NoCopyError(f"no Orbax checkpoint in {directory} to fall back to"
-                      f" ({e})") from e
-  tree = orbax_restore(loc.item, target)
+    if in_store is None:
+      raise NoCopyError(f"no Orbax checkpoint in {directory} to fall back"
+                        f" to ({e})") from e
+    loc = None
+  if in_store is not None and (loc is None or in_store > (loc.step or 0)):
+    from tenplex_jax.locations import parse_location
+    from tenplex_jax.store.api import restore_with_report
+    url = f"{parse_location(directory).target}/{STORE_NAME}"
+    tree, report = restore_with_report([url], target)
+    return tree, report.step
+  tree = restore(loc.item, target)
   return tree, 0 if loc.step is None else loc.step
