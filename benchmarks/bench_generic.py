@@ -12,7 +12,13 @@ source):
 * ``pieces``: 32 float32 arrays of 256 x (256 + 8 i), rows over 8 devices ->
   columns over the 8 devices reversed (8 pieces per new shard, 2,048 pieces).
 
-Run: ``python benchmarks/bench_generic.py`` (about a minute).
+Cold calls also record their CPU seconds and XLA compile seconds (the
+events' durations summed; compiles may overlap). The compile-time budget
+checked per case: the generic path's compile seconds at most
+``device_put``'s whole cold call, with its cold call no slower and its warm
+call within 1.2x of ``device_put``'s.
+
+Run: ``python benchmarks/bench_generic.py`` (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -64,17 +70,26 @@ def worker(case: str, method: str) -> dict:
   state, target = _case(jax, case)
   jax.block_until_ready(state)
   n = [0]
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda ev, d, **kw: n.__setitem__(0, n[0] + (ev == EVENT)))
+  secs = [0.0]
+
+  def listen(ev, d, **kw):
+    if ev == EVENT:
+      n[0] += 1
+      secs[0] += d
+  jax.monitoring.register_event_duration_secs_listener(listen)
   call = ((lambda s: tj.reshard(s, target, method="generic"))
           if method == "generic" else (lambda s: jax.device_put(s, target)))
   out = {"case": case, "method": method,
          "leaves": len(jax.tree.leaves(state)),
          "bytes": sum(x.nbytes for x in jax.tree.leaves(state))}
   t0 = time.perf_counter()
+  c0 = time.process_time()
   jax.block_until_ready(call(state))
   out["cold_seconds"] = time.perf_counter() - t0
+  out["cold_cpu_seconds"] = time.process_time() - c0
   out["cold_compiles"] = n[0]
+  # XLA compile seconds, summed over the compiles (which may overlap).
+  out["cold_compile_seconds"] = secs[0]
   n[0] = 0
   warm = []
   for _ in range(3):
@@ -117,7 +132,30 @@ def main(argv=None) -> int:
         r = {"case": case, "method": method, "failure": "timeout"}
       rows.append(r)
       print(json.dumps(r))
-  doc = {"load": os.getloadavg(), "results": rows}
+  checks = {}
+  for case in args.cases.split(","):
+    g, d = (next((r for r in rows if r["case"] == case and r["method"] == m
+                  and "failure" not in r), None)
+            for m in ("generic", "device_put"))
+    if g is None or d is None:
+      continue
+    # The compile-time budget: the generic path's XLA compile time on a
+    # cold transition may be at most device_put's whole cold call.
+    checks[case] = {
+        "cold_generic_over_device_put": g["cold_seconds"] / d["cold_seconds"],
+        "warm_generic_over_device_put": g["warm_seconds"] / d["warm_seconds"],
+        "compile_seconds": g["cold_compile_seconds"],
+        "compile_budget_seconds": d["cold_seconds"],
+        "compile_budget_met": g["cold_compile_seconds"] <= d["cold_seconds"],
+        "cold_not_slower": g["cold_seconds"] <= d["cold_seconds"],
+        "warm_within_1_2x": g["warm_seconds"] <= 1.2 * d["warm_seconds"]}
+    print(f"{case}: generic / device_put cold"
+          f" {checks[case]['cold_generic_over_device_put']:.2f}, warm"
+          f" {checks[case]['warm_generic_over_device_put']:.2f}; compile"
+          f" {g['cold_compile_seconds']:.2f} s against a budget of"
+          f" {d['cold_seconds']:.2f} s (device_put's cold call):"
+          f" {'met' if checks[case]['compile_budget_met'] else 'NOT met'}")
+  doc = {"load": os.getloadavg(), "results": rows, "checks": checks}
   with open(args.out, "w") as f:
     json.dump(doc, f, indent=1)
   print("| case | method | cold s | cold compiles | warm s | warm compiles |")

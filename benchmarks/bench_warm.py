@@ -1,11 +1,23 @@
 """Warm reshards: five consecutive calls in one process, side by side with
-``jax.device_put``, the previous result kept alive or dropped.
+``jax.device_put``, the previous result kept alive or dropped, the source
+the same arrays every call or a fresh copy of them.
 
 A job that reshards its state more than once (a resize, then another) holds
 the previous result while the next call runs, or drops it first. Each (state,
 method, previous result) runs in a fresh process on 12 simulated CPU
 devices; every call moves the same source state to the same targets, and
 its wall time is recorded (call 1 is cold: compilation, first touch).
+
+Sources (``--sources``):
+
+* ``same``: every call moves the same source arrays. ``jax.device_put``
+  keeps the host copy it gathers of an array (``Array._npy_value``) for as
+  long as the array lives, so its calls after the first hand out views of
+  that copy and copy nothing (a cache hit; its page faults and CPU seconds
+  show it);
+* ``fresh``: before each call (outside the timed region) the source is
+  replaced by a fresh copy of itself, as a training step replaces a job's
+  state between two reshards: nothing is cached for any method.
 
 States:
 
@@ -21,7 +33,8 @@ from the ``tenplex_jax`` in DIR (e.g. ``git archive <commit> tenplex_jax |
 tar -x -C DIR``), in the same run.
 
   python benchmarks/bench_warm.py [--calls 5] [--rounds 3]
-      [--baseline-src DIR] [--out benchmarks/bench_warm_result.json]
+      [--sources same fresh] [--baseline-src DIR]
+      [--out benchmarks/bench_warm_result.json]
 """
 
 from __future__ import annotations
@@ -39,6 +52,17 @@ ROOT = os.path.dirname(HERE)
 STATES = ("mixed", "small-shards")
 METHODS = ("reshard", "device_put")
 KEEPS = ("alive", "dropped")
+SOURCES = ("same", "fresh")
+
+
+def _fresh_copy(jax, tree):
+  """A copy of every array (same shardings), made without compiling."""
+  def cp(x):
+    shards = [jax.device_put(s.data, s.device, may_alias=False)
+              for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, x.sharding,
+                                                    shards)
+  return jax.tree.map(cp, tree)
 
 
 def _state(name: str):
@@ -80,7 +104,8 @@ def _minor_faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def worker(state: str, method: str, keep: str, calls: int) -> dict:
+def worker(state: str, method: str, keep: str, source: str,
+           calls: int) -> dict:
   os.environ.setdefault("XLA_FLAGS", "")
   import jax
   jax.config.update("jax_num_cpu_devices", 12)
@@ -97,16 +122,28 @@ def worker(state: str, method: str, keep: str, calls: int) -> dict:
   # for every method alike.
   import gc
   gc.collect()
-  fn = (lambda t: jax.device_put(t, targets)) if method == "device_put" \
-      else (lambda t: tj.reshard(t, targets))
-  times, faults, out = [], [], None
+  paths = []
+
+  def fn(t):
+    if method == "device_put":
+      return jax.device_put(t, targets)
+    new, rep = tj.reshard_with_report(t, targets)
+    paths.append(rep.method)
+    return new
+  times, faults, cpu, out = [], [], [], None
+  src = tree
   for _ in range(calls):
     if keep == "dropped":
       out = None
+    if source == "fresh":
+      src = None  # the old state goes, as a training step replaces it
+      src = jax.block_until_ready(_fresh_copy(jax, tree))
     f0 = _minor_faults()
+    c0 = time.process_time()
     t0 = time.perf_counter()
-    new = jax.block_until_ready(fn(tree))
+    new = jax.block_until_ready(fn(src))
     times.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
     faults.append(_minor_faults() - f0)
     out = new  # the previous result lives until here ("alive")
     del new
@@ -114,9 +151,15 @@ def worker(state: str, method: str, keep: str, calls: int) -> dict:
            and out[k].sharding == targets[k] for k in list(tree)[:: 17])
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
   return {"state": state, "method": method, "previous": keep,
-          "seconds": times, "minor_faults": faults, "values_ok": ok,
+          "source": source, "seconds": times, "cpu_seconds": cpu,
+          "minor_faults": faults, "values_ok": ok, "paths": paths,
           "state_mib": nbytes / 2**20, "leaves": len(tree),
           "tenplex_jax": tj.__file__}
+
+
+def _median(xs):
+  xs = sorted(xs)
+  return xs[(len(xs) - 1) // 2]
 
 
 def main() -> None:
@@ -125,72 +168,84 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=3,
                   help="fresh processes per (state, method, previous)")
   ap.add_argument("--states", nargs="*", default=list(STATES))
+  ap.add_argument("--sources", nargs="*", default=list(SOURCES))
   ap.add_argument("--out", default="benchmarks/bench_warm_result.json")
   ap.add_argument("--baseline-src", default=None)
-  ap.add_argument("--worker", nargs=3, metavar=("STATE", "METHOD", "KEEP"))
+  ap.add_argument("--worker", nargs=4,
+                  metavar=("STATE", "METHOD", "KEEP", "SOURCE"))
   args = ap.parse_args()
   if args.worker:
     print(json.dumps(worker(*args.worker, args.calls)))
     return
   methods = METHODS + (("reshard (before)",) if args.baseline_src else ())
+  cases = [(state, source, keep) for state in args.states
+           for source in args.sources for keep in KEEPS]
   runs = []
   for rnd in range(args.rounds):
-    for state in args.states:
-      for keep in KEEPS:
-        for method in (methods if rnd % 2 == 0 else methods[::-1]):
-          env = dict(os.environ)
-          if method == "reshard (before)":
-            env.update(PYTHONPATH=args.baseline_src, TENPLEX_BENCH_BASELINE="1")
-          out = subprocess.run(
-              [sys.executable, "-P", __file__, "--calls", str(args.calls),
-               "--worker", state, method, keep],
-              capture_output=True, text=True, check=True, env=env)
-          runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-          if method == "reshard (before)":
-            assert runs[-1]["tenplex_jax"].startswith(args.baseline_src)
+    for state, source, keep in cases:
+      for method in (methods if rnd % 2 == 0 else methods[::-1]):
+        env = dict(os.environ)
+        if method == "reshard (before)":
+          env.update(PYTHONPATH=args.baseline_src, TENPLEX_BENCH_BASELINE="1")
+        out = subprocess.run(
+            [sys.executable, "-P", __file__, "--calls", str(args.calls),
+             "--worker", state, method, keep, source],
+            capture_output=True, text=True, check=True, env=env)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if method == "reshard (before)":
+          assert runs[-1]["tenplex_jax"].startswith(args.baseline_src)
   rows = []
-  print(f"{'state':>12} {'previous':>8} {'method':>16}  per-call seconds"
-        f" (median of {args.rounds} processes)   minor faults/call")
-  for state in args.states:
-    for keep in KEEPS:
-      for method in methods:
-        rs = [r for r in runs if (r["state"], r["method"], r["previous"])
-              == (state, method, keep)]
-        med = [sorted(r["seconds"][c] for r in rs)[(len(rs) - 1) // 2]
-               for c in range(args.calls)]
-        flt = [sorted(r["minor_faults"][c] for r in rs)[(len(rs) - 1) // 2]
-               for c in range(args.calls)]
-        rows.append({"state": state, "previous": keep, "method": method,
-                     "median_seconds": med, "median_minor_faults": flt,
-                     "all_seconds": [r["seconds"] for r in rs],
-                     "values_ok": all(r["values_ok"] for r in rs)})
-        print(f"{state:>12} {keep:>8} {method:>16}  "
-              + " ".join(f"{t:6.3f}" for t in med) + "   "
-              + " ".join(f"{f:6d}" for f in flt))
+  print(f"{'state':>12} {'source':>6} {'previous':>8} {'method':>16}"
+        f"  per-call seconds (median of {args.rounds} processes)"
+        "   CPU seconds/call   minor faults/call")
+  for state, source, keep in cases:
+    for method in methods:
+      rs = [r for r in runs if (r["state"], r["source"], r["method"],
+                                r["previous"]) == (state, source, method, keep)]
+      med = [_median(r["seconds"][c] for r in rs) for c in range(args.calls)]
+      cpu = [_median(r["cpu_seconds"][c] for r in rs)
+             for c in range(args.calls)]
+      flt = [_median(r["minor_faults"][c] for r in rs)
+             for c in range(args.calls)]
+      rows.append({"state": state, "source": source, "previous": keep,
+                   "method": method, "median_seconds": med,
+                   "median_cpu_seconds": cpu, "median_minor_faults": flt,
+                   "all_seconds": [r["seconds"] for r in rs],
+                   "paths": sorted({p for r in rs for p in r["paths"]}),
+                   "values_ok": all(r["values_ok"] for r in rs)})
+      print(f"{state:>12} {source:>6} {keep:>8} {method:>16}  "
+            + " ".join(f"{t:6.3f}" for t in med) + "   "
+            + " ".join(f"{t:5.3f}" for t in cpu) + "   "
+            + " ".join(f"{f:6d}" for f in flt))
   checks = {}
-  for state in args.states:
-    for keep in KEEPS:
-      rs, dp = (next(r for r in rows if (r["state"], r["previous"],
-                                         r["method"]) == (state, keep, m))
-                for m in METHODS)
-      warm = rs["median_seconds"][1:]
-      per_call = [a / b for a, b in zip(rs["median_seconds"],
-                                        dp["median_seconds"])]
-      checks[f"{state}/{keep}"] = {
-          "reshard_over_device_put_per_call": per_call,
-          "worst_warm_call_over_device_put_same_call": max(per_call[1:]),
-          "worst_warm_s": max(warm), "cold_s": rs["median_seconds"][0],
-          "device_put_warm_s": min(dp["median_seconds"][1:]),
-          "device_put_warm_median_s": sorted(dp["median_seconds"][1:])[
-              (len(warm) - 1) // 2],
-          "warm_never_slower_than_cold": max(warm) <= rs["median_seconds"][0],
-          "worst_warm_over_device_put_warm_median": max(warm) / sorted(
-              dp["median_seconds"][1:])[(len(warm) - 1) // 2]}
+  for state, source, keep in cases:
+    rs, dp = (next(r for r in rows if (r["state"], r["source"],
+                                       r["previous"], r["method"])
+                   == (state, source, keep, m)) for m in METHODS)
+    warm = rs["median_seconds"][1:]
+    dp_warm = _median(dp["median_seconds"][1:])
+    per_call = [a / b for a, b in zip(rs["median_seconds"],
+                                      dp["median_seconds"])]
+    checks[f"{state}/{source}/{keep}"] = {
+        "reshard_over_device_put_per_call": per_call,
+        "worst_warm_call_over_device_put_same_call": max(per_call[1:]),
+        "worst_warm_s": max(warm), "cold_s": rs["median_seconds"][0],
+        "device_put_warm_s": min(dp["median_seconds"][1:]),
+        "device_put_warm_median_s": dp_warm,
+        "warm_never_slower_than_cold": max(warm) <= rs["median_seconds"][0],
+        "worst_warm_over_device_put_warm_median": max(warm) / dp_warm,
+        "median_warm_over_device_put_warm_median": _median(warm) / dp_warm,
+        "warm_cpu_s": rs["median_cpu_seconds"][1:],
+        "device_put_warm_cpu_s": dp["median_cpu_seconds"][1:],
+        "paths": rs["paths"]}
   for k, v in checks.items():
-    print(f"{k:>22}: worst warm {v['worst_warm_s']:.3f} s, cold"
-          f" {v['cold_s']:.3f} s; reshard / device_put per call: "
+    print(f"{k:>26}: worst warm {v['worst_warm_s']:.3f} s, cold"
+          f" {v['cold_s']:.3f} s, device_put warm median"
+          f" {v['device_put_warm_median_s']:.3f} s; reshard / device_put"
+          " per call: "
           + " ".join(f"{r:.2f}" for r in
-                     v["reshard_over_device_put_per_call"]))
+                     v["reshard_over_device_put_per_call"])
+          + f"; path {','.join(v['paths'])}")
   with open("/proc/loadavg") as f:
     load = f.read().split()[:3]
   with open(args.out, "w") as f:

@@ -2,8 +2,9 @@
 
 Each transition is a state (10-2,000 leaves of float32, bfloat16 and int8,
 1 KiB to 256 MiB each, at least 512 MiB in all) moved from one random mesh to
-another: meshes over random subsets and permutations of the 8 devices, 1-3
-named axes, specs with several mesh axes on one dimension, rows <->
+another: meshes over random subsets and permutations of the 8 devices (a
+quarter of the targets that fit on the devices the source leaves free lie
+there: other devices), 1-3 named axes, specs with several mesh axes on one dimension, rows <->
 columns, replication changes. The same seed gives the same transitions.
 
 Example:
@@ -130,6 +131,14 @@ def _shape(rng: random.Random, nbytes: int, itemsize: int) -> tuple:
 def make_transition(seed: int, index: int) -> Transition:
   rng = random.Random(f"{seed}/{index}")
   src, dst = _mesh(rng), _mesh(rng)
+  # A quarter of the targets whose device count allows it lie on devices
+  # the source does not use ("other devices"); drawn from a separate stream
+  # so that the rest of the transition is what the seed gave before.
+  other = random.Random(f"{seed}/{index}/other")
+  if len(src.devices) + len(dst.devices) <= 8 and other.random() < 0.25:
+    free = [d for d in range(8) if d not in src.devices]
+    dst = dataclasses.replace(
+        dst, devices=tuple(other.sample(free, len(dst.devices))))
   n = int(round(math.exp(rng.uniform(math.log(10), math.log(2000)))))
   total = rng.randint(512, 640) * MIB
   # Leaf sizes: log-uniform weights scaled to the total, clipped to

@@ -618,42 +618,192 @@ _cut = jax.jit(_cut_impl, static_argnums=0)
 _glue = jax.jit(_glue_impl, static_argnums=0)
 # These programs only move bytes (slices and concatenations), which XLA's
 # optimisation passes cannot make faster; on CPU they took most of the
-# compile time (19.7 s -> 2.9 s for one program of 256 slices here).
+# compile time (19.7 s -> 2.9 s for one program of 256 slices here). On CPU
+# devices XLA's MLIR fusion emitters took 3.5-4x the compile CPU time of its
+# classic emitters for them (40 slices: 0.38 -> 0.10 s; 40 joins: 0.51 ->
+# 0.12 s; results bitwise equal), so they are off for these programs.
 _FAST_COMPILE = {"xla_backend_optimization_level": 0,
                  "xla_llvm_disable_expensive_passes": True}
+_FAST_COMPILE_CPU = {**_FAST_COMPILE, "xla_cpu_use_fusion_emitters": False}
 _programs: collections.OrderedDict = collections.OrderedDict()
 _PLAIN_JIT = object()
 _PROGRAMS_MAX = 256
 
 
-def _run_program(fn, spec, args: list) -> tuple:
-  """Runs ``fn(spec, *args)``: one compiled program per (spec, argument
-  shapes and device), cached; so each (device, transition) compiles once,
-  whatever the number of pieces, and a repeated transition compiles
-  nothing."""
-  dev = next(iter(args[0].devices()))
-  key = (fn, spec, dev, tuple((a.shape, a.dtype) for a in args))
+def _compile(lowered, platform: str):
+  """``lowered`` compiled with the fast options its platform takes."""
+  opts = (_FAST_COMPILE_CPU if platform == "cpu" else
+          _FAST_COMPILE if platform in ("gpu", "cuda", "rocm") else None)
+  if opts is not None:
+    try:
+      return lowered.compile(compiler_options=opts)
+    except Exception:  # a backend without these options
+      pass
+  return lowered.compile()
+
+
+def _program_key(fn, spec, dev, avals) -> tuple:
+  return (fn, spec, dev, tuple((tuple(s), d) for s, d in avals))
+
+
+def _ensure_programs(jobs: list) -> None:
+  """Compiles the programs of ``jobs`` (``(fn, spec, device, avals)``,
+  ``avals`` a tuple of ``(shape, dtype)``) that are not cached yet, several
+  at once: XLA compiles without Python's lock, so a cold transition costs
+  about its largest program's compile time per core, not the sum."""
+  todo, seen = [], set()
+  for fn, spec, dev, avals in jobs:
+    key = _program_key(fn, spec, dev, avals)
+    if key in _programs:
+      _programs.move_to_end(key)
+      continue
+    if key in seen:
+      continue
+    seen.add(key)
+    sds = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
+           for s, d in avals]
+    todo.append((key, fn.lower(spec, *sds), dev.platform))
+  if not todo:
+    return
+  n = min(len(todo), _copy_threads())
+  if n <= 1:
+    exes = [_compile(lo, p) for _, lo, p in todo]
+  else:
+    with concurrent.futures.ThreadPoolExecutor(
+        n, thread_name_prefix="tenplex-compile") as pool:
+      exes = list(pool.map(lambda t: _compile(t[1], t[2]), todo))
+  for (key, _, _), exe in zip(todo, exes):
+    _programs[key] = exe
+  while len(_programs) > max(_PROGRAMS_MAX, len(jobs)):
+    _programs.popitem(last=False)
+
+
+def _run_program(fn, spec, dev, args: list) -> tuple:
+  """Runs ``fn(spec, *args)`` on ``dev`` with its cached program (compiled
+  here if :func:`_ensure_programs` did not)."""
+  avals = tuple((tuple(a.shape), a.dtype) for a in args)
+  key = _program_key(fn, spec, dev, avals)
   exe = _programs.get(key)
   if exe is None:
-    lowered = fn.lower(spec, *args)
-    try:
-      exe = (lowered.compile(compiler_options=_FAST_COMPILE)
-             if dev.platform in ("cpu", "gpu", "cuda", "rocm")
-             else lowered.compile())
-    except Exception:  # a backend without these options
-      exe = lowered.compile()
-    _programs[key] = exe
-    while len(_programs) > _PROGRAMS_MAX:
-      _programs.popitem(last=False)
-  else:
-    _programs.move_to_end(key)
+    _ensure_programs([(fn, spec, dev, avals)])
+    exe = _programs[key]
   if exe is _PLAIN_JIT:
     return fn(spec, *args)
   try:
     return exe(*args)
-  except ValueError:  # arguments in non-default layouts (e.g. int4): jit
-    _programs[key] = _PLAIN_JIT  # picks their layouts itself
+  except (ValueError, TypeError):  # arguments in non-default layouts (e.g.
+    _programs[key] = _PLAIN_JIT  # int4) or weak types: jit picks itself
     return fn(spec, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GenericSchedule:
+  """What the generic executor runs for one batch of arrays, independent of
+  their values (so a repeated transition reuses it).
+
+  A piece is named by a ref: ``("w", k, d)``, the whole shard of array
+  ``k`` on device ``d``, or ``("c", d, i)``, output ``i`` of the cut
+  program of device ``d``.
+
+  Attributes:
+    cuts: per source device, ``(device, inputs, spec, avals)``: ``inputs``
+      the ``(array, device id)`` shards the program takes.
+    sends: ``(ref, device)``: pieces that a device needs from another.
+    glues: per destination device, ``(device, refs, spec, avals)``.
+    outs: per array, per target device: ``("keep", device id)``, ``("ref",
+      ref, device)`` (a piece that is the whole new shard) or ``("glue",
+      device id, output index)``.
+    jobs: the programs, for :func:`_ensure_programs`.
+  """
+
+  cuts: tuple
+  sends: tuple
+  glues: tuple
+  outs: tuple
+  jobs: tuple
+
+
+def _generic_schedule(batch: list) -> _GenericSchedule:
+  cuts: dict = {}  # source device id -> [device, {(k, d): slot}, spec, avals]
+  per_array = []
+  for k, (prog, x) in enumerate(batch):
+    shards = _shards_of(x)
+    per_box = []
+    for shape, pieces in prog.boxes:
+      refs = []
+      for src, _, _, (starts, limits), at in pieces:
+        arr = shards[src]
+        if limits == tuple(arr.shape) and not any(starts):
+          refs.append((("w", k, src), at, tuple(arr.shape), src))
+          continue
+        c = cuts.get(src)
+        if c is None:
+          c = cuts[src] = [next(iter(arr.devices())), {}, [], []]
+        if (k, src) not in c[1]:
+          c[1][k, src] = len(c[1])
+          c[3].append((tuple(arr.shape), arr.dtype))
+        c[2].append((c[1][k, src], starts, limits))
+        refs.append((("c", src, len(c[2]) - 1), at,
+                     tuple(b - a for a, b in zip(starts, limits)), src))
+      per_box.append((tuple(shape), refs))
+    per_array.append((prog, x.dtype, per_box))
+  sends: dict = {}
+  glues: dict = {}  # destination device id -> [device, refs, spec, avals]
+  outs_all = []
+  for prog, dtype, per_box in per_array:
+    outs = []
+    for dev, (kind, a) in zip(prog.devices, prog.outs):
+      if kind == "keep":
+        outs.append(("keep", a))
+        continue
+      shape, refs = per_box[a]
+      for r, _, _, src in refs:
+        if src != dev.id:
+          sends.setdefault((r, dev.id), (r, dev))
+      if len(refs) == 1 and refs[0][2] == shape:
+        outs.append(("ref", refs[0][0], dev))
+        continue
+      g = glues.get(dev.id)
+      if g is None:
+        g = glues[dev.id] = [dev, [], [], []]
+      parts = []
+      for r, at, pshape, _ in refs:
+        parts.append((len(g[1]), at))
+        g[1].append(r)
+        g[3].append((pshape, dtype))
+      g[2].append((shape, tuple(parts)))
+      outs.append(("glue", dev.id, len(g[2]) - 1))
+    outs_all.append(tuple(outs))
+  cut_list = tuple((c[0], tuple(c[1]), tuple(c[2]), tuple(c[3]))
+                   for c in cuts.values())
+  glue_list = tuple((g[0], tuple(g[1]), tuple(g[2]), tuple(g[3]))
+                    for g in glues.values())
+  jobs = tuple([(_cut, spec, dev, avals) for dev, _, spec, avals in cut_list]
+               + [(_glue, spec, dev, avals)
+                  for dev, _, spec, avals in glue_list])
+  return _GenericSchedule(cut_list, tuple(sends.values()), glue_list,
+                          tuple(outs_all), jobs)
+
+
+_SCHEDULES: collections.OrderedDict = collections.OrderedDict()
+_SCHEDULES_MAX = 32
+
+
+def _cached_schedule(batch: list) -> _GenericSchedule:
+  """The batch's schedule, built once per (programs, array signatures)."""
+  key = tuple((id(prog), x.shape, x.dtype, x.sharding) for prog, x in batch)
+  with _transitions_lock:
+    hit = _SCHEDULES.get(key)
+    if hit is not None and all(a is b for a, (b, _) in zip(hit[0], batch)):
+      _SCHEDULES.move_to_end(key)
+      return hit[1]
+  sched = _generic_schedule(batch)
+  with _transitions_lock:
+    # The programs are kept with it: their ids stay theirs while it lives.
+    _SCHEDULES[key] = (tuple(prog for prog, _ in batch), sched)
+    while len(_SCHEDULES) > _SCHEDULES_MAX:
+      _SCHEDULES.popitem(last=False)
+  return sched
 
 
 def _run_generic(batch: list) -> list:
@@ -665,78 +815,209 @@ def _run_generic(batch: list) -> list:
   every piece to its destination device; on every destination device, one
   compiled program places the pieces of all its new shards. So the number
   of XLA compilations is at most one per device and step, independent of the
-  number of pieces and arrays, and zero when the same transition ran before.
+  number of pieces and arrays, and zero when the same transition ran before;
+  the programs a transition needs are compiled concurrently, and what to run
+  (the schedule) is worked out once per transition.
 
   Returns, per array, ``(xs, shards)`` for :func:`_make_array`.
   """
-  cut_specs: dict = {}   # source device -> ([(arg slot, starts, limits)], args)
-  results = []
-  for prog, x in batch:
-    shards = _shards_of(x)
-    per_box = []
-    for shape, pieces in prog.boxes:
-      refs = []
-      for src, _, _, (starts, limits), at in pieces:
-        arr = shards[src]
-        if limits == tuple(arr.shape) and not any(starts):
-          refs.append((arr, at))  # the whole shard
-          continue
-        args, spec = cut_specs.setdefault(src, ({}, []))
-        slot = args.setdefault(id(arr), (len(args), arr))[0]
-        spec.append((slot, starts, limits))
-        refs.append(((src, len(spec) - 1), at))
-      per_box.append((shape, refs))
-    results.append((prog, shards, per_box))
-  cut = {}
-  for src, (args, spec) in cut_specs.items():
-    arrs = [a for _, a in sorted(args.values(), key=lambda t: t[0])]
-    for k, piece in enumerate(_run_program(_cut, tuple(spec), arrs)):
-      cut[(src, k)] = piece
-  # Where every piece must go, and one batched transfer for all of them.
-  sends, dests, where = [], [], []
-  for k, (prog, shards, per_box) in enumerate(results):
-    holders = collections.defaultdict(list)
-    for dev, (kind, a) in zip(prog.devices, prog.outs):
-      if kind == "box":
-        holders[a].append(dev)
-    for bi, (shape, refs) in enumerate(per_box):
-      for dev in holders[bi]:
-        for r, _ in refs:
-          piece = cut[r] if isinstance(r, tuple) else r
-          if piece.devices() != {dev}:
-            sends.append(piece)
-            dests.append(dev)
-            where.append((k, bi, dev.id, id(r)))
-  moved = dict(zip(where, jax.device_put(sends, dests))) if sends else {}
-  glue_specs: dict = {}  # dest device -> ([pieces], [(shape, parts)], outs)
+  sched = _cached_schedule(batch)
+  shards = [_shards_of(x) for _, x in batch]
+  _ensure_programs(sched.jobs)
+  got: dict = {}
+  for dev, inputs, spec, _ in sched.cuts:
+    d = dev.id
+    for i, piece in enumerate(_run_program(
+        _cut, spec, dev, [shards[k][s] for k, s in inputs])):
+      got["c", d, i] = piece
+
+  def ref(r):
+    return got[r] if r[0] == "c" else shards[r[1]][r[2]]
+  moved: dict = {}
+  if sched.sends:
+    arrays = jax.device_put([ref(r) for r, _ in sched.sends],
+                            [dev for _, dev in sched.sends])
+    moved = {(r, dev.id): a for (r, dev), a in zip(sched.sends, arrays)}
+
+  def on(r, dev):
+    a = moved.get((r, dev.id))
+    return ref(r) if a is None else a
+  glued = {dev.id: _run_program(_glue, spec, dev, [on(r, dev) for r in refs])
+           for dev, refs, spec, _ in sched.glues}
   made = []
-  for k, (prog, shards, per_box) in enumerate(results):
-    xs = [None] * len(prog.outs)
-    for j, (dev, (kind, a)) in enumerate(zip(prog.devices, prog.outs)):
-      if kind == "keep":
-        xs[j] = shards[a]
-        continue
-      shape, refs = per_box[a]
-      local = []
-      for r, at in refs:
-        piece = moved.get((k, a, dev.id, id(r)))
-        if piece is None:
-          piece = cut[r] if isinstance(r, tuple) else r
-        local.append((piece, at))
-      if len(local) == 1 and tuple(local[0][0].shape) == shape:
-        xs[j] = local[0][0]
-        continue
-      pcs, spec, outs = glue_specs.setdefault(dev, ([], [], []))
-      parts = []
-      for piece, at in local:
-        parts.append((len(pcs), at))
-        pcs.append(piece)
-      spec.append((shape, tuple(parts)))
-      outs.append((len(made), j))
+  for k, outs in enumerate(sched.outs):
+    xs = []
+    for o in outs:
+      if o[0] == "keep":
+        xs.append(shards[k][o[1]])
+      elif o[0] == "ref":
+        xs.append(on(o[1], o[2]))
+      else:
+        xs.append(glued[o[1]][o[2]])
+    made.append((xs, shards[k]))
+  return made
+
+
+# -- the generic executor by class: two SPMD programs per array signature -------
+#
+# Between two plain NamedShardings an array's boxes are unions of equal
+# sub-blocks (see _UnitClass). Every source device then cuts its shard into
+# the same grid of sub-blocks and every target device joins the same grid
+# into its box, so one SPMD program over the source mesh cuts all of them,
+# and one over the target mesh joins them: two compiles per (shape, dtype,
+# shardings), shared by every device and every array of that signature, not
+# two per device that grow with the pieces. On lm1b SMALL (125 arrays) that
+# is 10 signatures.
+
+_SUB_BYTE = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SpmdPlan:
+  """How one array signature moves on the SPMD generic path.
+
+  Attributes:
+    cut: jitted program over the source mesh returning one array per
+      sub-block of a source shard (grid order), or ``None`` when a source
+      shard is one sub-block (the shards themselves are the pieces).
+    glue: jitted program over the target mesh joining the inputs (one per
+      sub-block of a target box, grid order) into the new array, or
+      ``None`` when a target box is one sub-block.
+    glue_in: the shape of each glue input (sub-block times target parts).
+    devices: the target's addressable devices, in order.
+    need: per target device, per sub-block of its box, ``(source device id,
+      cut output index)``.
+  """
+
+  cut: Any
+  glue: Any
+  glue_in: tuple
+  devices: tuple
+  need: tuple
+
+
+def _fast_options(platform: str) -> dict | None:
+  return (_FAST_COMPILE_CPU if platform == "cpu" else
+          _FAST_COMPILE if platform in ("gpu", "cuda", "rocm") else None)
+
+
+def _grid(counts: tuple) -> list:
+  """Every index of a grid of ``counts``, row-major."""
+  out = [()]
+  for c in counts:
+    out = [i + (j,) for i in out for j in range(c)]
+  return out
+
+
+def _jit_fast(fn, platform: str):
+  opts = _fast_options(platform)
+  return jax.jit(fn) if opts is None else jax.jit(fn, compiler_options=opts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spmd_plan(shape: tuple, dtype, src: Sharding, dst: Sharding
+               ) -> _SpmdPlan | None:
+  """The plan of arrays of ``shape``/``dtype`` from ``src`` to ``dst``, or
+  ``None`` (then the per-device executor moves them)."""
+  if np.dtype(dtype).name in _SUB_BYTE or not shape:
+    return None
+  c = _unit_class(src, dst, len(shape))
+  if c is None or any(n <= 0 or n % u for n, u in zip(shape, c.units)):
+    return None
+  if _platforms(src) != _platforms(dst) or len(_platforms(src)) != 1:
+    return None
+  platform = next(iter(_platforms(src)))
+  ndim = len(shape)
+  p, q = _dim_parts(src, ndim), _dim_parts(dst, ndim)
+  b = tuple(n // u for n, u in zip(shape, c.units))
+  k = tuple(u // a for u, a in zip(c.units, p))
+  h = tuple(u // a for u, a in zip(c.units, q))
+  sp = _placement_by_arithmetic(src, c.units)
+  dp = _placement_by_arithmetic(dst, c.units)
+  if sp is None or dp is None:
+    return None
+  cut_grid = _grid(k)
+  holders = {}  # unit coordinate -> (source device ids, cut output index)
+  for box, devs in zip(sp.boxes, sp.holders):
+    for j, off in enumerate(cut_grid):
+      holders[tuple(a + o for (a, _), o in zip(box, off))] = (tuple(devs), j)
+  devices = _device_order(dst)
+  glue_grid = _grid(h)
+  need = []
+  for dev in devices:
+    box = dp.boxes[dp.box_of_device[dev.id]]
+    row = []
+    for off in glue_grid:
+      devs, j = holders[tuple(a + o for (a, _), o in zip(box, off))]
+      row.append((dev.id if dev.id in devs else devs[dev.id % len(devs)], j))
+    need.append(tuple(row))
+  cut = glue = None
+  if len(cut_grid) > 1:
+    def cut_body(x):
+      return tuple(jax.lax.slice(x, tuple(o * s for o, s in zip(off, b)),
+                                 tuple((o + 1) * s for o, s in zip(off, b)))
+                   for off in cut_grid)
+    cut = _jit_fast(jax.shard_map(
+        cut_body, mesh=src.mesh, in_specs=src.spec,
+        out_specs=(src.spec,) * len(cut_grid), check_vma=False), platform)
+  if len(glue_grid) > 1:
+    def glue_body(*blocks):
+      def join(items, d):
+        if d == ndim:
+          return items[0]
+        step = len(items) // h[d]
+        parts = [join(items[i * step:(i + 1) * step], d + 1)
+                 for i in range(h[d])]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, d)
+      return join(list(blocks), 0)
+    glue = _jit_fast(jax.shard_map(
+        glue_body, mesh=dst.mesh, in_specs=(dst.spec,) * len(glue_grid),
+        out_specs=dst.spec, check_vma=False), platform)
+  glue_in = tuple(s * a for s, a in zip(b, q))
+  return _SpmdPlan(cut, glue, glue_in, devices, tuple(need))
+
+
+def _spmd_eligible(leaf: jax.Array, s: Sharding) -> bool:
+  return (type(s) is NamedSharding and type(leaf.sharding) is NamedSharding
+          and _spmd_plan(tuple(leaf.shape), leaf.dtype, leaf.sharding, s)
+          is not None)
+
+
+def _run_generic_spmd(batch: list) -> list:
+  """The generic executor for arrays with an :class:`_SpmdPlan`:
+  ``(program, array, target)`` triples; returns ``(xs, shards)`` per array
+  for :func:`_make_array`, as :func:`_run_generic` does."""
+  staged = []
+  for prog, x, s in batch:
+    plan = _spmd_plan(tuple(x.shape), x.dtype, x.sharding, s)
+    shards = _shards_of(x)
+    pieces = ([shards] if plan.cut is None else
+              [_shards_of(o) for o in plan.cut(x)])
+    staged.append((prog, x, s, plan, shards, pieces))
+  sends, dests, where = [], [], []
+  for n, (prog, x, s, plan, shards, pieces) in enumerate(staged):
+    for dev, row in zip(plan.devices, plan.need):
+      for src, j in row:
+        if src != dev.id:
+          sends.append(pieces[j][src])
+          dests.append(dev)
+          where.append((n, dev.id, src, j))
+  moved = dict(zip(where, jax.device_put(sends, dests))) if sends else {}
+  made = []
+  for n, (prog, x, s, plan, shards, pieces) in enumerate(staged):
+    blocks = []  # per target device, its sub-blocks
+    for dev, row in zip(plan.devices, plan.need):
+      blocks.append([pieces[j][src] if src == dev.id else
+                     moved[n, dev.id, src, j] for src, j in row])
+    if plan.glue is None:
+      new = {dev.id: bl[0] for dev, bl in zip(plan.devices, blocks)}
+    else:
+      ins = [_make_array(plan.glue_in, x.dtype, s, [bl[i] for bl in blocks],
+                         list(plan.devices)) for i in range(len(blocks[0]))]
+      new = _shards_of(plan.glue(*ins))
+    xs = [shards[a] if kind == "keep" else new[dev.id]
+          for dev, (kind, a) in zip(prog.devices, prog.outs)]
     made.append((xs, shards))
-  for dev, (pcs, spec, outs) in glue_specs.items():
-    for (n, j), arr in zip(outs, _run_program(_glue, tuple(spec), pcs)):
-      made[n][0][j] = arr
   return made
 
 
@@ -864,16 +1145,23 @@ def _make_arrays(staged, phys: list, tr) -> dict:
 
 
 def _build_generic(batch: list, phys: list, tr) -> dict:
-  """Builds the arrays ``batch`` on the generic path (see _run_generic)."""
+  """Builds the arrays ``batch`` on the generic path: arrays between plain
+  NamedShardings by class (see _run_generic_spmd), the rest per device (see
+  _run_generic)."""
+  spmd = [i for i in batch if _spmd_eligible(phys[i][1], phys[i][2])]
+  rest = [i for i in batch if i not in set(spmd)]
   try:
-    out = _run_generic([(tr.progs[i], phys[i][1]) for i in batch])
+    out = dict(zip(spmd, _run_generic_spmd(
+        [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))
+    if rest:
+      out.update(zip(rest, _run_generic(
+          [(tr.progs[i], phys[i][1]) for i in rest])))
   except Exception as e:
     names = [phys[i][0] for i in batch]
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     raise ReshardError(f"resharding {', '.join(names[:3])}{more} failed:"
                        f" {e}") from e
-  return _make_arrays(((i, xs, shards) for i, (xs, shards) in zip(batch, out)),
-                      phys, tr)
+  return _make_arrays(((i, *out[i]) for i in batch), phys, tr)
 
 
 # -- transitions by class: one program per (old sharding, new sharding, rank) --
