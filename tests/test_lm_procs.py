@@ -72,6 +72,15 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   assert all(c == 0 and h > 0 for c, h in back["xla_compiles_procs"]), back
   assert back["compile_cache_hit"], back
   assert new["standby"] and back["standby"], (new, back)
+  # both relaunched generations were started ahead (train.py announces the schedule's
+  # phases with store.expect_resizes): their step compiled (the second one loaded from
+  # the cache, after generation 0 had written it) before their turn
+  assert new["ahead"] and back["ahead"], (new, back)
+  for r in (new, back):
+    a = r["ahead_s"]
+    assert a["compile_s"] > 0 and a["warmup_s"] > 0, r
+    assert r["import_s"] == 0 and r["distributed_s"] == 0, r
+    assert r["relaunch_s"] >= r["handoff_s"] >= 0, r
   for r in (new, back):  # the components, each within the resize
     parts = ("relaunch_s", "import_s", "distributed_s", "restore_s")
     assert all(r[k] >= 0 for k in parts), r
