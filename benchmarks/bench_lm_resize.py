@@ -10,14 +10,20 @@ job spends changing its layout, next to the step time:
   their stores and exit, ``tenplex-jax launch`` starts the new ones (another
   process count, another number of devices per process), which restore onto
   their mesh; from the save call to the restored state (imports and
-  ``jax.distributed`` start included, compilation not). Twice: **cold**
-  (``--no-standby --no-compilation-cache``: fresh interpreters, every mesh
-  compiled) and **warm** (the launcher's defaults: standby processes with
-  jax, flax and optax imported take the new ranks, and jax's persistent
-  compilation cache in the job directory answers a mesh the job ran
-  before); each resize's components (relaunch, imports, ``jax.distributed``,
-  restore, compile, the first step) and ``resize_s``, from the save call to
-  the new step's end;
+  ``jax.distributed`` start included, compilation not). Three times:
+  **cold** (``--no-standby --no-compilation-cache --no-prepare``: fresh
+  interpreters, every mesh compiled), **warm** (``--no-prepare``: standby
+  processes with jax, flax and optax imported take the new ranks, and jax's
+  persistent compilation cache in the job directory answers a mesh the job
+  ran before) and **ahead** (the defaults: the trainer announces the
+  schedule's next phases with ``store.expect_resizes`` and the launcher
+  starts their generations at once, which import, start
+  ``jax.distributed``, compile their step and run it once on zeros before
+  their turn; at the save the launcher hands the prepared generation the
+  turn and it only restores); each resize's components (relaunch, imports,
+  ``jax.distributed``, restore, compile, the first step) and ``resize_s``,
+  from the save call to the new step's end; and what the background work
+  costs the running steps (each phase's median step, warm against ahead);
 * **Orbax stop/restart** (the baseline users have): one process on the old
   layout saves the train state with ``orbax.checkpoint.StandardCheckpointer``
   and exits; a new process starts, imports, and restores it onto the new
@@ -27,11 +33,11 @@ The step time is the median step of the new phase in the in-process run. The
 methods run one after the other in the same invocation (load hits all
 alike within the noise; ``uptime`` is recorded before and after), between
 two timings of ``python -c "import jax, flax, optax"`` (the targets: the
-worst warm resize no longer than that, and under 0.5 s onto a mesh run
-before: the schedule's last phase is its first one's).
+worst resize no longer than that, and under 0.5 s onto a mesh run before:
+the schedule's last phase is its first one's).
 
-  python benchmarks/bench_lm_resize.py [--steps 15] [--out results/bench_lm_resize.json] \
-      [--plot docs/lm_resize.png]
+  python benchmarks/bench_lm_resize.py [--steps 40] [--kinds cold,warm,ahead] [--no-orbax] \
+      [--out results/bench_lm_resize.json] [--plot docs/lm_resize.png]
 """
 
 from __future__ import annotations
@@ -52,8 +58,11 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCHEDULE = ("0:data=2,tensor=2,stage=2 3:fsdp=2,stage=2 6:tensor=2 9:fsdp=2,stage=4"
-            " 12:data=2,tensor=2,stage=2")
+# The LM trainer's default schedule (8 steps a phase), and a fifth phase back onto the first
+# mesh (a mesh the job ran before).
+SCHEDULE = ("0:data=2,tensor=2,stage=2 8:fsdp=2,stage=2 16:tensor=2 24:fsdp=2,stage=4"
+            " 32:data=2,tensor=2,stage=2")
+KINDS = ("cold", "warm", "ahead")
 PROCS = "2,2,1,2,2"
 # A resize's parts on its critical path, in order: the compile runs in a thread during the
 # restore, so only what is left of it after the restore counts (compile_wait_s).
@@ -143,34 +152,51 @@ def _components(r):
   out = {k: r[k] for k in PARTS[:-1]}
   out["other_s"] = max(0.0, r["resize_s"] - sum(out.values()))  # batches, bookkeeping
   out.update(resize_s=r["resize_s"], reconfig_s=r["reconfig_s"], standby=r["standby"],
-             compile_s=r["compile_s"],
+             compile_s=r["compile_s"], ahead=r["ahead"],
              xla_compiles=r["xla_compiles"], compile_cache_hit=r["compile_cache_hit"])
+  if r["ahead"]:  # started ahead: what came before the save, and the hand-over
+    out.update(handoff_s=r["handoff_s"], ahead_wait_s=r["ahead_wait_s"],
+               ahead_margin_s=r["ahead_margin_s"],
+               ahead_parts_s={k: r["ahead_s"][k] for k in (
+                   "import_s", "distributed_s", "compile_s", "warmup_s")})
+  return out
+
+
+def _phase_steps(records, phases, steps):
+  """Median step time of each phase's steps after its first (seconds)."""
+  out = []
+  for i, p in enumerate(phases):
+    end = phases[i + 1].step if i + 1 < len(phases) else steps
+    ts = [r["step_s"] for r in records if p.step < r["step"] < end]
+    out.append(statistics.median(ts) if ts else None)
   return out
 
 
 def plot(rows, import_s, path):
-  """Stacked bars: each resize's components across processes, cold and warm."""
+  """Stacked bars: each resize's components across processes, cold, warm and ahead."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(9, 4.8))
-  width = 0.38
+  fig, ax = plt.subplots(figsize=(10, 5))
+  width = 0.27
   names = {"relaunch_s": "save + relaunch", "import_s": "imports",
            "distributed_s": "jax.distributed", "restore_s": "restore",
            "compile_wait_s": "compile (after the restore)", "step_s": "first step",
            "other_s": "other"}
-  for j, kind in enumerate(("cold", "warm")):
+  kinds = [k for k in KINDS if k in rows[0]]
+  for j, kind in enumerate(kinds):
     bottom = [0.0] * len(rows)
     for c, k in enumerate(PARTS):
       vals = [r[kind][k] for r in rows]
-      ax.bar([i + (j - 0.5) * width for i in range(len(rows))], vals, width, bottom=bottom,
-             color=f"C{c}", label=names[k] if j == 0 else None,
-             hatch="//" if kind == "cold" else None, edgecolor="white")
+      ax.bar([i + (j - (len(kinds) - 1) / 2) * width for i in range(len(rows))], vals,
+             width, bottom=bottom, color=f"C{c}", label=names[k] if j == 0 else None,
+             hatch={"cold": "//", "ahead": ".."}.get(kind), edgecolor="white")
       bottom = [b + v for b, v in zip(bottom, vals)]
     for i, r in enumerate(rows):
-      ax.text(i + (j - 0.5) * width, bottom[i], f"{kind}\n{r[kind]['resize_s']:.1f} s",
-              ha="center", va="bottom", fontsize=7)
+      ax.text(i + (j - (len(kinds) - 1) / 2) * width, bottom[i],
+              f"{kind}\n{r[kind]['resize_s']:.1f} s", ha="center", va="bottom", fontsize=6)
+  ax.set_yscale("symlog", linthresh=1.0)
   ax.axhline(import_s, color="k", ls="--", lw=1)
   ax.text(len(rows) - 0.5, import_s, ' python -c "import jax, flax, optax"', va="bottom",
           ha="right", fontsize=7)
@@ -179,8 +205,9 @@ def plot(rows, import_s, path):
       f"{r['procs'][0]}->{r['procs'][1]} procs" + ("\n(mesh run before)" if r["seen"] else "")
       for r in rows], fontsize=8)
   ax.set_ylabel("seconds (save call -> new step done)")
-  ax.set_title("LM trainer, resizes across processes: cold (hatched) and with standby"
-               " processes + compilation cache", fontsize=9)
+  ax.set_title("LM trainer, resizes across processes: cold (hatched), warm (standby processes"
+               " + compilation cache), ahead (+ next generations started and compiled"
+               " ahead, dotted)", fontsize=8)
   ax.legend(fontsize=7, loc="upper right")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -195,7 +222,12 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--schedule", default=SCHEDULE)
   ap.add_argument("--procs", default=PROCS, help="processes per phase (across processes)")
-  ap.add_argument("--steps", type=int, default=15)
+  ap.add_argument("--steps", type=int, default=40)
+  ap.add_argument("--kinds", default=",".join(KINDS),
+                  help="runs across processes: cold (--no-standby --no-compilation-cache"
+                  " --no-prepare), warm (--no-prepare), ahead (the defaults)")
+  ap.add_argument("--no-orbax", action="store_true",
+                  help="skip the Orbax stop/restart comparison")
   ap.add_argument("--config", default="tiny")
   ap.add_argument("--fast-compile", action="store_true")
   ap.add_argument("--out", default="results/bench_lm_resize.json")
@@ -223,38 +255,55 @@ def main(argv=None):
          "config": args.config, "schedule": args.schedule, "procs": plan, "steps": args.steps,
          "fast_compile": args.fast_compile, "load_before": os.getloadavg(),
          "import_jax_flax_optax_s_before": import_time()}
+  kinds = [k for k in args.kinds.split(",") if k]
+  if not kinds or any(k not in KINDS for k in kinds):
+    ap.error(f"--kinds {args.kinds!r}: a comma-separated subset of {KINDS}")
+  if "warm" not in kinds:
+    ap.error("--kinds: warm is the reference of the other runs; keep it")
   with Progress() as progress:
-    task = progress.add_task("in-process, across processes, orbax", total=3 + len(phases) - 1)
+    task = progress.add_task("in-process, across processes, orbax",
+                             total=1 + len(kinds) + len(phases) - 1)
     inproc = lm.train(phases, args.steps, cfg, log=lambda *_: None, compiler_options=opts)
     progress.advance(task)
-    ns = argparse.Namespace(schedule=args.schedule, steps=args.steps, config=args.config,
-                            search=False, remat=False, fast_compile=args.fast_compile,
-                            deterministic=None, timeout=1800, no_standby=True,
-                            no_compilation_cache=True)
-    cold, _ = lm.run_procs(ns, cfg, phases, plan, log=lambda *_: None)
-    progress.advance(task)
-    ns.no_standby = ns.no_compilation_cache = False
-    procs, _ = lm.run_procs(ns, cfg, phases, plan, log=lambda *_: None)
-    progress.advance(task)
+    runs = {}
+    for kind in kinds:
+      ns = argparse.Namespace(schedule=args.schedule, steps=args.steps, config=args.config,
+                              search=False, remat=False, fast_compile=args.fast_compile,
+                              deterministic=None, timeout=1800,
+                              no_standby=kind == "cold", no_compilation_cache=kind == "cold",
+                              no_prepare=kind != "ahead")
+      runs[kind], _ = lm.run_procs(ns, cfg, phases, plan, log=lambda *_: None)
+      progress.advance(task)
+    procs = runs["warm"]
+    # What starting and compiling the next generations in the background costs the running
+    # steps: each phase's median step (after its first), warm against ahead.
+    if "ahead" in kinds:
+      res["phase_step_s"] = {k: _phase_steps(runs[k], phases, args.steps)
+                             for k in ("warm", "ahead")}
     rows = []
     for i, p in enumerate(phases[1:], 1):
       old, new = phases[i - 1], p
       before = next(r for r in inproc if r["step"] == p.step - 1)
       after = next(r for r in inproc if r["step"] == p.step)
       cross = next(r for r in procs if r["step"] == p.step)
-      cross_cold = next(r for r in cold if r["step"] == p.step)
-      d = tempfile.mkdtemp(prefix="bench-lm-orbax-",
-                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-      try:
-        saved, exited = _run_side("save", _layout_text(before["mesh"]), old.devices,
+      row = {}
+      if not args.no_orbax:
+        d = tempfile.mkdtemp(prefix="bench-lm-orbax-",
+                             dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        try:
+          saved, exited = _run_side("save", _layout_text(before["mesh"]), old.devices,
+                                    args.config, os.path.join(d, "ckpt"))
+          restored, _ = _run_side("restore", _layout_text(after["mesh"]), new.devices,
                                   args.config, os.path.join(d, "ckpt"))
-        restored, _ = _run_side("restore", _layout_text(after["mesh"]), new.devices,
-                                args.config, os.path.join(d, "ckpt"))
-      finally:
-        shutil.rmtree(d, ignore_errors=True)
+        finally:
+          shutil.rmtree(d, ignore_errors=True)
+        orbax_total = saved["save_s"] + (restored["restored"] - exited)
+        row.update(orbax_s=orbax_total, orbax_parts_s={
+            "save_s": saved["save_s"], "relaunch_s": restored["process_start"] - exited,
+            "import_s": restored["import_s"], "restore_s": restored["restore_s"]},
+            state_bytes=saved["bytes"])
       end = min(x.step for x in phases[i + 1:]) if i + 1 < len(phases) else args.steps
       steps = [r["step_s"] for r in inproc if p.step <= r["step"] < end and not r["compile_s"]]
-      orbax_total = saved["save_s"] + (restored["restored"] - exited)
       rows.append({
           "step": p.step, "from": before["mesh"], "to": after["mesh"],
           "devices": [old.devices, new.devices], "procs": [cross["procs_from"], cross["procs"]],
@@ -263,16 +312,12 @@ def main(argv=None):
           "across_s": cross["reconfig_s"], "across_parts_s": {
               k: cross[k] for k in ("relaunch_s", "import_s", "init_s", "restore_s")},
           "across_bytes": cross["reconfig_bytes"],
-          "cold": _components(cross_cold), "warm": _components(cross),
+          **{k: _components(next(r for r in runs[k] if r["step"] == p.step)) for k in kinds},
           # a mesh (and process split) the job ran before this resize
           "seen": any((q.devices, q.degrees, q.microbatches, plan[j])
                       == (p.devices, p.degrees, p.microbatches, plan[i])
                       for j, q in enumerate(phases[:i])),
-          "orbax_s": orbax_total, "orbax_parts_s": {
-              "save_s": saved["save_s"], "relaunch_s": restored["process_start"] - exited,
-              "import_s": restored["import_s"], "restore_s": restored["restore_s"]},
-          "state_bytes": saved["bytes"],
-          "compile_s": after["compile_s"]})
+          **row, "compile_s": after["compile_s"]})
       progress.advance(task)
   res["resizes"] = rows
   res["import_jax_flax_optax_s_after"] = import_time()
@@ -282,44 +327,54 @@ def main(argv=None):
       abs(a["loss"] - b["loss"]) for a, b in zip(inproc, procs))
   print(f"machine: {res['machine']}; load {res['load_before'][0]:.1f} ->"
         f" {res['load_after'][0]:.1f}; config {args.config}, state"
-        f" {rows[0]['state_bytes'] / 2**10:.0f} KiB")
-  print("\n| step | devices (procs) | degrees d,f,t,s | step ms | in-process ms | across"
-        " processes ms (restore) | Orbax stop/restart ms (save + restore) | compile s |")
-  print("|---:|---|---|---:|---:|---:|---:|---:|")
-  for r in rows:
-    deg = "->".join(",".join(str(m[a]) for a in ("data", "fsdp", "tensor", "stage"))
-                    for m in (r["from"], r["to"]))
-    print(f"| {r['step']} | {r['devices'][0]} ({r['procs'][0]}) -> {r['devices'][1]}"
-          f" ({r['procs'][1]}) | {deg} | {r['step_s'] * 1e3:.0f} |"
-          f" {r['in_process_s'] * 1e3:.0f} | {r['across_s'] * 1e3:.0f}"
-          f" ({r['across_parts_s']['restore_s'] * 1e3:.0f}) | {r['orbax_s'] * 1e3:.0f}"
-          f" ({(r['orbax_parts_s']['save_s'] + r['orbax_parts_s']['restore_s']) * 1e3:.0f}) |"
-          f" {r['compile_s']:.1f} |")
-  print(f"\nresizes across processes, cold (--no-standby --no-compilation-cache) and warm;"
+        f" {rows[0]['across_bytes'] / 2**10:.0f} KiB")
+  if not args.no_orbax:
+    print("\n| step | devices (procs) | degrees d,f,t,s | step ms | in-process ms | across"
+          " processes ms (restore) | Orbax stop/restart ms (save + restore) | compile s |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+      deg = "->".join(",".join(str(m[a]) for a in ("data", "fsdp", "tensor", "stage"))
+                      for m in (r["from"], r["to"]))
+      print(f"| {r['step']} | {r['devices'][0]} ({r['procs'][0]}) -> {r['devices'][1]}"
+            f" ({r['procs'][1]}) | {deg} | {r['step_s'] * 1e3:.0f} |"
+            f" {r['in_process_s'] * 1e3:.0f} | {r['across_s'] * 1e3:.0f}"
+            f" ({r['across_parts_s']['restore_s'] * 1e3:.0f}) | {r['orbax_s'] * 1e3:.0f}"
+            f" ({(r['orbax_parts_s']['save_s'] + r['orbax_parts_s']['restore_s']) * 1e3:.0f})"
+            f" | {r['compile_s']:.1f} |")
+  print(f"\nresizes across processes ({', '.join(kinds)});"
         f' python -c "import jax, flax, optax": {res["import_jax_flax_optax_s_before"]:.2f} s'
         f' before, {res["import_jax_flax_optax_s_after"]:.2f} s after')
-  print("\n| step | devices (procs) | run | relaunch | imports | jax.distributed | restore |"
-        " compile: all (after the restore; XLA compiles) | first step | resize (save -> step"
-        " done) |")
+  print("\n| step | devices (procs) | run | relaunch (ahead: hand-over; wait) | imports |"
+        " jax.distributed | restore | compile: all (after the restore; XLA compiles) |"
+        " first step | resize (save -> step done) |")
   print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
-    for kind in ("cold", "warm"):
+    for kind in kinds:
       c = r[kind]
+      rel = f" {c['relaunch_s']:.2f}" + (
+          f" ({c['handoff_s']:.2f}; {c['ahead_wait_s']:.2f})" if c["ahead"] else "") + " |"
       print(f"| {r['step']} | {r['devices'][0]} ({r['procs'][0]}) -> {r['devices'][1]}"
-            f" ({r['procs'][1]}){' (run before)' if r['seen'] else ''} | {kind} |"
-            + "".join(f" {c[k]:.2f} |" for k in PARTS[:4])
+            f" ({r['procs'][1]}){' (run before)' if r['seen'] else ''} | {kind} |" + rel
+            + "".join(f" {c[k]:.2f} |" for k in PARTS[1:4])
             + f" {c['compile_s']:.2f} ({c['compile_wait_s']:.2f}; {c['xla_compiles']}) |"
             f" {c['step_s']:.2f} |"
             f" {c['resize_s']:.2f} |")
-  worst = {k: max(r[k]["resize_s"] for r in rows) for k in ("cold", "warm")}
-  seen = [r["warm"]["resize_s"] for r in rows if r["seen"]]
-  res["targets"] = {"import_s": imp, "worst_cold_s": worst["cold"],
-                    "worst_warm_s": worst["warm"],
-                    "worst_warm_over_import": worst["warm"] / imp,
-                    "run_before_warm_s": max(seen) if seen else None}
-  print(f"\nworst resize: cold {worst['cold']:.2f} s ({worst['cold'] / imp:.1f}x the import),"
-        f" warm {worst['warm']:.2f} s ({worst['warm'] / imp:.1f}x; target <= 1x)"
-        + (f"; onto a mesh run before: {max(seen):.2f} s (target < 0.5 s)" if seen else ""))
+  worst = {k: max(r[k]["resize_s"] for r in rows) for k in kinds}
+  seen = {k: max([r[k]["resize_s"] for r in rows if r["seen"]], default=None) for k in kinds}
+  res["targets"] = {"import_s": imp, **{f"worst_{k}_s": worst[k] for k in kinds},
+                    **{f"worst_{k}_over_import": worst[k] / imp for k in kinds},
+                    **{f"run_before_{k}_s": seen[k] for k in kinds}}
+  for k in kinds:
+    print(f"worst resize {k}: {worst[k]:.2f} s ({worst[k] / imp:.2f}x the import; target <= 1x)"
+          + (f"; onto a mesh run before: {seen[k]:.2f} s (target < 0.5 s)"
+             if seen[k] is not None else ""))
+  if "phase_step_s" in res:
+    print("\nmedian step per phase (s), warm | ahead (the next generations started and"
+          " compiled in the background):")
+    for i, p in enumerate(phases):
+      w, a = res["phase_step_s"]["warm"][i], res["phase_step_s"]["ahead"][i]
+      if w and a:
+        print(f"  phase at step {p.step}: {w:.3f} | {a:.3f} ({a / w:.2f}x)")
   if args.plot:
     pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, imp, args.plot)

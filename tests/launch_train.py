@@ -8,7 +8,10 @@ come from the launcher (schedule, SIGUSR1) or, with ``TRAIN_REQUEST=A:M:S``,
 from ``request_resize(M, at_step=S)`` called at step A. Optional:
 ``TRAIN_SNAPSHOT_EVERY=k`` (``save_snapshot``), ``TRAIN_CKPT_EVERY=k``
 (Orbax checkpoint in the launcher's ``--checkpoint``), ``TRAIN_SLEEP=s``
-per step, and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
+per step, ``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
+processes from step S started ahead; each process of a job with it writes
+``JOB_DIR/ahead_<generation>_<process>.json``: whether it was prepared, when
+``initialize`` had returned, its turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
 with code 3 after step S; KIND ``host`` first deletes its store, as if its
 host were lost; KIND ``midsave`` exits before its ``save_snapshot`` of step
 S, once process 0 has committed that snapshot: a crash in the middle of a
@@ -47,7 +50,19 @@ def env_int(name):
 
 
 target = {"w": jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sh), "step": 0}
+expect = os.environ.get("TRAIN_EXPECT")
+prepared = store.prepared()
+if expect and not prepared:
+  store.expect_resizes(
+      [(int(s), int(m), f"procs{m}") for s, m in (x.split(":") for x in expect.split(","))],
+      key=f"procs{info['num_processes']}")
+initialized = time.time()
 state, step = store.restore_or_init(init, target)
+if expect:  # whether this process was started ahead, and its turn
+  with open(os.path.join(info["job_dir"], f"ahead_{info['generation']}_"
+                         f"{info['process_id']}.json"), "w") as f:
+    json.dump({"prepared": prepared, "initialized": initialized,
+               "turn": store.wait_turn(), "step": step}, f)
 assert state["step"] == step, (state["step"], step)
 for s in state["w"].addressable_shards:  # what was saved at that step
   np.testing.assert_array_equal(

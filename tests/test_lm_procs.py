@@ -72,9 +72,42 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   assert all(c == 0 and h > 0 for c, h in back["xla_compiles_procs"]), back
   assert back["compile_cache_hit"], back
   assert new["standby"] and back["standby"], (new, back)
+  # both relaunched generations were started ahead (train.py announces the schedule's
+  # phases with store.expect_resizes): their step compiled (the second one loaded from
+  # the cache, after generation 0 had written it) before their turn
+  assert new["ahead"] and back["ahead"], (new, back)
+  for r in (new, back):
+    a = r["ahead_s"]
+    assert a["compile_s"] > 0 and a["warmup_s"] > 0, r
+    assert r["import_s"] == 0 and r["distributed_s"] == 0, r
+    assert r["relaunch_s"] >= r["handoff_s"] >= 0, r
   for r in (new, back):  # the components, each within the resize
     parts = ("relaunch_s", "import_s", "distributed_s", "restore_s")
     assert all(r[k] >= 0 for k in parts), r
     assert r["reconfig_s"] <= r["resize_s"], r
   np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
   assert log["max_abs_param_diff"] < 1e-5
+
+
+def test_deterministic_resizes_through_generations_started_ahead_are_bitwise(tmp):
+  # --deterministic 2 across processes (2 x 2 devices, 1 x 4 from step 2, 2 x 2 from
+  # step 4): both relaunched generations were started ahead and ran their compiled step
+  # once on zeros before their turn; the losses and final params are still bitwise the
+  # static run's.
+  import json
+  out = os.path.join(tmp, "det.json")
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  (run,) = procs.run_all([[
+      sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
+      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
+      "--deterministic", "2", "--json", out, "--timeout", "600"]], timeout=650, env=env)
+  assert run.returncode == 0, run.stdout[-5000:]
+  with open(out) as f:
+    log = json.load(f)
+  el = log["elastic"]
+  assert [r["procs"] for r in el] == [2, 2, 1, 1, 2, 2]
+  assert el[2]["ahead"] and el[4]["ahead"], (el[2], el[4])
+  assert log["bitwise_identical"] is True
+  assert [r["loss"] for r in el] == [r["loss"] for r in log["static"]]

@@ -445,6 +445,31 @@ class Trainer:
   check_deterministic: Callable
 
 
+def _phase_key(phase, procs):
+  """What a phase's generation compiles, as a string (equal for equal programs)."""
+  degrees = sorted(dict(phase.degrees).items()) if phase.degrees is not None else None
+  return json.dumps([procs, phase.devices, degrees, phase.microbatches])
+
+
+def _expect_next(store, args, phases, plan, phase, n):
+  """Tells the launcher the schedule's next phases (``store.expect_resizes``), unless
+  ``--no-prepare``."""
+  if getattr(args, "no_prepare", False):
+    return
+  later = [(p.step, plan[k], _phase_key(p, plan[k])) for k, p in enumerate(phases)
+           if phase.step < p.step < args.steps]
+  store.expect_resizes(later, key=_phase_key(phase, n))
+
+
+def _zeros(tree, fill=0):
+  """Arrays of ``fill`` shaped and sharded as a tree of ``ShapeDtypeStruct``s (no
+  compilation: each process writes its own shards)."""
+  def one(s):
+    host = np.full(s.shape, fill, s.dtype)
+    return jax.make_array_from_callback(s.shape, s.sharding, lambda idx: host[idx])
+  return jax.tree.map(one, tree)
+
+
 def worker(args, cfg, phases, plan, trainer=None):
   """One process of the job under ``tenplex-jax launch`` (``--worker``).
 
@@ -472,6 +497,12 @@ def worker(args, cfg, phases, plan, trainer=None):
   info = store.initialize()
   t_init = time.time()
   lead = info["process_id"] == 0
+  # A generation the launcher started ahead (it expected this resize): compile and warm
+  # up now, restore at the turn. Otherwise announce the schedule's next phases at once, so
+  # that the launcher prepares them while this generation compiles and trains.
+  ahead = store.prepared()
+  if not ahead:
+    _expect_next(store, args, phases, plan, phase, n)
   devices = jax.devices()
   lr, gb = configs.LEARNING_RATE, configs.GLOBAL_BATCH
   mesh, rules, mb = tr.layout(phase, cfg, devices, search=args.search, global_batch=gb)
@@ -486,9 +517,23 @@ def worker(args, cfg, phases, plan, trainer=None):
            jax.ShapeDtypeStruct((gb,), jnp.float32, sharding=spec))
   compiling = _Background(counted_step, tr, cfg, mesh, rules, mb, abstract, *batch,
                           args.deterministic, _compiler_options(args))
+  ahead_s = {}
+  if ahead:  # before the turn: the step compiled and run once (gloo's connections)
+    t0 = time.time()
+    fn, ahead_s["compile_s"], _, _ = compiling.result()
+    t1 = time.time()
+    warm, _ = fn(_zeros(abstract), *(_zeros(x, 1) for x in batch))
+    jax.block_until_ready(warm)
+    del warm
+    ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
+                   compile_wait_s=t1 - t0, warmup_s=time.time() - t1)
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
+  turn = store.wait_turn()  # (restore_or_init waited for it): its times
+  if ahead:
+    _expect_next(store, args, phases, plan, phase, n)
+    ahead_s.update(ready_time=turn["ready"], handed_time=turn["handed"])
   if phase_at(phases, step) != phase:
     raise ValueError(f"restored step {step}, which is not in the phase at step {phase.step}")
   state = tree["train"]
@@ -496,12 +541,17 @@ def worker(args, cfg, phases, plan, trainer=None):
   if lead:
     _append(args.records, {
         "event": "start", "step": step, "generation": info["generation"], "procs": n,
-        "devices_per_proc": phase.devices // n, "start_time": tr.process_start,
-        "import_s": t_start - tr.process_start, "init_s": t_init - t_start,
-        "restore_s": t_restored - t_init, "restored_time": t_restored,
-        "restore": last_restore.get("report"),
+        "devices_per_proc": phase.devices // n,
+        # started ahead: imports, jax.distributed and the compile came before the turn
+        # (ahead_s); the resize's path starts when the turn was seen
+        "start_time": turn["seen"] if ahead else tr.process_start,
+        "import_s": 0.0 if ahead else t_start - tr.process_start,
+        "init_s": 0.0 if ahead else t_init - t_start,
+        "restore_s": t_restored - (turn["seen"] if ahead else t_init),
+        "restored_time": t_restored, "restore": last_restore.get("report"),
         # a standby process (tenplex_jax.store launch): imports done before its rank came
-        "standby": "TENPLEX_STANDBY_ASSIGNED" in os.environ})
+        "standby": "TENPLEX_STANDBY_ASSIGNED" in os.environ,
+        "ahead": ahead, "ahead_s": ahead_s})
   source = tr.dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
@@ -589,7 +639,13 @@ def assemble(records_path, job_dir):
   ``xla_compiles`` (the step's XLA compilations in process 0; 0 when jax's
   persistent compilation cache had them all), ``xla_compiles_procs`` (each
   process's ``[compilations, cache hits]``) and ``compile_cache_hit`` (no
-  process compiled, every one loaded from the cache).
+  process compiled, every one loaded from the cache), and ``ahead``: whether
+  the generation was started ahead (``store.expect_resizes``; its imports,
+  ``jax.distributed``, compile and a warm-up step came before the save, in
+  ``ahead_s``; ``relaunch_s`` is then the save call to the turn seen, of which
+  ``handoff_s`` to the launcher's hand-over and ``ahead_wait_s`` waiting for the
+  preparation to finish; ``ahead_margin_s``: how long before the save call it
+  was ready, negative when it was not).
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]
@@ -614,9 +670,15 @@ def assemble(records_path, job_dir):
                    import_s=pending["import_s"], init_s=pending["init_s"],
                    distributed_s=pending["init_s"], restore_s=pending["restore_s"],
                    resize_s=e["time"] - save["time"], standby=pending["standby"],
+                   ahead=bool(pending.get("ahead")),
                    xla_compiles_procs=_compiles(job_dir, pending["generation"]),
                    reconfig_bytes=local + net, network_bytes=net,
                    resized_from=prev["mesh"], procs_from=prev["procs"])
+        if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
+          a = pending["ahead_s"]  # preparation to finish
+          rec.update(ahead_s=a, handoff_s=a["handed_time"] - save["time"],
+                     ahead_wait_s=max(0.0, pending["start_time"] - a["handed_time"]),
+                     ahead_margin_s=save["time"] - a["ready_time"])
         rec["compile_cache_hit"] = bool(rec["xla_compiles_procs"]) and all(
             c == 0 and h > 0 for c, h in rec["xla_compiles_procs"])
         pending = None
@@ -648,7 +710,8 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
          ",".join(map(str, plan)), "--records", records, "--schedule", args.schedule,
          "--steps", str(args.steps), "--config", args.config]
   cmd += ["--search"] * args.search + ["--remat"] * args.remat + \
-      ["--fast-compile"] * args.fast_compile
+      ["--fast-compile"] * args.fast_compile + \
+      ["--no-prepare"] * getattr(args, "no_prepare", False)
   if args.deterministic is not None:
     cmd += ["--deterministic", str(args.deterministic)]
   log(f"tenplex-jax launch: {plan[0]} processes x {phases[0].devices // plan[0]} devices;"
@@ -768,6 +831,10 @@ def main(argv=None):
   ap.add_argument("--no-compilation-cache", action="store_true",
                   help="(with --procs) no persistent compilation cache in the job"
                   " directory: every generation compiles its step")
+  ap.add_argument("--no-prepare", action="store_true",
+                  help="(with --procs) do not have the launcher start the next phases'"
+                  " processes ahead (store.expect_resizes): each resize then imports (or takes"
+                  " a standby), starts jax.distributed and compiles (or loads) after the save")
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")
   ap.add_argument("--records", metavar="PATH",

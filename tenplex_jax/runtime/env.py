@@ -54,6 +54,7 @@ _VARS = {
     "checkpoint": ("TENPLEX_CHECKPOINT", str),
     "compilation_cache": ("TENPLEX_COMPILATION_CACHE", bool),
     "ray_controller": ("TENPLEX_RAY_CONTROLLER", str),
+    "turn_file": ("TENPLEX_TURN_FILE", str),
     "standby_imports": (STANDBY_IMPORTS_ENV, "csv"),
     "token": (TOKEN_ENV, str),
     "ca": (CA_ENV, str),
@@ -92,6 +93,7 @@ class JobEnv:
   checkpoint: str | None = None
   compilation_cache: bool = False
   ray_controller: str | None = None
+  turn_file: str | None = None
   standby_imports: tuple[str, ...] = ()
   token: str | None = None
   ca: str | None = None

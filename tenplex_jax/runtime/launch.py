@@ -73,10 +73,10 @@ from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
 from tenplex_jax.store.api import restore_with_report, save
 from tenplex_jax.store.server import CA_ENV, TOKEN_ENV, free_port
 
-__all__ = ["Controller", "RESIZE_EXIT_CODE", "controller", "initialize",
-           "launch", "register", "request_resize", "resize_due",
-           "restore_or_init", "save_and_exit", "save_snapshot",
-           "use_controller"]
+__all__ = ["Controller", "RESIZE_EXIT_CODE", "controller", "expect_resizes",
+           "initialize", "launch", "prepared", "register", "request_resize",
+           "resize_due", "restore_or_init", "save_and_exit", "save_snapshot",
+           "use_controller", "wait_turn"]
 
 RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
@@ -342,7 +342,8 @@ def _heartbeat() -> None:
   entering and leaving ``initialize``, after the restore, at every step and
   snapshot."""
   env = job_env()
-  if env.job_dir and env.launched:
+  if env.job_dir and env.launched and not prepared():
+    # (a prepared process's index is the running generation's until its turn)
     p = os.path.join(env.job_dir, f"heartbeat_{env.proc_id}")
     try:
       with private.open_private(p) as f:
@@ -389,6 +390,77 @@ def resize_due(step: int) -> int | None:
   """
   _progress(step)
   return controller().resize_due(step)
+
+
+def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
+                   key: str = "") -> None:
+  """Tells the launcher the resizes this job expects, so that it prepares
+  their generations while this one trains.
+
+  ``resizes``: ``(step, procs, key)`` per expected resize (e.g. the
+  schedule's next phases): at ``step`` the job will resize to ``procs``
+  processes running what ``key`` names (e.g. the mesh and the step's
+  program); ``key`` (keyword) names this generation's. The launcher starts
+  each expected generation ahead (:func:`prepared` is true in its
+  processes): it runs the script up to :func:`wait_turn` (imports,
+  ``jax.distributed``, compiling its step into the persistent compilation
+  cache), and waits there; when the running generation has saved at that
+  step for that many processes, the launcher hands it the turn, else stops
+  it. Generations with equal keys prepare one after the other (the later one
+  loads the earlier one's programs from the compilation cache). Process 0's
+  call counts; the others' do nothing. Without the launcher it does nothing.
+  """
+  env = job_env()
+  job = env.job_dir
+  if not job or not env.launched or env.ray_controller or env.proc_id != 0:
+    return
+  out = []
+  for r in resizes:
+    step, procs, what = r
+    if int(procs) < 1:
+      raise UsageError(f"expect_resizes: the resize at step {step} has"
+                       f" {procs} processes; it needs at least 1")
+    out.append([int(step), int(procs), str(what)])
+  p = os.path.join(job, "expected_resizes.json")
+  with private.open_private(f"{p}.{os.getpid()}") as f:
+    json.dump({"generation": env.generation,
+               "key": str(key), "resizes": out}, f)
+  os.replace(f"{p}.{os.getpid()}", p)
+
+
+_turn: dict = {}  # a prepared process's turn: {"ready", "seen", "handed"}
+
+
+def prepared() -> bool:
+  """Whether this process belongs to a generation the launcher started
+  ahead (:func:`expect_resizes`) and has not had its turn yet: the script
+  may compile and warm up, but its state comes only after :func:`wait_turn`
+  (which :func:`restore_or_init` calls)."""
+  return bool(job_env().turn_file) and not _turn.get("seen")
+
+
+def wait_turn() -> dict:
+  """In a prepared process (:func:`prepared`): marks it ready for the
+  launcher and blocks until the launcher hands this generation its turn
+  (the previous one saved the state this one restores). Returns
+  ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
+  handed by the launcher, turn seen here); ``{}`` in other processes. The
+  turn is looked for every 2 ms."""
+  path = job_env().turn_file
+  if not path or _turn.get("seen"):
+    return dict(_turn)
+  _turn["ready"] = time.time()
+  with private.open_private(_job_file("ready", "txt")) as f:
+    f.write(repr(_turn["ready"]))
+  while True:
+    try:
+      handed = float(_text(path))
+      break
+    except (OSError, ValueError):
+      time.sleep(0.002)
+  _turn.update(handed=handed, seen=time.time())
+  _heartbeat()
+  return dict(_turn)
 
 
 def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
@@ -465,6 +537,7 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
   """
+  wait_turn()  # a prepared generation: until the previous one saved
   env = job_env()
   stores = list(env.peers)
   start, failed = env.start_step, env.failed_step
@@ -753,6 +826,30 @@ def _start_child(index: int, cmd: Sequence[str], env: dict,
   return _Child(index, cmd, env, wake)
 
 
+class _Ahead:
+  """A generation started ahead of its turn (:func:`expect_resizes`): its
+  processes run the script up to :func:`wait_turn`; :meth:`hand` gives
+  them the turn (``TENPLEX_TURN_FILE``: the launcher's ``time.time()``)."""
+
+  def __init__(self, gen: int, n: int, step: int, key: str,
+               children: list[_Child], turn_file: str):
+    self.gen, self.n, self.step, self.key = gen, n, step, key
+    self.children, self.turn_file = children, turn_file
+
+  def alive(self) -> bool:
+    return all(c.code is None for c in self.children)
+
+  def ready(self, job_dir: str) -> bool:
+    """Every process waits for its turn (compiled, warmed up)."""
+    return all(os.path.exists(os.path.join(job_dir, f"ready_{self.gen}_{i}"
+                                           ".txt")) for i in range(self.n))
+
+  def hand(self) -> None:
+    with private.open_private(self.turn_file + ".tmp") as f:
+      f.write(repr(time.time()))
+    os.replace(self.turn_file + ".tmp", self.turn_file)
+
+
 def _cache_env(job_dir: str, cache: bool | str) -> dict[str, str]:
   """The environment that points jax's persistent compilation cache at the
   job's (see :func:`launch`'s ``compilation_cache``)."""
@@ -965,20 +1062,25 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
           gen: int, pending: dict, t_end: float | None,
           step_timeout: float | None,
           first_step: Callable[[float], None],
-          tick: Callable[[], None] | None = None) -> dict:
+          tick: Callable[[], None] | None = None,
+          poll: Callable[[], float | None] | None = None) -> dict:
   """Waits for the generation to end: all processes done, or the first
   failure (then stops the others at once). Returns ``codes``, ``first``
   (the index of the first process that failed, or None), and for a
   failure ``kind``, ``error``, ``failed_at``, ``detected_at``,
   ``stopped_at``. Calls ``first_step(time)`` when a process first reports
-  a step, and ``tick()`` about once a second after that."""
+  a step, ``tick()`` about once a second after that, and ``poll()`` on
+  every wake (every 50 ms, or as many seconds as ``poll`` returned)."""
   start = time.time()
   n = len(children)
   stepped = False
   ticked = start
+  interval = 0.05
   while True:
-    wake.wait(0.05)
+    wake.wait(interval)
     wake.clear()
+    if poll is not None:
+      interval = poll() or 0.05
     now = time.time()
     if stepped and tick is not None and now - ticked > 1:
       ticked = now
@@ -1048,7 +1150,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            tls_key: str | None = None, tls_ca: str | None = None,
            compilation_cache: bool | str = True,
            standby: bool = True,
-           standby_imports: Sequence[str] | None = None) -> int:
+           standby_imports: Sequence[str] | None = None,
+           prepare_ahead: int = 3) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -1107,6 +1210,15 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       flax, flax.linen, flax.training.train_state, optax and the store's
       restore path; those not installed are skipped). Import nothing whose
       import has effects the script relies on seeing later.
+    prepare_ahead: generations the launcher starts ahead of their turn, at
+      most, for the resizes the script expects (:func:`expect_resizes`):
+      their processes import, start ``jax.distributed``, compile their step
+      (into the compilation cache) and warm up while the running generation
+      trains, then wait in :func:`wait_turn`; once every running process
+      saved for that resize (same step and process count) the launcher hands
+      them the turn, and they restore. A generation whose resize does not
+      come, or that fails before its turn, is stopped (the resize then
+      starts its processes as without it). 0: none.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -1130,6 +1242,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   for name, v in (("procs", procs), ("devices_per_proc", devices_per_proc)):
     if not isinstance(v, int) or v < 1:
       raise UsageError(f"launch: {name} must be a positive integer, not {v!r}")
+  if not isinstance(prepare_ahead, int) or prepare_ahead < 0:
+    raise UsageError(f"launch: prepare_ahead must be a count >= 0, not"
+                     f" {prepare_ahead!r}")
   if step_timeout is not None and not step_timeout > 0:
     raise UsageError(f"launch: step_timeout must be positive seconds, not"
                      f" {step_timeout!r}")
@@ -1206,78 +1321,197 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
                               "a") as f:
       f.write(json.dumps(record) + "\n")
 
-  try:
-    for gen in range(max_generations):
-      for i in range(n):
-        if i in servers and servers[i][0].poll() is not None:
-          print(f"tenplex-jax launch: the store server of slot {i} died"
-                f" (exit {servers[i][0].returncode}); restarting it",
-                file=sys.stderr, flush=True)
-          del servers[i]
-      servers.update(_start_servers(
-          {i: (os.path.join(job_dir, "store", str(i)),
-               os.path.join(job_dir, f"server_{i}.log"))
-           for i in range(n) if i not in servers}, base_env, tls))
-      # Every store that may hold data: those of all slots started so far.
-      urls = [servers[i][1] for i in sorted(servers)]
+  def ensure_servers(count):
+    """Store servers for slots 0..count-1 (restarting dead ones); the URLs
+    of every store that may hold data: those of all slots started so far."""
+    for i in range(count):
+      if i in servers and servers[i][0].poll() is not None:
+        print(f"tenplex-jax launch: the store server of slot {i} died"
+              f" (exit {servers[i][0].returncode}); restarting it",
+              file=sys.stderr, flush=True)
+        del servers[i]
+    servers.update(_start_servers(
+        {i: (os.path.join(job_dir, "store", str(i)),
+             os.path.join(job_dir, f"server_{i}.log"))
+         for i in range(count) if i not in servers}, base_env, tls))
+    return [servers[i][1] for i in sorted(servers)]
+
+  def gen_env(i, count, port, g, step, urls, failed=None):
+    env = {**base_env,
+           "TENPLEX_COORDINATOR": f"127.0.0.1:{port}",
+           "TENPLEX_NUM_PROCS": str(count), "TENPLEX_PROC_ID": str(i),
+           "TENPLEX_DEVICES": str(devices_per_proc),
+           "TENPLEX_STORE": os.path.join(job_dir, "store", str(i)),
+           "TENPLEX_STORES": json.dumps(
+               [os.path.join(job_dir, "store", str(j)) for j in range(count)]),
+           "TENPLEX_PEERS": json.dumps(urls),
+           "TENPLEX_JOB_DIR": job_dir,
+           "TENPLEX_GENERATION": str(g),
+           "TENPLEX_RUN": f"{launch_id}-g{g}",
+           "TENPLEX_START_STEP": str(step),
+           "TENPLEX_REPLICAS": str(replicas)}
+    env.pop("TENPLEX_FAILED_STEP", None)
+    env.pop("TENPLEX_TURN_FILE", None)
+    if failed is not None:
+      env["TENPLEX_FAILED_STEP"] = str(failed)
+    if schedule:
+      env["TENPLEX_SCHEDULE"] = os.path.abspath(schedule)
+    if checkpoint:
+      env["TENPLEX_CHECKPOINT"] = _checkpoint_location(checkpoint)
+    return env
+
+  # Generations started ahead of their turn (expect_resizes), and the last
+  # expectations read.
+  ahead: list[_Ahead] = []
+  expected = {"mtime": None, "data": None}
+  numbers = {"next": 0}  # generation numbers handed out
+
+  def drop_ahead(which):
+    for a in [a for a in ahead if which(a)]:
+      ahead.remove(a)
+      _stop(a.children, wake, 0)
+
+  def prepare(cur):
+    """Starts the generations the running script expects (at most
+    ``prepare_ahead`` at a time; one key at a time, see expect_resizes)."""
+    p = os.path.join(job_dir, "expected_resizes.json")
+    try:
+      mtime = os.stat(p).st_mtime_ns
+    except OSError:
+      return
+    if mtime != expected["mtime"]:
+      try:
+        expected.update(data=json.loads(_text(p)), mtime=mtime)
+      except (OSError, ValueError):  # being replaced
+        return
+    data = expected["data"]
+    busy = {a.key for a in ahead if not a.ready(job_dir)}
+    if not cur["stepped"] and data.get("generation") == cur["gen"]:
+      busy.add(data.get("key"))
+    for step, count, key in sorted(data.get("resizes", [])):
+      if len(ahead) >= prepare_ahead:
+        return
+      if step <= cur["start"] or any(a.step == step for a in ahead) \
+          or key in busy:
+        continue
+      g = numbers["next"]
+      numbers["next"] += 1
+      urls = ensure_servers(count)
       port = free_port()
-      for i in range(max(n, len(children))):  # this generation's only
-        for name in (f"progress_{i}", f"heartbeat_{i}"):
+      turn = os.path.join(job_dir, f"turn_{g}")
+      kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, step, urls),
+                                    "TENPLEX_TURN_FILE": turn},
+                           wake, standbys) for i in range(count)]
+      ahead.append(_Ahead(g, count, step, key, kids, turn))
+      busy.add(key)
+      print(f"tenplex-jax launch: generation {g} ({count} processes, from"
+            f" step {step}) started ahead", flush=True)
+
+  def hand_over(cur):
+    """Hands the turn to the generation started ahead for the resize the
+    running one saved for, as soon as every process saved (before they
+    exit)."""
+    if cur["handed"] is not None or not ahead:
+      return
+    infos = []
+    for i in range(cur["n"]):
+      p = os.path.join(job_dir, f"resize_{i}.json")
+      try:
+        if os.stat(p).st_mtime < cur["started"]:
+          return  # an earlier generation's
+        infos.append(json.loads(_text(p)))
+      except (OSError, ValueError):  # not yet (or being written)
+        return
+    if len({(x["procs"], x["step"]) for x in infos}) != 1:
+      return
+    info = infos[0]
+    a = next((a for a in ahead if a.step == info["step"]
+              and a.n == info["procs"]), None)
+    if a is None or not a.alive():
+      return
+    a.hand()
+    cur.update(handed=a, handed_info=info)
+
+  try:
+    adopt = None  # a generation started ahead that has its turn
+    for _ in range(max_generations):
+      if adopt is None:
+        gen = numbers["next"]
+        numbers["next"] += 1
+        urls = ensure_servers(n)
+        port = free_port()
+        for i in range(max(n, len(children))):  # this generation's only
+          for name in (f"progress_{i}", f"heartbeat_{i}"):
+            try:
+              os.unlink(os.path.join(job_dir, name))
+            except FileNotFoundError:
+              pass
+        children = []
+        wake.clear()
+        for i in range(n):
+          children.append(_start_child(
+              i, cmd, gen_env(i, n, port, gen, start_step, urls, failed_step),
+              wake, standbys))
+      else:
+        gen, children, adopt = adopt.gen, adopt.children, None
+        for i in range(n):  # the previous generation's last step's
+          p = os.path.join(job_dir, f"progress_{i}")
           try:
-            os.unlink(os.path.join(job_dir, name))
-          except FileNotFoundError:
+            if int(_text(p)) <= start_step:
+              os.unlink(p)
+          except (OSError, ValueError):
             pass
-      children = []
-      wake.clear()
-      for i in range(n):
-        env = {**base_env,
-               "TENPLEX_COORDINATOR": f"127.0.0.1:{port}",
-               "TENPLEX_NUM_PROCS": str(n), "TENPLEX_PROC_ID": str(i),
-               "TENPLEX_DEVICES": str(devices_per_proc),
-               "TENPLEX_STORE": os.path.join(job_dir, "store", str(i)),
-               "TENPLEX_STORES": json.dumps(
-                   [os.path.join(job_dir, "store", str(j)) for j in range(n)]),
-               "TENPLEX_PEERS": json.dumps(urls),
-               "TENPLEX_JOB_DIR": job_dir,
-               "TENPLEX_GENERATION": str(gen),
-               "TENPLEX_RUN": f"{launch_id}-g{gen}",
-               "TENPLEX_START_STEP": str(start_step),
-               "TENPLEX_REPLICAS": str(replicas)}
-        env.pop("TENPLEX_FAILED_STEP", None)
-        if failed_step is not None:
-          env["TENPLEX_FAILED_STEP"] = str(failed_step)
-        if schedule:
-          env["TENPLEX_SCHEDULE"] = os.path.abspath(schedule)
-        if checkpoint:
-          env["TENPLEX_CHECKPOINT"] = _checkpoint_location(checkpoint)
-        children.append(_start_child(i, cmd, env, wake, standbys))
       if gen == 0:  # ready by the first resize, which follows the first compile
         refill()
       if record is not None:  # the relaunch after a failure is under way
         record["relaunched_s"] = round(time.time() - record["failed_at"], 3)
+      cur = {"gen": gen, "n": n, "start": start_step, "started": time.time(),
+             "stepped": False, "handed": None, "handed_info": None}
 
       def first_step(at):
         nonlocal record
+        cur["stepped"] = True
         refill()
         if record is not None:  # the new generation trains again
           record["resumed_s"] = round(at - record["failed_at"], 3)
           write_record()
           record = None
+
+      def poll():
+        if prepare_ahead > 0:
+          prepare(cur)
+          hand_over(cur)
+          if ahead:  # a hand-over is 10 ms from the save at most
+            return 0.01
+        return None
       out = _wait(children, wake, job_dir, gen, pending, t_end, step_timeout,
-                  first_step, refill)
+                  first_step, refill, poll)
       codes, first = out["codes"], out["first"]
       _stop(children, wake, 0)  # whatever the children left behind
       if all(c == 0 for c in codes):
         code = 0
         break
       if first is None and all(c == RESIZE_EXIT_CODE for c in codes):
-        info = json.loads(_text(os.path.join(job_dir, "resize_0.json")))
-        print(f"tenplex-jax launch: generation {gen}: {n} -> {info['procs']}"
-              f" processes at step {info['step']}", flush=True)
+        info = cur["handed_info"] or json.loads(
+            _text(os.path.join(job_dir, "resize_0.json")))
         n, start_step = int(info["procs"]), int(info["step"])
         most = max(most, n)
         failed_step = None
+        adopt = cur["handed"] or next(
+            (a for a in ahead if a.step == start_step and a.n == n
+             and a.alive()), None)
+        if adopt is not None:
+          ahead.remove(adopt)
+          if adopt is not cur["handed"]:
+            adopt.hand()
+        # (those for this step or earlier can no longer be used)
+        drop_ahead(lambda a: a.step <= start_step)
+        print(f"tenplex-jax launch: generation {gen}: {cur['n']} -> {n}"
+              f" processes at step {start_step}"
+              + (f" (generation {adopt.gen}, started ahead)" if adopt
+                 else ""), flush=True)
         continue
+      drop_ahead(lambda a: True)  # a failure: the expectations are void
       if first is None:  # some finished, some exited for a resize
         print(f"tenplex-jax launch: generation {gen}: the processes"
               f" disagree (exit codes {codes}); stopping", file=sys.stderr,
@@ -1326,6 +1560,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     # Nothing outlives the launcher: the generation's process groups, then
     # the store servers.
     _stop(children, wake)
+    drop_ahead(lambda a: True)
     for sb in standbys:
       sb.kill()
     for p, _ in servers.values():
@@ -1421,7 +1656,8 @@ def _launch_cmd(args) -> int:
                 tls_ca=args.tls_ca,
                 compilation_cache=(args.compilation_cache
                                    or not args.no_compilation_cache),
-                standby=not args.no_standby)
+                standby=not args.no_standby,
+                prepare_ahead=args.prepare_ahead)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -1466,5 +1702,9 @@ def register(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--no-standby", action="store_true",
                  help="start every generation's processes afresh instead of"
                  " keeping standby processes (Python and jax imported)")
+  p.add_argument("--prepare-ahead", type=int, default=3, metavar="N",
+                 help="generations to start ahead of their turn for the"
+                 " resizes the script expects (expect_resizes; default 3,"
+                 " 0: none)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)

@@ -22,9 +22,10 @@ from tenplex_jax.store.api import (RestoreReport, open_store, replicate, restore
                                    restore_with_report, save)
 from tenplex_jax.store.checkpoint import (latest_step, restore_checkpoint,
                                           save_checkpoint)
-from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, initialize, launch,
+from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, expect_resizes,
+                                      initialize, launch, prepared,
                                       request_resize, resize_due, restore_or_init,
-                                      save_and_exit, save_snapshot)
+                                      save_and_exit, save_snapshot, wait_turn)
 from tenplex_jax.store.format import (HostStore, TensorInfo, gc,
                                       parse_index, round_id)
 from tenplex_jax.store.server import (TOKEN_ENV, RemoteStore, make_server,
@@ -54,6 +55,9 @@ __all__ = [
     "replicate",
     "request_resize",
     "resize_due",
+    "expect_resizes",
+    "prepared",
+    "wait_turn",
     "restore",
     "restore_checkpoint",
     "restore_with_report",
