@@ -29,7 +29,8 @@ import fsspec
 
 from tenplex_jax.errors import LocationError, UsageError
 
-__all__ = ["COMMIT_MARKERS", "OBJECT_SCHEMES", "Listing", "filesystem",
+__all__ = ["COMMIT_MARKERS", "OBJECT_SCHEMES", "Listing", "download",
+           "filesystem",
            "fs_path", "join", "kvstore_spec", "location_error", "split_url",
            "upload_tree"]
 
@@ -199,13 +200,17 @@ class Listing:
     self.fs = filesystem(scheme)
     self._base = fs_path(self.url)
     try:
-      found = self.fs.find(self._base)
+      found = self.fs.find(self._base, detail=True)
       if not found:  # an empty prefix, or no bucket at all
         self.fs.ls(self._base.split("/")[0])
     except Exception as e:
       raise location_error(self.url, e, "listing") from e
     n = len(self._base) + 1
     self.files = {f[n:] for f in found if f.startswith(self._base + "/")}
+    #: Bytes of each object (key relative to the listed prefix), as listed.
+    self.sizes = {f[n:]: int(info.get("size") or 0)
+                  for f, info in found.items()
+                  if f.startswith(self._base + "/")}
     self.dirs: dict[str, set[str]] = {}
     for k in self.files:
       parts = k.split("/")
@@ -248,6 +253,26 @@ class Listing:
       raise location_error(url, e, "reading") from e
     self.bytes_read += len(data)
     return data
+
+
+def download(url: str, local: str) -> int:
+  """Copies object ``url`` whole into local file ``local``, streamed in one
+  request (memory stays at the library's read size, not the object's);
+  returns the bytes written.
+
+  Raises:
+    LocationError: the request failed (one line).
+  """
+  scheme, _, _ = split_url(url)
+  fs = filesystem(scheme)
+  # s3fs would cut a large object into concurrent ranged requests, each
+  # buffered whole in memory; one streamed request keeps memory flat.
+  kw = {"max_concurrency": 1} if scheme == "s3" else {}
+  try:
+    fs.get_file(fs_path(url), local, **kw)
+  except Exception as e:
+    raise location_error(url, e, "reading") from e
+  return os.path.getsize(local)
 
 
 #: Files that mark a checkpoint or snapshot complete: uploaded last.

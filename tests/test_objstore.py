@@ -409,6 +409,80 @@ def test_orbax_checkpoint_on_object_storage(scheme, request):
     tjo.convert(url, f"{scheme}://{bucket}/ckpts/conv")
 
 
+def test_orbax_ocdbt_on_s3_is_staged_in_few_requests(s3, monkeypatch):
+  """An OCDBT checkpoint on a bucket: a restore fetches the chunks it needs
+  into a local copy with a few large requests (not one per chunk), reads
+  them from there, fetches about the bytes it needs (<= 1.1x) when it needs
+  only a part, and leaves neither the bucket nor the local copy behind."""
+  from tenplex_jax.orbax import _read
+  from tenplex_jax.orbax._read import OrbaxSource
+  rng = np.random.default_rng(3)
+  w = rng.standard_normal((256, 512)).astype(np.float32)  # 16 chunks, 32 KiB
+  v = rng.standard_normal((256,)).astype(np.float32)
+  m = _mesh((8,), ("x",))
+  d = tempfile.mkdtemp(prefix="tenplex-test-orbax-")
+  try:
+    with ocp.CheckpointManager(d) as mgr:
+      mgr.save(1, args=ocp.args.StandardSave({
+          "w": jax.device_put(w, NamedSharding(m, P("x"))),
+          "v": jax.device_put(v, NamedSharding(m, P("x")))}))
+    upload_dir(d, "s3", s3, "ck")
+  finally:
+    import shutil
+    shutil.rmtree(d)
+  url = f"s3://{s3}/ck"
+  before = snapshot_objects("s3", s3)
+  t = NamedSharding(_mesh((2, 2)), P(None, ("a", "b")))  # columns
+  target = {"w": jax.ShapeDtypeStruct(w.shape, jnp.float32, sharding=t),
+            "v": jax.ShapeDtypeStruct(v.shape, jnp.float32,
+                                      sharding=NamedSharding(t.mesh, P()))}
+  reads = []
+  real = _read.OrbaxSource.stage
+
+  def spy(self, needs):
+    n = real(self, needs)
+    reads.append((n, self._stage_dir, {k: len(i) for k, (_, i) in
+                                       self._staged.items()}))
+    return n
+
+  monkeypatch.setattr(_read.OrbaxSource, "stage", spy)
+  got_whole = []
+  whole = _read.download
+  monkeypatch.setattr(_read, "download",
+                      lambda u, p: got_whole.append(u) or whole(u, p))
+  out = tjo.restore(url, target)
+  np.testing.assert_array_equal(np.asarray(out["w"]), w)
+  np.testing.assert_array_equal(np.asarray(out["v"]), v)
+  assert out["w"].sharding == target["w"].sharding
+  [(fetched, stage_dir, staged)] = reads
+  assert staged == {"w": 8, "v": 8}  # every chunk staged
+  # One request per object: the manifests, and the data files whole (all
+  # of their chunks are needed), not one per chunk.
+  assert len(got_whole) == len(set(got_whole)) <= 5, got_whole
+  assert not os.path.exists(stage_dir)  # the local copy is gone
+  # zstd shrinks float noise a little; the manifests and b-tree come too.
+  assert 0.8 * w.nbytes <= fetched <= 1.1 * (w.nbytes + v.nbytes) \
+      + (64 << 10)
+  # A process holding rows [0, 64) needs 2 of w's 8 chunks: with no merging
+  # of neighbouring ranges, it fetches about those (one ranged request
+  # each, cut into 8 KiB parts), not the data file.
+  monkeypatch.setattr(_read, "_MERGE_GAP", 0)
+  monkeypatch.setattr(_read, "_PART", 8 << 10)
+  with OrbaxSource(url) as src:
+    n = real(src, {"w": [((0, 64), (0, 512))]})
+    assert 0.8 * w.nbytes / 4 <= n <= 1.1 * w.nbytes / 4 + (64 << 10)
+    staged_dir = src._stage_dir
+    assert {k: len(i) for k, (_, i) in src._staged.items()} == {"w": 2}
+    got = np.empty((64, 512), np.float32)
+    src.read_into("w", ((0, 64), (0, 512)), got)  # from the local copy
+    np.testing.assert_array_equal(got, w[:64])
+    got = np.empty((64, 512), np.float32)
+    src.read_into("w", ((64, 128), (0, 512)), got)  # not staged: the bucket
+    np.testing.assert_array_equal(got, w[64:128])
+  assert not os.path.exists(staged_dir)
+  assert snapshot_objects("s3", s3) == before  # reading wrote nothing
+
+
 def test_persistent_checkpoint_on_s3(s3):
   """save_checkpoint to s3://, and a restore whose stores hold nothing falls
   back to it (the launcher's --checkpoint s3://...)."""

@@ -25,7 +25,7 @@ from typing import Any
 from tenplex_jax.orbax._convert import (MappedSource, convert, scan_mapping,
                                         unscan_mapping)
 from tenplex_jax.orbax._read import Location, OrbaxSource, inspect, locate
-from tenplex_jax.assembly import AssembleReport, assemble
+from tenplex_jax.assembly import AssembleReport, assemble, match_target
 
 __all__ = ["Location", "MappedSource", "OrbaxSource", "convert", "inspect",
            "locate", "restore", "restore_with_report", "save",
@@ -52,7 +52,31 @@ def restore_with_report(path: str, target: Any, *, step: int | None = None,
     ([12.0, 13.0], 64, 64)
   """
   with OrbaxSource(path, step=step, item=item) as src:
+    if src.remote and src.ocdbt:
+      src.stage(_needs(src, target, mesh))
     return assemble(src, target, inflight_bytes=inflight_bytes, mesh=mesh)
+
+
+def _needs(src: OrbaxSource, target: Any, mesh: Any) -> dict:
+  """Per saved tensor, the boxes this process's devices hold in ``target``
+  (the whole tensor for a plain leaf that takes its saved value)."""
+  held = src.tensors()
+  _, _, arrays, plain = match_target(target, held, mesh=mesh)
+  out: dict = {}
+  for saved, leaf in arrays.values():
+    if saved is None:
+      continue
+    shape = held[saved].shape
+    for idx in leaf.sharding.addressable_devices_indices_map(
+        tuple(shape)).values():
+      out.setdefault(saved, []).append(tuple(
+          (s.start or 0, n if s.stop is None else s.stop)
+          for s, n in zip(idx, shape)))
+  for saved in plain.values():
+    if saved is not None:
+      out.setdefault(saved, []).append(tuple((0, n)
+                                             for n in held[saved].shape))
+  return out
 
 
 def restore(path: str, target: Any, *, step: int | None = None,
