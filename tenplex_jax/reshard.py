@@ -932,8 +932,8 @@ def _spmd_plan(shape: tuple, dtype, src: Sharding, dst: Sharding
   b = tuple(n // u for n, u in zip(shape, c.units))
   k = tuple(u // a for u, a in zip(c.units, p))
   h = tuple(u // a for u, a in zip(c.units, q))
-  sp = _placement_by_arithmetic(src, c.units)
-  dp = _placement_by_arithmetic(dst, c.units)
+  sp = placement_by_arithmetic(src, c.units)
+  dp = placement_by_arithmetic(dst, c.units)
   if sp is None or dp is None:
     return None
   cut_grid = _grid(k)

@@ -45,6 +45,7 @@ from tenplex_jax.layout import (PTC, Box, Placement, slices_to_box,
                                 box_volume, intersect, key_path_name)
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import key_data_sharding
+from tenplex_jax.store import checkpoint as ckpt
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       chunk_shape, take_lock, check_step,
@@ -789,8 +790,8 @@ def _choose_round(sources, unreachable, target, step, checkpoint, fallbacks,
     step = check_step(step)
     rounds = [r for r in rounds if r[1] == step]
   if not rounds:
-    where = "" if not sources else f" ({'; '.join(s.problems[:3])})" \
-        if any(s.problems for s in sources) else ""
+    problems = [m for src in sources for m in src.problems]
+    where = f" ({'; '.join(problems[:3])})" if problems else ""
     why = ("no store holds a snapshot" if step is None
            else f"no store holds step {step}") + where
     if unreachable:
