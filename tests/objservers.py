@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import uuid
 
 import requests
 
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+from tenplex_jax.store.server import free_port
 
 
 @contextlib.contextmanager

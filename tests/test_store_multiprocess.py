@@ -26,6 +26,8 @@ sys.path.insert(0, HERE)
 from procs import run_all  # noqa: E402
 from store_state import SPECS, expected_state, storage_view  # noqa: E402
 
+from tenplex_jax.store.server import free_port  # noqa: E402
+
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "",
        "JAX_PLATFORMS": "cpu"}
@@ -37,10 +39,7 @@ def _text(path):
 
 
 def _free_port():
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  return free_port()
 
 
 def run_job(tmp, name, *, procs, devices, mesh, action, timeout=90, **kw):

@@ -49,6 +49,7 @@ import math
 import os
 import secrets
 import signal
+import random
 import socket
 import ssl
 import struct
@@ -1315,7 +1316,35 @@ def _msg(body: bytes) -> str:
     return body[:300].decode("utf-8", "replace")
 
 
-def free_port() -> int:
+def _ephemeral_range() -> tuple[int, int]:
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+      lo, hi = (int(x) for x in f.read().split())
+    return lo, hi
+  except (OSError, ValueError):
+    return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port on ``host`` that nothing listens on now, for a server
+  started next (a ``jax.distributed`` coordinator, a store server).
+
+  Drawn at random below the kernel's ephemeral range where that leaves
+  room (ports 20000 up to it): a port the kernel handed out by
+  ``bind(0)`` is also what it hands to the next outgoing connection, so
+  on a busy host it is often taken again before the server binds it.
+  """
+  lo, _ = _ephemeral_range()
+  if lo > 21000:
+    rng = random.SystemRandom()
+    for _ in range(64):
+      port = rng.randrange(20000, lo)
+      with socket.socket() as s:
+        try:
+          s.bind((host, port))
+        except OSError:
+          continue
+        return port
   with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
+    s.bind((host, 0))
     return s.getsockname()[1]
