@@ -49,9 +49,9 @@ from tenplex_jax.planner import Plan, plan
 from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.sources import Source, SourceTensor
 
-__all__ = ["AssembleReport", "NewBox", "assemble", "fetch_pieces", "fill",
-           "match_target", "new_boxes", "place", "read_source",
-           "source_layout"]
+__all__ = ["AssembleReport", "NewBox", "ReadStats", "assemble", "fetch_pieces",
+           "fill", "match_target", "new_boxes", "place", "read_source",
+           "shards_of", "source_layout"]
 
 
 # -- plan -> distinct new boxes -> buffers -----------------------------------

@@ -2,7 +2,7 @@
 ``None``, complex numbers and numpy arrays or scalars (bytes in base64).
 
 The store's snapshot manifests keep them this way; the store's writer and
-its readers (``store.api``, ``sources.StoreSource``) share these two
+its readers (``store.api``, ``store.source.StoreSource``) share these two
 functions, so neither imports the other.
 """
 
