@@ -102,6 +102,7 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
 
 from tenplex_jax.errors import StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
+from tenplex_jax.runtime import launch as _launch
 from tenplex_jax.runtime.env import job_env
 from tenplex_jax.store import private
 from tenplex_jax.runtime.launch import (
@@ -110,7 +111,6 @@ from tenplex_jax.runtime.launch import (
     Controller,
     check_tls_options,
     initialize,
-    last_restore,
     resize_due,
     restore_or_init,
     save_and_exit,
@@ -155,7 +155,7 @@ class _WorkerController(Controller):
                                    namespace=NAMESPACE)
       # What this group restored, known to the driver even if it fails
       # later.
-      restored = dict(last_restore)
+      restored = dict(_launch.last_restore)
     return _ray.get(self.handle.poll.remote(
         job_env().proc_id, int(step), restored))
 
@@ -275,7 +275,9 @@ class _Worker:
           jax.distributed.shutdown()
         except Exception:  # noqa: BLE001 - already down or never up
           pass
-    out["restored"] = dict(last_restore)
+    # Through the module: Ray ships this class by value (cloudpickle), with
+    # a copy of the globals it names; a module goes by reference.
+    out["restored"] = dict(_launch.last_restore)
     return out
 
 
