@@ -20,6 +20,8 @@ set-up and the server are common to all):
   StandardRestore(target))`` from a local directory (no server).
 * ``store_local``: ``tj.store.restore([dir], target)`` from a local store
   (what a store restore from S3 costs beyond the transfer).
+* ``orbax_s3_unstaged`` (with ``--unstaged``): ``orbax_s3`` without
+  staging, one ranged request per chunk (the read path before it).
 * ``transfer``: the transfer itself: every chunk object of the store read
   whole from the server through tensorstore's s3 kvstore, 32 in flight (as
   a store restore from a bucket), the bytes dropped.
@@ -196,6 +198,9 @@ def worker(method, work):
     fetched = sum(got)
   elif method == "store_local":
     out = tj.store.restore([os.path.join(work, "store")], target)
+  elif method == "orbax_s3_unstaged":  # the read path before staging
+    _read.OrbaxSource.stage = lambda self, needs: 0
+    out = tjo.restore("s3://bench/orbax", target)
   elif method == "orbax_s3":
     stage = _read.OrbaxSource.stage
     got = []
@@ -241,6 +246,9 @@ def main():
   p.add_argument("--worker", default=None)
   p.add_argument("--work", default=None)
   p.add_argument("--setup", action="store_true")
+  p.add_argument("--unstaged", action="store_true", help="also time"
+                 " tenplex_jax.orbax.restore from S3 without staging (one"
+                 " ranged request per chunk: minutes at 1 GiB on moto)")
   args = p.parse_args()
   if args.worker:
     worker(args.worker, args.work)
@@ -273,8 +281,10 @@ def main():
     env["BENCH_CRC"] = json.dumps(info["crc32c"])
     runs = {m: [] for m in METHODS}
     fetched = {}
+    methods = METHODS + (("orbax_s3_unstaged",) if args.unstaged else ())
+    runs = {m: [] for m in methods}
     for r in range(args.repeat):
-      order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]
+      order = methods[r % len(methods):] + methods[:r % len(methods)]
       for m in order:
         out = subprocess.run(me + ["--worker", m], env=env,
                              capture_output=True, text=True)
@@ -303,6 +313,9 @@ def main():
       "runs_s": runs, "median_s": med,
       "store_s3_vs_orbax_local": med["store_s3"] / med["orbax_local"],
       "orbax_s3_vs_orbax_local": med["orbax_s3"] / med["orbax_local"],
+      **({"orbax_s3_unstaged_vs_staged":
+          med["orbax_s3_unstaged"] / med["orbax_s3"]} if args.unstaged
+         else {}),
       "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"],
       # <= 1: a store restore from S3 costs no more than a local one plus
       # the transfer of its bytes.
@@ -317,8 +330,8 @@ def main():
                   "note": "shared machine, other jobs running"},
   }
   print(f"{'method':14s} {'median s':>9s}")
-  for m in METHODS:
-    print(f"{m:14s} {med[m]:9.2f}")
+  for m in methods:
+    print(f"{m:18s} {med[m]:9.2f}")
   print(f"store_s3 / orbax_local = {summary['store_s3_vs_orbax_local']:.2f},"
         f" orbax_s3 / orbax_local = {summary['orbax_s3_vs_orbax_local']:.2f},"
         f" store_s3 / (store_local + transfer) ="
