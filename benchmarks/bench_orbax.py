@@ -40,7 +40,10 @@ decodes a chunk once per new box that takes a part of it; the code before
 reads were grouped by chunk) and ``orbax`` (Orbax's own restore). Reports
 wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
 restore in the saved layout, and the worst and median ratio to Orbax over
-the random layouts. Writes benchmarks/bench_orbax_layouts_result.json.
+the random layouts. Writes benchmarks/bench_orbax_layouts_result.json
+(or ``--result``). ``--no-ocdbt`` saves the checkpoint without OCDBT (a
+zarr directory per leaf); ``--methods tenplex,orbax`` leaves out the
+per-piece path.
 """
 
 from __future__ import annotations
@@ -269,7 +272,9 @@ def _layout_save(args) -> None:
   tree["embed"] = jax.random.normal(k, (8192, 1024), jnp.float32)
   tree["table"] = jax.random.randint(a, (4096, 1024), -128, 127, jnp.int8)
   tree = jax.device_put(tree, s)
-  with ocp.CheckpointManager(args.dir) as m:
+  handlers = None if not args.no_ocdbt else \
+      ocp.StandardCheckpointHandler(use_ocdbt=False)
+  with ocp.CheckpointManager(args.dir, item_handlers=handlers) as m:
     m.save(1, args=ocp.args.StandardSave(tree))
     m.wait_until_finished()
   print(json.dumps({"state_bytes": sum(x.nbytes
@@ -378,18 +383,20 @@ def layouts_main(args) -> None:
   ck = os.path.join(work, "ckpt")
   me = [sys.executable, os.path.abspath(__file__), "--layers",
         str(args.layers)]
-  methods = ("tenplex", "per-piece", "orbax")
+  methods = tuple(args.methods.split(","))
   kinds = ["saved", "cols4", "blocks2x2"] + [
       f"random:{s}" for s in args.seeds.split(",") if s]
   try:
     if not os.path.isdir(ck):
-      saved = _run(me + ["--role", "lsave", "--dir", ck], _child_env(8))
+      saved = _run(me + ["--role", "lsave", "--dir", ck]
+                   + (["--no-ocdbt"] if args.no_ocdbt else []), _child_env(8))
     else:  # --dir holding the checkpoint of an earlier run
       saved = {"state_bytes": None}
     print(f"state {saved['state_bytes'] or 'as saved before'} bytes,"
           f" checkpoint {_du(ck)} bytes on disk, load {os.getloadavg()}")
     results = {"state_bytes": saved["state_bytes"], "disk_bytes": _du(ck),
-               "layers": args.layers, "load_before": os.getloadavg(),
+               "layers": args.layers, "ocdbt": not args.no_ocdbt,
+               "methods": list(methods), "load_before": os.getloadavg(),
                "restore": {}}
     for kind in kinds:
       runs = {m: [] for m in methods}
@@ -413,7 +420,9 @@ def layouts_main(args) -> None:
     print("layout     | tenplex s (CPU) | per-piece s (CPU) | orbax s (CPU) |"
           " orbax/tenplex | tenplex/own saved | RSS rise x")
     for kind, r in res.items():
-      t, p, o = r["tenplex"], r["per-piece"], r["orbax"]
+      t, o = r["tenplex"], r["orbax"]
+      p = r.get("per-piece", {"seconds": float("nan"),
+                              "cpu_seconds": float("nan")})
       r["speedup_vs_orbax"] = o["seconds"] / t["seconds"]
       r["cpu_speedup_vs_orbax"] = o["cpu_seconds"] / t["cpu_seconds"]
       r["vs_own_saved"] = t["seconds"] / own["seconds"]
@@ -439,7 +448,8 @@ def layouts_main(args) -> None:
             f" {results['random_cpu_speedup_vs_orbax']['median']:.2f}x")
     results["load_after"] = os.getloadavg()
     results["machine"] = {"cpus": os.cpu_count()}
-    with open(os.path.join(HERE, "bench_orbax_layouts_result.json"),
+    with open(args.out_json or os.path.join(HERE,
+                                       "bench_orbax_layouts_result.json"),
               "w") as f:
       json.dump(results, f, indent=1)
   finally:
@@ -472,6 +482,13 @@ def main() -> None:
                   " layouts that cut the saved chunks (see the docstring)")
   ap.add_argument("--seeds", default="0,1,2,3", help="--layouts: seeds of"
                   " the random layouts")
+  ap.add_argument("--no-ocdbt", action="store_true", help="--layouts: save"
+                  " the checkpoint without OCDBT (one zarr array directory"
+                  " per leaf)")
+  ap.add_argument("--methods", default="tenplex,per-piece,orbax",
+                  help="--layouts: methods to time (comma-separated)")
+  ap.add_argument("--result", dest="out_json", default=None,
+                  help="--layouts: where to write the result JSON")
   ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--method", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--kind", default=None, help=argparse.SUPPRESS)

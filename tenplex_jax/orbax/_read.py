@@ -42,7 +42,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from tenplex_jax.cloud import Listing, download, kvstore_spec
+from tenplex_jax.cloud import (Listing, download, kvstore_spec,
+                               location_error)
 from tenplex_jax.errors import StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
@@ -471,47 +472,13 @@ class OrbaxSource(Source):
     if not want:
       return 0
     d = self.location.item
+    try:
+      ranges, staged = self._chunk_ranges(d, want)
+    except StoreError:
+      raise
+    except Exception as e:  # noqa: BLE001 - one line naming the location
+      raise location_error(d, e, "reading the OCDBT b-tree") from e
     base = ts.KvStore.open(kvstore_spec(d), context=self._ctx).result()
-    ranges: dict[str, list[tuple[int, int]]] = {}
-
-    def add(loc: str) -> None:  # "<kind>:<base path>:<file>:<offset>:<length>"
-      head, off, n = loc.rsplit(":", 2)
-      _, prefix, f = head.split(":", 2)
-      ranges.setdefault(prefix + f, []).append((int(off), int(off) + int(n)))
-
-    manifest = ts.ocdbt.dump(base).result()
-    for v in manifest.get("version_tree_nodes") or []:
-      loc = v.get("location") if isinstance(v, dict) else None
-      if loc:
-        add(loc)
-    root = (manifest.get("versions") or [{}])[-1].get("root") or {}
-    todo = [root["location"]] if root.get("location") else []
-    staged: dict[str, set] = {name: set() for name, _, _ in want.values()}
-    while todo:
-      loc = todo.pop()
-      add(loc)
-      node = ts.ocdbt.dump(base, loc).result()
-      for e in node.get("entries", []):
-        refs = [v for v in e.values() if isinstance(v, str)
-                and v.startswith("btreenode:")]
-        if refs:
-          todo.extend(refs)
-          continue
-        ref = e.get("indirect_value")
-        key = e.get("key", b"")
-        key = key.decode() if isinstance(key, bytes) else str(key)
-        param, _, suffix = key.rpartition("/")
-        hit = want.get(param)
-        if hit is None:
-          continue
-        name, rank, ids = hit
-        idx = _chunk_index(suffix)
-        if ids is not None and idx is not None and len(idx) >= rank:
-          if idx[:rank] not in ids:
-            continue
-          staged[name].add(idx[:rank])
-        if ref:
-          add(ref)
     fetched = 0
     root_dir = tempfile.mkdtemp(prefix="tenplex-orbax-stage-")
     self._stage_dir = root_dir
@@ -566,7 +533,6 @@ class OrbaxSource(Source):
     except Exception as e:
       if isinstance(e, StoreError):
         raise
-      from tenplex_jax.cloud import location_error
       raise location_error(d, e, "reading") from e
     finally:
       for _, fut in pending:
@@ -587,6 +553,57 @@ class OrbaxSource(Source):
       self._staged[name] = (fut.result(), ids)
     self.staged_bytes = fetched
     return fetched
+
+  def _chunk_ranges(self, d: str, want: Mapping) -> tuple[dict, dict]:
+    """Walks the OCDBT b-tree of item ``d`` once: the byte ranges (per
+    object, relative to ``d``) of the b-tree nodes and of the chunks
+    ``want`` names, and per tensor the chunk indices found."""
+    import tensorstore as ts
+    base = ts.KvStore.open(kvstore_spec(d), context=self._ctx).result()
+    ranges: dict[str, list[tuple[int, int]]] = {}
+
+    def add(loc: str) -> None:  # "<kind>:<base path>:<file>:<offset>:<length>"
+      head, off, n = loc.rsplit(":", 2)
+      _, prefix, f = head.split(":", 2)
+      ranges.setdefault(prefix + f, []).append((int(off), int(off) + int(n)))
+
+    manifest = ts.ocdbt.dump(base).result()
+    for v in manifest.get("version_tree_nodes") or []:
+      loc = v.get("location") if isinstance(v, dict) else None
+      if loc:
+        add(loc)
+    root = (manifest.get("versions") or [{}])[-1].get("root") or {}
+    todo = [root["location"]] if root.get("location") else []
+    staged: dict[str, set] = {name: set() for name, _, _ in want.values()}
+    while todo:
+      loc = todo.pop()
+      add(loc)
+      node = ts.ocdbt.dump(base, loc).result()
+      prefix = node.get("key_prefix", b"")
+      prefix = prefix.decode() if isinstance(prefix, bytes) else str(prefix)
+      for e in node.get("entries", []):
+        refs = [v for v in e.values() if isinstance(v, str)
+                and v.startswith("btreenode:")]
+        if refs:
+          todo.extend(refs)
+          continue
+        ref = e.get("indirect_value")
+        key = e.get("key", b"")
+        key = prefix + (key.decode() if isinstance(key, bytes)
+                        else str(key))
+        param, _, suffix = key.rpartition("/")
+        hit = want.get(param)
+        if hit is None:
+          continue
+        name, rank, ids = hit
+        idx = _chunk_index(suffix)
+        if ids is not None and idx is not None and len(idx) >= rank:
+          if idx[:rank] not in ids:
+            continue
+          staged[name].add(idx[:rank])
+        if ref:
+          add(ref)
+    return ranges, staged
 
   def _stage_ctx(self):
     import tensorstore as ts
