@@ -1176,8 +1176,9 @@ def _build_generic(batch: list, phys: list, tr) -> dict:
   """Builds the arrays ``batch`` on the generic path: arrays between plain
   NamedShardings by class (see _run_generic_spmd), the rest per device (see
   _run_generic)."""
-  spmd = [i for i in batch if _spmd_eligible(phys[i][1], phys[i][2])]
-  rest = [i for i in batch if i not in set(spmd)]
+  spmd, rest = [], []
+  for i in batch:
+    (spmd if _spmd_eligible(phys[i][1], phys[i][2]) else rest).append(i)
   try:
     out = dict(zip(spmd, _run_generic_spmd(
         [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))
