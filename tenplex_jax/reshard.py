@@ -9,7 +9,10 @@ Two executors share one plan:
   the old shards, and every device holding the box adopts that buffer
   without a further copy. No XLA program is compiled.
 * ``generic`` (any backend): each piece is sliced on its source device,
-  copied to the destination device, and the pieces are concatenated there.
+  copied to the destination device, and the pieces are concatenated there;
+  arrays between plain NamedShardings by two SPMD programs per array
+  signature (cut over the source mesh, join over the target mesh), others
+  by one cut and one join program per device.
 
 Both reuse an old shard's buffer untouched wherever a device keeps exactly
 the box it had; where a box only changes device, ``generic`` copies the whole
