@@ -9,7 +9,10 @@ Two executors share one plan:
   the old shards, and every device holding the box adopts that buffer
   without a further copy. No XLA program is compiled.
 * ``generic`` (any backend): each piece is sliced on its source device,
-  copied to the destination device, and the pieces are concatenated there.
+  copied to the destination device, and the pieces are concatenated there;
+  arrays between plain NamedShardings by two SPMD programs per array
+  signature (cut over the source mesh, join over the target mesh), others
+  by one cut and one join program per device.
 
 Both reuse an old shard's buffer untouched wherever a device keeps exactly
 the box it had; where a box only changes device, ``generic`` copies the whole
@@ -806,6 +809,34 @@ def _cached_schedule(batch: list) -> _GenericSchedule:
   return sched
 
 
+try:  # one C++ call copies many single-device arrays (jax.device_put's own)
+  from jax._src.lib import xla_client as _xc
+  _batched_copy = _xc.batched_copy_array_to_devices_with_sharding
+  _REUSE = _xc.ArrayCopySemantics.REUSE_INPUT
+except (ImportError, AttributeError):  # pragma: no cover - other jax versions
+  _batched_copy = None
+
+
+@functools.lru_cache(maxsize=4096)
+def _on_device(dev) -> tuple:
+  s = SingleDeviceSharding(dev)
+  return s, s._internal_device_list.addressable_device_list
+
+
+def _send(arrays: list, devices: list) -> list:
+  """``jax.device_put(arrays, devices)`` for single-device arrays, in one
+  call: ``jax.device_put`` of a list dispatches each array through about
+  ten Python frames (170 us each here; lm1b SMALL sends 3,552 pieces)."""
+  if _batched_copy is None:
+    return jax.device_put(arrays, devices)
+  try:
+    on = [_on_device(d) for d in devices]
+    return _batched_copy(arrays, [d for _, d in on], [s for s, _ in on],
+                         [_REUSE] * len(arrays))
+  except (TypeError, AttributeError):  # pragma: no cover - other jax
+    return jax.device_put(arrays, devices)
+
+
 def _run_generic(batch: list) -> list:
   """The generic executor (any backend) over many arrays at once.
 
@@ -835,8 +866,8 @@ def _run_generic(batch: list) -> list:
     return got[r] if r[0] == "c" else shards[r[1]][r[2]]
   moved: dict = {}
   if sched.sends:
-    arrays = jax.device_put([ref(r) for r, _ in sched.sends],
-                            [dev for _, dev in sched.sends])
+    arrays = _send([ref(r) for r, _ in sched.sends],
+                   [dev for _, dev in sched.sends])
     moved = {(r, dev.id): a for (r, dev), a in zip(sched.sends, arrays)}
 
   def on(r, dev):
@@ -1002,7 +1033,7 @@ def _run_generic_spmd(batch: list) -> list:
           sends.append(pieces[j][src])
           dests.append(dev)
           where.append((n, dev.id, src, j))
-  moved = dict(zip(where, jax.device_put(sends, dests))) if sends else {}
+  moved = dict(zip(where, _send(sends, dests))) if sends else {}
   made = []
   for n, (prog, x, s, plan, shards, pieces) in enumerate(staged):
     blocks = []  # per target device, its sub-blocks
@@ -1148,8 +1179,9 @@ def _build_generic(batch: list, phys: list, tr) -> dict:
   """Builds the arrays ``batch`` on the generic path: arrays between plain
   NamedShardings by class (see _run_generic_spmd), the rest per device (see
   _run_generic)."""
-  spmd = [i for i in batch if _spmd_eligible(phys[i][1], phys[i][2])]
-  rest = [i for i in batch if i not in set(spmd)]
+  spmd, rest = [], []
+  for i in batch:
+    (spmd if _spmd_eligible(phys[i][1], phys[i][2]) else rest).append(i)
   try:
     out = dict(zip(spmd, _run_generic_spmd(
         [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))

@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/bench_reshard.py: quick mode, one transition.
+"""Smoke tests of benchmarks/bench_reshard.py (quick mode, one transition)
+and of one bench_warm.py worker.
 
 No timing assertions: it checks that the benchmark runs end to end, that the
 resharded values and shardings are checked, and that the JSON has its fields.
@@ -38,3 +39,20 @@ def test_bench_reshard_quick(tmp_path):
   assert rs["cold_extra"]["lower_bound_bytes"] == rs["moved_bytes"]
   s = doc["summary"]["tensor2to4"]
   assert s["warm_reshard_over_memcpy"] > 0
+
+
+def test_bench_warm_worker_fresh_source(tmp_path):
+  # One worker of benchmarks/bench_warm.py: the source replaced by a fresh
+  # copy before each call, values checked, the executor path recorded.
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_warm.py"),
+       "--calls", "2", "--worker", "small-shards", "reshard", "dropped",
+       "fresh"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  r = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert r["values_ok"] and r["source"] == "fresh", r
+  assert r["paths"] == ["cpu", "cpu"], r
+  assert len(r["seconds"]) == len(r["cpu_seconds"]) == 2
+  assert all(t > 0 for t in r["seconds"]), r

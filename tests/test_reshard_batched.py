@@ -236,3 +236,40 @@ def test_replicated_to_rows_aliases_one_replica():
   assert base is not None and _bits(y) == host.tobytes()
   for s in y.addressable_shards:
     assert np.array_equal(np.asarray(s.data), host[s.index])
+
+
+def test_generic_compiles_once_per_array_signature():
+  # Arrays between plain NamedShardings move by class: one SPMD cut and one
+  # SPMD join program per (shape, dtype, shardings), shared by all 8
+  # devices and by every array of that signature; an array whose shape the
+  # shardings do not divide evenly takes the per-device executor.
+  a = Mesh(np.array(DEVS), ("x",))
+  b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
+  hosts = {f"w{i:02d}": (np.arange(48 * 72, dtype=np.float32) * (i + 1))
+           .reshape(48, 72) for i in range(16)}
+  tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+          for k, v in hosts.items()}
+  target = {k: NamedSharding(b, P("p", "q")) for k in hosts}
+  with CompileCounter() as c:
+    out, rep = tj.reshard_with_report(tree, target, method="generic")
+    jax.block_until_ready(out)
+  assert rep.method == "generic"
+  assert 0 < c.n <= 2, c.n
+  for k, v in out.items():
+    assert v.sharding == target[k]
+    for s in v.addressable_shards:
+      assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
+  # From one device (not a NamedSharding), and a 0-d array: the per-device
+  # executor, in the same call as an array of the class path.
+  one = np.arange(20 * 8, dtype=np.int8).reshape(20, 8)
+  tree = {"one": jax.device_put(one, DEVS[3]),
+          "scalar": jax.device_put(np.float32(2.5), NamedSharding(a, P())),
+          "w": tree["w00"]}
+  target = {"one": NamedSharding(b, P("p", "q")),
+            "scalar": NamedSharding(b, P()), "w": target["w00"]}
+  out = tj.reshard(tree, target, method="generic")
+  for k, host in (("one", one), ("scalar", np.float32(2.5)),
+                  ("w", hosts["w00"])):
+    assert out[k].sharding == target[k]
+    for s in out[k].addressable_shards:
+      assert np.asarray(s.data).tobytes() == np.asarray(host)[s.index].tobytes()
