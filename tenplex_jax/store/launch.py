@@ -1216,8 +1216,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       trains, then wait in :func:`wait_turn`; once every running process
       saved for that resize (same step and process count) the launcher hands
       them the turn, and they restore. A generation whose resize does not
-      come, or that fails before its turn, is stopped (the resize then
-      starts its processes as without it). 0: none.
+      come is stopped; one that fails before its turn is not started again;
+      the resize then starts its processes as without it. 0: none.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -1365,6 +1365,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   ahead: list[_Ahead] = []
   expected = {"mtime": None, "data": None}
   numbers = {"next": 0}  # generation numbers handed out
+  failed_ahead: set[int] = set()  # steps whose generation ahead failed
 
   def drop_ahead(which):
     for a in [a for a in ahead if which(a)]:
@@ -1385,6 +1386,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       except (OSError, ValueError):  # being replaced
         return
     data = expected["data"]
+    for a in [a for a in ahead if not a.alive()]:  # failed before its turn: the
+      failed_ahead.add(a.step)                     # resize starts it as usual
+      print(f"tenplex-jax launch: generation {a.gen}, started ahead for step"
+            f" {a.step}, failed before its turn (exit codes"
+            f" {[c.code for c in a.children]}); not starting it again",
+            file=sys.stderr, flush=True)
+      drop_ahead(lambda x, a=a: x is a)
     busy = {a.key for a in ahead if not a.ready(job_dir)}
     if not cur["stepped"] and data.get("generation") == cur["gen"]:
       busy.add(data.get("key"))
@@ -1392,7 +1400,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       if len(ahead) >= prepare_ahead:
         return
       if step <= cur["start"] or any(a.step == step for a in ahead) \
-          or key in busy:
+          or key in busy or step in failed_ahead:
         continue
       g = numbers["next"]
       numbers["next"] += 1
