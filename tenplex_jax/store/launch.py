@@ -423,8 +423,9 @@ def wait_turn() -> dict:
   launcher and blocks until the launcher hands this generation its turn
   (the previous one saved the state this one restores). Returns
   ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
-  handed by the launcher, turn seen here); ``{}`` in other processes. The
-  turn is looked for every 2 ms."""
+  handed by the launcher, turn seen here; ``"saved"``: when the previous
+  generation's last process had saved, or None); ``{}`` in other
+  processes. The turn is looked for every 2 ms."""
   path = _env("TENPLEX_TURN_FILE")
   if not path or _turn.get("seen"):
     return dict(_turn)
@@ -433,11 +434,11 @@ def wait_turn() -> dict:
     f.write(repr(_turn["ready"]))
   while True:
     try:
-      handed = float(_text(path))
+      turn = json.loads(_text(path))
       break
     except (OSError, ValueError):
       time.sleep(0.002)
-  _turn.update(handed=handed, seen=time.time())
+  _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time())
   _heartbeat()
   return dict(_turn)
 
@@ -841,9 +842,11 @@ class _Ahead:
     return all(os.path.exists(os.path.join(job_dir, f"ready_{self.gen}_{i}"
                                            ".txt")) for i in range(self.n))
 
-  def hand(self) -> None:
+  def hand(self, saved: float | None = None) -> None:
+    """The turn: when it was handed, and when the previous generation's
+    last process had saved (``saved``, when known)."""
     with private.open_private(self.turn_file + ".tmp") as f:
-      f.write(repr(time.time()))
+      json.dump({"handed": time.time(), "saved": saved}, f)
     os.replace(self.turn_file + ".tmp", self.turn_file)
 
 
@@ -1421,13 +1424,15 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     exit)."""
     if cur["handed"] is not None or not ahead:
       return
-    infos = []
+    infos, saved = [], 0.0
     for i in range(cur["n"]):
       p = os.path.join(job_dir, f"resize_{i}.json")
       try:
-        if os.stat(p).st_mtime < cur["started"]:
+        mtime = os.stat(p).st_mtime
+        if mtime < cur["started"]:
           return  # an earlier generation's
         infos.append(json.loads(_text(p)))
+        saved = max(saved, mtime)
       except (OSError, ValueError):  # not yet (or being written)
         return
     if len({(x["procs"], x["step"]) for x in infos}) != 1:
@@ -1437,7 +1442,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
               and a.n == info["procs"]), None)
     if a is None or not a.alive():
       return
-    a.hand()
+    a.hand(saved)
     cur.update(handed=a, handed_info=info)
 
   try:
