@@ -156,6 +156,7 @@ def _components(r):
              xla_compiles=r["xla_compiles"], compile_cache_hit=r["compile_cache_hit"])
   if r["ahead"]:  # started ahead: what came before the save, and the hand-over
     out.update(handoff_s=r["handoff_s"], ahead_wait_s=r["ahead_wait_s"],
+               save_s=r.get("save_s"),
                ahead_margin_s=r["ahead_margin_s"],
                ahead_parts_s={k: r["ahead_s"][k] for k in (
                    "import_s", "distributed_s", "compile_s", "warmup_s")})
@@ -344,7 +345,8 @@ def main(argv=None):
   print(f"\nresizes across processes ({', '.join(kinds)});"
         f' python -c "import jax, flax, optax": {res["import_jax_flax_optax_s_before"]:.2f} s'
         f' before, {res["import_jax_flax_optax_s_after"]:.2f} s after')
-  print("\n| step | devices (procs) | run | relaunch (ahead: hand-over; wait) | imports |"
+  print("\n| step | devices (procs) | run | relaunch (ahead: hand-over, of it the save; wait)"
+        " | imports |"
         " jax.distributed | restore | compile: all (after the restore; XLA compiles) |"
         " first step | resize (save -> step done) |")
   print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -352,7 +354,8 @@ def main(argv=None):
     for kind in kinds:
       c = r[kind]
       rel = f" {c['relaunch_s']:.2f}" + (
-          f" ({c['handoff_s']:.2f}; {c['ahead_wait_s']:.2f})" if c["ahead"] else "") + " |"
+          f" ({c['handoff_s']:.2f}, save {c['save_s'] or 0:.2f}; {c['ahead_wait_s']:.2f})"
+          if c["ahead"] else "") + " |"
       print(f"| {r['step']} | {r['devices'][0]} ({r['procs'][0]}) -> {r['devices'][1]}"
             f" ({r['procs'][1]}){' (run before)' if r['seen'] else ''} | {kind} |" + rel
             + "".join(f" {c[k]:.2f} |" for k in PARTS[1:4])

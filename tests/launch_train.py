@@ -11,7 +11,8 @@ from ``request_resize(M, at_step=S)`` called at step A. Optional:
 per step, ``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
 processes from step S started ahead; each process of a job with it writes
 ``JOB_DIR/ahead_<generation>_<process>.json``: whether it was prepared, when
-``initialize`` had returned, its turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
+``initialize`` had returned, its turn; ``TRAIN_AHEAD_FAIL=1``: processes
+started ahead exit with status 3 before their turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
 with code 3 after step S; KIND ``host`` first deletes its store, as if its
 host were lost; KIND ``midsave`` exits before its ``save_snapshot`` of step
 S, once process 0 has committed that snapshot: a crash in the middle of a
@@ -57,6 +58,9 @@ if expect and not prepared:
       [(int(s), int(m), f"procs{m}") for s, m in (x.split(":") for x in expect.split(","))],
       key=f"procs{info['num_processes']}")
 initialized = time.time()
+if prepared and os.environ.get("TRAIN_AHEAD_FAIL"):  # a generation ahead fails early
+  print("launch_train: a process started ahead fails", flush=True)
+  sys.exit(3)
 state, step = store.restore_or_init(init, target)
 if expect:  # whether this process was started ahead, and its turn
   with open(os.path.join(info["job_dir"], f"ahead_{info['generation']}_"

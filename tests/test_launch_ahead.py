@@ -76,3 +76,24 @@ def test_an_expectation_the_job_does_not_follow_is_stopped(tmp):
   assert not _ahead(job, 2, 0)["prepared"]
   assert not os.path.exists(os.path.join(job, "ahead_1_0.json"))  # never had a turn
   assert not [pid for pid in seen if _alive(pid)], out
+
+
+def test_a_generation_ahead_that_fails_is_not_started_again(tmp):
+  # The process started ahead for step 3 exits with status 3 before its turn: the
+  # launcher says so once, does not start it again, and the resize starts its
+  # process as without it; the running generation is not disturbed.
+  job = os.path.join(tmp, "job")
+  sched = os.path.join(tmp, "sched.txt")
+  with open(sched, "w") as f:
+    f.write("step 3 procs 1\n")
+  with launcher(tmp, train(5), "--procs", "2", "--schedule", sched, TRAIN_SLEEP=1.0,
+                TRAIN_EXPECT="3:1", TRAIN_AHEAD_FAIL=1) as (p, log, seen):
+    rc, out = finish(p, log)
+    seen.update(pids_of(job))
+  assert rc == 0, out[-5000:]
+  assert out.count("started ahead for step 3, failed before its turn") == 1, out[-3000:]
+  assert out.count("started ahead\n") == 1, out[-3000:]
+  assert "generation 0: 2 -> 1 processes at step 3\n" in out, out[-3000:]
+  check_final(job, procs=1, step=5, generation=2)
+  assert not _ahead(job, 2, 0)["prepared"]
+  assert not [pid for pid in seen if _alive(pid)], out

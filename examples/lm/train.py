@@ -533,7 +533,8 @@ def worker(args, cfg, phases, plan, trainer=None):
   turn = store.wait_turn()  # (restore_or_init waited for it): its times
   if ahead:
     _expect_next(store, args, phases, plan, phase, n)
-    ahead_s.update(ready_time=turn["ready"], handed_time=turn["handed"])
+    ahead_s.update(ready_time=turn["ready"], handed_time=turn["handed"],
+                   saved_time=turn.get("saved"))
   if phase_at(phases, step) != phase:
     raise ValueError(f"restored step {step}, which is not in the phase at step {phase.step}")
   state = tree["train"]
@@ -643,8 +644,8 @@ def assemble(records_path, job_dir):
   the generation was started ahead (``store.expect_resizes``; its imports,
   ``jax.distributed``, compile and a warm-up step came before the save, in
   ``ahead_s``; ``relaunch_s`` is then the save call to the turn seen, of which
-  ``handoff_s`` to the launcher's hand-over and ``ahead_wait_s`` waiting for the
-  preparation to finish; ``ahead_margin_s``: how long before the save call it
+  ``handoff_s`` to the launcher's hand-over (``save_s`` of it until every old
+  process had saved) and ``ahead_wait_s`` waiting for the preparation to finish; ``ahead_margin_s``: how long before the save call it
   was ready, negative when it was not).
   """
   with open(records_path) as f:
@@ -676,6 +677,8 @@ def assemble(records_path, job_dir):
                    resized_from=prev["mesh"], procs_from=prev["procs"])
         if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
           a = pending["ahead_s"]  # preparation to finish
+          if a.get("saved_time"):  # the old processes' save, of the hand-over
+            rec["save_s"] = a["saved_time"] - save["time"]
           rec.update(ahead_s=a, handoff_s=a["handed_time"] - save["time"],
                      ahead_wait_s=max(0.0, pending["start_time"] - a["handed_time"]),
                      ahead_margin_s=save["time"] - a["ready_time"])

@@ -444,8 +444,9 @@ def wait_turn() -> dict:
   launcher and blocks until the launcher hands this generation its turn
   (the previous one saved the state this one restores). Returns
   ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
-  handed by the launcher, turn seen here); ``{}`` in other processes. The
-  turn is looked for every 2 ms."""
+  handed by the launcher, turn seen here; ``"saved"``: when the previous
+  generation's last process had saved, or None); ``{}`` in other
+  processes. The turn is looked for every 2 ms."""
   path = job_env().turn_file
   if not path or _turn.get("seen"):
     return dict(_turn)
@@ -454,11 +455,11 @@ def wait_turn() -> dict:
     f.write(repr(_turn["ready"]))
   while True:
     try:
-      handed = float(_text(path))
+      turn = json.loads(_text(path))
       break
     except (OSError, ValueError):
       time.sleep(0.002)
-  _turn.update(handed=handed, seen=time.time())
+  _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time())
   _heartbeat()
   return dict(_turn)
 
@@ -844,9 +845,11 @@ class _Ahead:
     return all(os.path.exists(os.path.join(job_dir, f"ready_{self.gen}_{i}"
                                            ".txt")) for i in range(self.n))
 
-  def hand(self) -> None:
+  def hand(self, saved: float | None = None) -> None:
+    """The turn: when it was handed, and when the previous generation's
+    last process had saved (``saved``, when known)."""
     with private.open_private(self.turn_file + ".tmp") as f:
-      f.write(repr(time.time()))
+      json.dump({"handed": time.time(), "saved": saved}, f)
     os.replace(self.turn_file + ".tmp", self.turn_file)
 
 
@@ -1217,8 +1220,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       trains, then wait in :func:`wait_turn`; once every running process
       saved for that resize (same step and process count) the launcher hands
       them the turn, and they restore. A generation whose resize does not
-      come, or that fails before its turn, is stopped (the resize then
-      starts its processes as without it). 0: none.
+      come is stopped; one that fails before its turn is not started again;
+      the resize then starts its processes as without it. 0: none.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -1365,6 +1368,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   ahead: list[_Ahead] = []
   expected = {"mtime": None, "data": None}
   numbers = {"next": 0}  # generation numbers handed out
+  failed_ahead: set[int] = set()  # steps whose generation ahead failed
 
   def drop_ahead(which):
     for a in [a for a in ahead if which(a)]:
@@ -1385,6 +1389,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       except (OSError, ValueError):  # being replaced
         return
     data = expected["data"]
+    for a in [a for a in ahead if not a.alive()]:  # failed before its turn: the
+      failed_ahead.add(a.step)                     # resize starts it as usual
+      print(f"tenplex-jax launch: generation {a.gen}, started ahead for step"
+            f" {a.step}, failed before its turn (exit codes"
+            f" {[c.code for c in a.children]}); not starting it again",
+            file=sys.stderr, flush=True)
+      drop_ahead(lambda x, a=a: x is a)
     busy = {a.key for a in ahead if not a.ready(job_dir)}
     if not cur["stepped"] and data.get("generation") == cur["gen"]:
       busy.add(data.get("key"))
@@ -1392,7 +1403,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       if len(ahead) >= prepare_ahead:
         return
       if step <= cur["start"] or any(a.step == step for a in ahead) \
-          or key in busy:
+          or key in busy or step in failed_ahead:
         continue
       g = numbers["next"]
       numbers["next"] += 1
@@ -1413,13 +1424,15 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     exit)."""
     if cur["handed"] is not None or not ahead:
       return
-    infos = []
+    infos, saved = [], 0.0
     for i in range(cur["n"]):
       p = os.path.join(job_dir, f"resize_{i}.json")
       try:
-        if os.stat(p).st_mtime < cur["started"]:
+        mtime = os.stat(p).st_mtime
+        if mtime < cur["started"]:
           return  # an earlier generation's
         infos.append(json.loads(_text(p)))
+        saved = max(saved, mtime)
       except (OSError, ValueError):  # not yet (or being written)
         return
     if len({(x["procs"], x["step"]) for x in infos}) != 1:
@@ -1429,7 +1442,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
               and a.n == info["procs"]), None)
     if a is None or not a.alive():
       return
-    a.hand()
+    a.hand(saved)
     cur.update(handed=a, handed_info=info)
 
   try:
