@@ -30,11 +30,12 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from tenplex_jax.store.server import free_port
 
 
 def namespaces_permitted() -> str | None:
@@ -89,9 +90,7 @@ shutil.rmtree(base, ignore_errors=True)
 
 
 def _free_port(ip: str) -> int:
-  with socket.socket() as s:
-    s.bind((ip, 0))
-    return s.getsockname()[1]
+  return free_port(ip)  # below the ephemeral range: see free_port
 
 
 class ShareNothingCluster:
@@ -122,13 +121,31 @@ class ShareNothingCluster:
   def add_node(self, num_cpus: int = 1, num_gpus: int = 0,
                resources: dict | None = None) -> dict:
     """Starts the next node (the head first) and waits until Ray lists it
-    alive; returns its record (``ip``, ``proc``, ``node_id``, ``log``)."""
+    alive; returns its record (``ip``, ``proc``, ``node_id``, ``log``).
+
+    ``ray start`` gives a node 30 s (not configurable) to register with
+    the GCS; on a loaded host it can miss that and exit. Such a start is
+    torn down (every process of its namespace) and made again on the same
+    address, up to three times."""
+    for attempt in range(3):
+      try:
+        return self._start_node(num_cpus, num_gpus, resources)
+      except RuntimeError as e:
+        if "timed out during startup" not in str(e) or attempt == 2:
+          raise
+        node = self.nodes.pop()
+        self._kill(node)
+        self._next -= 1
+    raise AssertionError("unreachable")
+
+  def _start_node(self, num_cpus: int, num_gpus: int,
+                  resources: dict | None) -> dict:
     head = not self.nodes
     k = len(self.nodes)
     ip = f"127.0.0.{self._next}"
     self._next += 1
     work = os.path.join(self.base, f"node-{k}")
-    os.makedirs(work)
+    os.makedirs(work, exist_ok=True)
     ports = {f"--{name}": str(_free_port(ip)) for name in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
         "runtime-env-agent-port", "metrics-export-port")}
