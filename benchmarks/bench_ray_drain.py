@@ -53,7 +53,7 @@ def run(args) -> dict:
   from ray.train import RunConfig
   from objservers import moto_server, new_bucket
   from tenplex_jax import ray as tray
-  from train import SharedNothingNodes, check
+  from train import SharedNothingNodes, check, log_read
 
   logging.getLogger("werkzeug").setLevel(logging.WARNING)
   kinds = ["drain" if i % 2 == 0 else "kill" for i in range(args.events)]
@@ -126,6 +126,8 @@ def run(args) -> dict:
       problems = check(log_dir, args.steps)
       return {"events": rows, "check_passed": not problems,
               "problems": problems,
+              # what the check read, kept when it failed
+              "digests": log_read(log_dir, "digests") if problems else None,
               "generations": [{k: g.get(k) for k in (
                   "generation", "workers", "start_step", "outcome",
                   "started_s", "first_step_s", "end_s")} for g in gens]}

@@ -227,8 +227,11 @@ def train(total: int, snapshot_every: int, log_dir: str, how: str,
   def save(kind, fn):
     arrays = {"params": state["params"], "opt": state["opt"]}
     d = digest(arrays)
-    if me == 0:
-      log_append(log_dir, "digests", {"gen": gen, kind: step, "digest": d})
+    # Every process records it: a save survives the loss of any process
+    # whose shards others also hold (e.g. worker 0 killed right after the
+    # digest, its replicated state saved by the others).
+    log_append(log_dir, "digests", {"gen": gen, kind: step, "digest": d,
+                                    "proc": me})
     fn(state, step)
 
   mesh_desc = {a: int(n) for a, n in mesh.shape.items() if n > 1}
@@ -279,7 +282,10 @@ def check(log_dir: str, total: int) -> list[str]:
         saved.setdefault(r[kind], set()).add(r["digest"])
   restores = [r for r in rows if "restored" in r]
   for r in restores:
-    if saved.get(r["restored"]) != {r["digest"]}:
+    if r["restored"] not in saved:
+      problems.append(f"group {r['gen']}: restored step {r['restored']},"
+                      " whose save no process recorded")
+    elif saved[r["restored"]] != {r["digest"]}:
       problems.append(f"group {r['gen']}: the state restored at step"
                       f" {r['restored']} differs from the one saved")
   finals = log_read(log_dir, "final")
