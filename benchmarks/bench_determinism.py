@@ -1,41 +1,48 @@
-"""Step time of the deterministic gradient against plain ``jax.grad`` + psum.
+"""Step time and memory of the deterministic gradient against plain steps.
 
-One command (8 simulated CPU devices):
+One command (simulated CPU devices):
 
-  PYTHONPATH=. python3 benchmarks/bench_determinism.py [--sizes small,100m]
-      [--reps 5] [--profile]
+  PYTHONPATH=. python3 benchmarks/bench_determinism.py [--sizes 100m]
+      [--dtypes float32,bfloat16] [--layouts dp,fsdp] [--devices 2]
+      [--ratios 1,2,4,8] [--rows 8] [--seq 1] [--reps 3] [--profile]
 
-For each model size and layout (DP: params replicated; FSDP: params split
-over the batch axis) it times, interleaved, ``reps`` calls of
+For each model size, dtype, layout (DP: params replicated; FSDP / ZeRO-3:
+every matrix split over ``data``) and ratio ``k = V/n`` of virtual workers to
+devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
+``rows V``), it times, interleaved, ``reps`` calls of
 
-* ``plain``: ``jax.jit(jax.value_and_grad(global mean loss))`` with the batch
-  sharded over ``data`` (XLA inserts the all-reduce / reduce-scatter);
-* ``plain_opts``: the same compiled with ``determinism.COMPILER_OPTIONS``
-  (what the options alone cost a step);
-* ``det``: :func:`tenplex_jax.determinism.value_and_grad` with V = 8 virtual
-  workers (one per device) in a step compiled by ``determinism.jit``;
-* ``det_concat``: the same with the gradient flattened by a concatenate, as
-  before this version (the "before" of the flatten change, same run),
+* ``plain``: ``jax.value_and_grad`` of the global mean loss, the batch
+  sharded over ``data`` (XLA's all-reduce / reduce-scatter), compiled with
+  ``determinism.COMPILER_OPTIONS`` like the deterministic step;
+* ``plain_acc``: the same gradient accumulated over ``k`` microbatches of
+  ``rows`` sequences per device (a ``lax.scan`` summing plainly): the same
+  per-worker matmul sizes as ``det``, so ``det / plain_acc`` is the cost of
+  the fixed reduction order alone and ``plain_acc / plain`` that of the
+  smaller matmuls;
+* ``det``: :func:`tenplex_jax.determinism.value_and_grad` in a step compiled
+  by ``determinism.jit``;
+* ``det_old``: the same with ``determinism._EXCHANGE_EVERY_WORKER`` set, the
+  implementation before issue 23 (every worker's gradient flattened and
+  exchanged with an ``all_to_all``, summed on a stack): the "before" of the
+  same run,
 
-and reports medians and minima, ratios to ``plain``, XLA's per-device buffer sizes
-(``memory_analysis``: temp, arguments, outputs) of each program,
-:func:`partial_gradient_bytes`, the process's peak RSS and the load. Before
-running a size it compiles every program and skips the size (saying why) if
-1.3 x (8 devices' arguments, outputs and temp buffers of the largest
-program) + 1 GiB would not fit in ``MemAvailable``. With ``--profile`` it also traces
-``det`` and ``plain`` on the first size and adds up XLA's per-op times by
-kind (collectives, gradient flatten/unflatten copies, matmuls, ...): where
-the overhead goes. The ``100m`` model (12 blocks of 1024 x 4096, 100.7M
-parameters) uses bfloat16 params and batch (both steps alike) so that it
-fits this machine; ``--dtype float32`` overrides. Results go to stdout as
-JSON lines and to ``benchmarks/bench_determinism_result.json``.
+and reports medians and minima, ratios to ``plain``, XLA's per-device buffer
+sizes (``memory_analysis``) of each program, the process's peak RSS and the
+load. Before running a cell it compiles every program and skips the cell
+(saying why) if 1.3 x (the devices' arguments, outputs and temp buffers of the
+largest program) + 1 GiB would not fit in ``MemAvailable``. With ``--profile``
+it also traces each program of the first cell that runs and adds up XLA's
+per-op times by kind: where the time goes. Results go to stdout as JSON lines
+and to ``--out``.
+
+The ``100m`` model is 12 blocks of 1024 x 4096 (2 matrices each, residual
+tanh MLP): 100.7M parameters.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import glob
 import gzip
 import json
@@ -55,22 +62,22 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tenplex_jax import determinism as det  # noqa: E402
 
-# An MLP stack: d_model x d_ff blocks; "100m" is 12 blocks of 1024 x 4096
-# (2 matrices each) = 100.7M parameters.
-SIZES = {"small": dict(d=256, ff=1024, blocks=2, batch=64, dtype="float32"),
-         "6m": dict(d=512, ff=2048, blocks=3, batch=32, dtype="float32"),
-         "100m": dict(d=1024, ff=4096, blocks=12, batch=16, dtype="bfloat16")}
-METHODS = ("plain", "plain_opts", "det", "det_concat")
+SIZES = {"small": dict(d=256, ff=1024, blocks=2),
+         "6m": dict(d=512, ff=2048, blocks=3),
+         "25m": dict(d=1024, ff=4096, blocks=3),
+         "100m": dict(d=1024, ff=4096, blocks=12)}
+METHODS = ("plain", "plain_acc", "det", "det_old")
 GIB = 1 << 30
+OPTS = dict(det.COMPILER_OPTIONS)
 
 
-def init(size, key, dtype=None):
+def init(size, key, dt):
   cfg = SIZES[size]
-  dt = jnp.dtype(dtype or cfg["dtype"])
   params = {}
   for i in range(cfg["blocks"]):
     k1, k2, key = jax.random.split(key, 3)
@@ -95,42 +102,42 @@ def shardings(params, mesh, fsdp):
   return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, spec), params)
 
 
-def _concat_flatten(groups, leaves, loss):
-  """determinism._flatten as it was: one concatenate per dtype."""
-  parts = [[] for _ in groups.dtypes]
-  for (g, _, _, _), leaf in zip(groups.slots, leaves):
-    parts[g].append(jnp.ravel(leaf))
-  parts[groups.loss_slot[0]].append(
-      jnp.reshape(loss, (1,)).astype(groups.dtypes[groups.loss_slot[0]]))
-  out = []
-  for g, dt in enumerate(groups.dtypes):
-    items = parts[g]
-    pad = groups.lengths[g] - sum(x.shape[0] for x in items)
-    if pad:
-      items.append(jnp.zeros((pad,), dt))
-    out.append(jnp.concatenate(items) if len(items) > 1 else items[0])
-  return out
-
-
-def programs(mesh, params, fsdp):
-  """The four step functions, jitted; ``det_concat`` is traced (and so
-  compiled) with the old flatten patched in."""
+def programs(mesh, params, fsdp, k, rows, methods):
+  n = mesh.shape["data"]
+  v = n * k
   out = (NamedSharding(mesh, P()), shardings(params, mesh, fsdp))
-  vg = det.value_and_grad(loss_fn, virtual_workers=8, mesh=mesh)
-  return {
-      "plain": (jax.jit(jax.value_and_grad(loss_fn), out_shardings=out), None),
-      "plain_opts": (jax.jit(jax.value_and_grad(loss_fn), out_shardings=out,
-                             compiler_options=dict(det.COMPILER_OPTIONS)),
-                     None),
-      "det": (det.jit(lambda p, b: vg(p, b), out_shardings=out), None),
-      "det_concat": (det.jit(lambda p, b: vg(p, b), out_shardings=out),
-                     _concat_flatten)}
+  batch_sharding = NamedSharding(mesh, P("data"))
 
+  def plain_acc(p, b):
+    # k microbatches of `rows` sequences on every device, summed in a scan.
+    def split(x):
+      y = jnp.reshape(x, (n, k, rows) + x.shape[1:])
+      return jnp.reshape(jnp.swapaxes(y, 0, 1), (k, n * rows) + x.shape[1:])
 
-def _patched(flatten):
-  if flatten is None:
-    return contextlib.nullcontext()
-  return mock.patch.object(det, "_flatten", flatten)
+    def step(acc, xb):
+      xb = jax.lax.with_sharding_constraint(xb, batch_sharding)
+      lg = jax.value_and_grad(loss_fn)(p, xb)
+      return jax.tree.map(jnp.add, acc, lg), None
+
+    zero = jax.tree.map(jnp.zeros_like, (jnp.float32(0), p))
+    (loss, g), _ = lax.scan(step, zero, jax.tree.map(split, b))
+    return jax.tree.map(lambda a: a / jnp.asarray(k, a.dtype), (loss, g))
+
+  fns = {}
+  if "plain" in methods:
+    fns["plain"] = jax.jit(jax.value_and_grad(loss_fn), out_shardings=out,
+                           compiler_options=OPTS)
+  if "plain_acc" in methods:
+    fns["plain_acc"] = jax.jit(plain_acc, out_shardings=out,
+                               compiler_options=OPTS)
+  if "det" in methods:
+    vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh)
+    fns["det"] = det.jit(lambda p, b: vg(p, b), out_shardings=out)
+  if "det_old" in methods:
+    with mock.patch.object(det, "_EXCHANGE_EVERY_WORKER", True):
+      vg_old = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh)
+    fns["det_old"] = det.jit(lambda p, b: vg_old(p, b), out_shardings=out)
+  return fns
 
 
 def mem_available() -> int:
@@ -141,84 +148,99 @@ def mem_available() -> int:
   return 0
 
 
-def batch_for(size, mesh, dtype):
-  cfg = SIZES[size]
+def batch_for(size, mesh, dt, global_batch, seq):
+  d = SIZES[size]["d"]
   k1, k2 = jax.random.split(jax.random.key(1))
-  batch = {"x": jax.random.normal(k1, (cfg["batch"], cfg["d"]), dtype),
-           "y": jax.random.normal(k2, (cfg["batch"], cfg["d"]), dtype)}
+  shape = (global_batch, d) if seq == 1 else (global_batch, seq, d)
+  batch = {"x": jax.random.normal(k1, shape, dt),
+           "y": jax.random.normal(k2, shape, dt)}
   return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
-def bench(size, fsdp, reps, mesh, dtype=None, methods=METHODS,
-          compile_only=False):
-  cfg = SIZES[size]
-  dt = jnp.dtype(dtype or cfg["dtype"])
+def bench(size, dt, fsdp, k, args, mesh, methods):
+  n = mesh.shape["data"]
+  v = n * k
+  global_batch = args.rows * v
   abstract = jax.eval_shape(lambda: init(size, jax.random.key(0), dt))
   sh = shardings(abstract, mesh, fsdp)
   aparams = jax.tree_util.tree_map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       abstract, sh)
-  abatch = jax.eval_shape(lambda: batch_for(size, mesh, dt))
   abatch = jax.tree_util.tree_map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
-          mesh, P("data"))), abatch)
-  fns = {k: v for k, v in programs(mesh, abstract, fsdp).items()
-         if k in methods}
+          mesh, P("data"))),
+      jax.eval_shape(lambda: batch_for(size, mesh, dt, global_batch,
+                                       args.seq)))
+  fns = programs(mesh, abstract, fsdp, k, args.rows, methods)
   mem, compiled = {}, {}
-  for name, (f, flatten) in fns.items():
-    with _patched(flatten):
-      c = f.lower(aparams, abatch).compile()
+  for name, f in fns.items():
+    c = f.lower(aparams, abatch).compile()
     compiled[name] = c
     m = c.memory_analysis()
     mem[name] = {"temp": m.temp_size_in_bytes,
                  "arguments": m.argument_size_in_bytes,
                  "outputs": m.output_size_in_bytes}
-  n_params = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(
-      abstract))
+  n_params = sum(int(np.prod(a.shape))
+                 for a in jax.tree_util.tree_leaves(abstract))
   row = {"size": size, "layout": "fsdp" if fsdp else "dp", "params": n_params,
-         "dtype": str(dt), "global_batch": cfg["batch"], "virtual_workers": 8,
-         "devices": 8, "reps": reps, "xla_bytes_per_device": mem,
-         "partial_gradient_bytes": det.partial_gradient_bytes(
-             abstract, virtual_workers=8, devices=8)}
-  need = 8 * max(sum(m.values()) for m in mem.values())
+         "dtype": str(dt), "devices": n, "virtual_workers": v,
+         "workers_per_device": k, "rows_per_worker": args.rows,
+         "seq": args.seq, "global_batch": global_batch, "reps": args.reps,
+         "xla_bytes_per_device": mem}
+  if "plain" in mem:
+    row["temp_ratio_to_plain"] = {
+        kk: m["temp"] / max(1, mem["plain"]["temp"]) for kk, m in mem.items()}
+  need = n * max(sum(m.values()) for m in mem.values())
   avail = mem_available()
   row["estimated_peak_bytes"] = need
   row["mem_available_bytes"] = avail
-  print(f"{size} {row['layout']}: XLA buffers {mem}; ~{need / GIB:.2f} GiB"
-        f" for 8 devices, {avail / GIB:.1f} GiB available", file=sys.stderr,
-        flush=True)
-  if compile_only:
+  label = f"{size} {dt} {row['layout']} V/n={k}"
+  print(f"{label}: XLA buffers {mem}; ~{need / GIB:.2f} GiB,"
+        f" {avail / GIB:.1f} GiB available", file=sys.stderr, flush=True)
+  if args.compile_only:
     row["skipped"] = "--compile-only"
     return row
-  # The process's RSS ran to ~1.27x XLA's figure (runtime, host copies,
-  # allocator) in a 100m DP run: ask for 1.3x plus 1 GiB of slack.
   if 1.3 * need + GIB > avail:
-    row["skipped"] = (f"needs ~{need / GIB:.1f} GiB (8 devices x arguments +"
+    row["skipped"] = (f"needs ~{need / GIB:.1f} GiB ({n} devices x arguments +"
                       f" outputs + temp of the largest program) x 1.3 + 1 GiB,"
                       f" only {avail / GIB:.1f} GiB available")
     return row
   params = jax.jit(lambda: init(size, jax.random.key(0), dt),
                    out_shardings=sh)()
-  batch = batch_for(size, mesh, dt)
+  batch = batch_for(size, mesh, dt, global_batch, args.seq)
   row["loadavg_before"] = os.getloadavg()
-  for c in compiled.values():  # warm up
-    jax.block_until_ready(c(params, batch))
-  times = {k: [] for k in compiled}
-  for _ in range(reps):
-    for k, c in compiled.items():  # interleaved
+  outs = {}
+  for name, c in compiled.items():  # warm up
+    outs[name] = jax.block_until_ready(c(params, batch))
+  # The methods compute the same gradient up to rounding.
+  ref = outs.get("plain")
+  if ref is not None:
+    row["max_abs_diff_to_plain"] = {
+        name: max(float(jnp.max(jnp.abs(a.astype(jnp.float32)
+                                        - b.astype(jnp.float32))))
+                  for a, b in zip(jax.tree_util.tree_leaves(o),
+                                  jax.tree_util.tree_leaves(ref)))
+        for name, o in outs.items()}
+  del outs, ref
+  times = {name: [] for name in compiled}
+  for _ in range(args.reps):
+    for name, c in compiled.items():  # interleaved
       t0 = time.perf_counter()
       jax.block_until_ready(c(params, batch))
-      times[k].append(time.perf_counter() - t0)
+      times[name].append(time.perf_counter() - t0)
   row["loadavg_after"] = os.getloadavg()
-  med = {k: statistics.median(v) for k, v in times.items()}
+  med = {name: statistics.median(t) for name, t in times.items()}
   row["seconds"] = med
   # The fastest call: the least disturbed by other jobs on a shared machine.
-  row["min_seconds"] = {k: min(v) for k, v in times.items()}
-  row["min_ratio_to_plain"] = {k: min(v) / min(times["plain"])
-                               for k, v in times.items()}
-  row["ratio_to_plain"] = {k: v / med["plain"] for k, v in med.items()}
-  if "det_concat" in med:
-    row["det_concat_over_det"] = med["det_concat"] / med["det"]
+  row["min_seconds"] = {name: min(t) for name, t in times.items()}
+  if "plain" in med:
+    row["ratio_to_plain"] = {name: t / med["plain"] for name, t in med.items()}
+    row["min_ratio_to_plain"] = {
+        name: min(t) / min(times["plain"]) for name, t in times.items()}
+  if "plain_acc" in med and "det" in med:
+    row["det_over_plain_acc"] = med["det"] / med["plain_acc"]
+    row["min_det_over_plain_acc"] = (row["min_seconds"]["det"]
+                                     / row["min_seconds"]["plain_acc"])
   row["peak_rss_bytes"] = resource.getrusage(
       resource.RUSAGE_SELF).ru_maxrss * 1024
   row["_compiled"] = compiled
@@ -226,26 +248,26 @@ def bench(size, fsdp, reps, mesh, dtype=None, methods=METHODS,
   return row
 
 
-KINDS = (("all-to-all", "exchange (all_to_all)"),
-         ("all_to_all", "exchange (all_to_all)"),
-         ("all-gather", "all_gather"), ("all_gather", "all_gather"),
+# (substring of an XLA op name, kind), first match wins.
+KINDS = (("all-to-all", "exchange (all-to-all)"),
+         ("all_to_all", "exchange (all-to-all)"),
+         ("all-gather", "all-gather"), ("all_gather", "all-gather"),
          ("all-reduce", "all-reduce"), ("reduce-scatter", "reduce-scatter"),
+         ("collective-permute", "collective-permute"),
          ("ynn_fusion", "matmuls"), ("dot", "matmuls"),
-         ("while", "scan / tree loops"),
-         ("dynamic-update-slice", "tree stack updates"),
-         ("slice", "flatten / unflatten copies"),
-         ("pad", "flatten / unflatten copies"),
-         ("concatenate", "flatten / unflatten copies"),
-         ("copy", "copies"), ("fusion", "other fusions"))
+         ("while", "loops (scan)"),
+         ("dynamic-update-slice", "dynamic-update-slice (stack, flatten)"),
+         ("add", "adds (tree, accumulation)"),
+         ("slice", "slices"), ("pad", "pads"),
+         ("concatenate", "concatenates"),
+         ("copy", "copies"), ("transpose", "transposes"),
+         ("fusion", "other fusions"))
 
 
-def profile(compiled, args, steps=5) -> dict:
-  """XLA op time per step, summed over the 8 devices, by kind (ms)."""
+def profile(compiled, args, steps=3) -> dict:
+  """XLA op time per step, summed over the devices, by kind (ms)."""
   out = {}
-  for name in ("plain", "det", "det_concat"):
-    if name not in compiled:
-      continue
-    c = compiled[name]
+  for name, c in compiled.items():
     jax.block_until_ready(c(*args))
     with tempfile.TemporaryDirectory() as d:
       with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -277,38 +299,46 @@ def profile(compiled, args, steps=5) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--sizes", default="small,100m")
+  ap.add_argument("--sizes", default="100m")
+  ap.add_argument("--dtypes", default="float32,bfloat16")
   ap.add_argument("--layouts", default="dp,fsdp")
-  ap.add_argument("--reps", type=int, default=5)
-  ap.add_argument("--dtype", default=None,
-                  help="param/batch dtype for every size (default: per size)")
+  ap.add_argument("--devices", type=int, default=2,
+                  help="devices on the batch axis (of 8 simulated)")
+  ap.add_argument("--ratios", default="1,2,4,8",
+                  help="virtual workers per device, V/n")
+  ap.add_argument("--rows", type=int, default=8,
+                  help="sequences per virtual worker")
+  ap.add_argument("--seq", type=int, default=1,
+                  help="tokens per sequence (1: one row of d_model)")
+  ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--methods", default=",".join(METHODS),
-                  help=f"a subset of {','.join(METHODS)} (plain and det"
-                  " always run)")
+                  help=f"a subset of {','.join(METHODS)}")
   ap.add_argument("--compile-only", action="store_true",
                   help="print XLA's buffer sizes and the memory estimate only")
   ap.add_argument("--profile", action="store_true",
-                  help="also trace the first size's steps: XLA time by op kind")
+                  help="also trace the first cell's programs: XLA time by op")
   ap.add_argument("--out", default=str(pathlib.Path(__file__).with_name(
       "bench_determinism_result.json")))
   args = ap.parse_args(argv)
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = Mesh(np.array(jax.devices()[:args.devices]), ("data",))
+  methods = tuple(m for m in METHODS if m in args.methods.split(","))
   load_before = os.getloadavg()
-  rows = []
-  profiles = {}
+  rows, profiles = [], {}
   for size in args.sizes.split(","):
-    for layout in args.layouts.split(","):
-      methods = {"plain", "det", *args.methods.split(",")}
-      row = bench(size, layout == "fsdp", args.reps, mesh, args.dtype,
-                  tuple(m for m in METHODS if m in methods), args.compile_only)
-      compiled, bargs = row.pop("_compiled", None), row.pop("_args", None)
-      if args.profile and compiled is not None and (
-          not profiles or size in profiles):
-        profiles.setdefault(size, {})[layout] = profile(compiled, bargs)
-      del compiled, bargs
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-  result = {"machine": f"{os.cpu_count()} cores, 8 simulated CPU devices",
+    for dtype in args.dtypes.split(","):
+      for layout in args.layouts.split(","):
+        for k in (int(r) for r in args.ratios.split(",")):
+          row = bench(size, jnp.dtype(dtype), layout == "fsdp", k, args, mesh,
+                      methods)
+          compiled, bargs = row.pop("_compiled", None), row.pop("_args", None)
+          if args.profile and compiled is not None and not profiles:
+            profiles = {"cell": f"{size} {dtype} {layout} V/n={k}",
+                        **profile(compiled, bargs)}
+          del compiled, bargs
+          rows.append(row)
+          print(json.dumps(row), flush=True)
+  result = {"machine": f"{os.cpu_count()} cores, {args.devices} simulated CPU"
+                       " devices",
             "command": "PYTHONPATH=. python3 benchmarks/bench_determinism.py "
                        + " ".join(argv if argv is not None else sys.argv[1:]),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

@@ -351,6 +351,72 @@ def _unflatten(groups: _Groups, flats: Sequence[jax.Array], treedef) -> tuple:
   return loss, jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+# Forces the per-worker exchange (the only path before issue 23, now the one
+# for k = V/n not a power of two); benchmarks/bench_determinism.py sets it to
+# time the old path beside the new one in the same run.
+_EXCHANGE_EVERY_WORKER = False
+
+
+def _tree_list(xs: Sequence[jax.Array]) -> jax.Array:
+  """:func:`tree_sum` of a list of same-shaped arrays."""
+
+  def node(lo: int, hi: int) -> jax.Array:
+    if hi - lo == 1:
+      return xs[lo]
+    mid = lo + (1 << ((hi - lo - 1).bit_length() - 1))
+    return node(lo, mid) + node(mid, hi)
+
+  return node(0, len(xs))
+
+
+def _isolated_value_and_grad(loss_fn: Callable, params: Any, xs: Any,
+                             wargs: Sequence[Any]) -> tuple:
+  """One virtual worker's ``value_and_grad``, compiled apart from its context.
+
+  XLA:CPU expands optimisation barriers before fusion, so a worker's
+  reductions (a bias gradient, a layer norm's) could fuse with whatever
+  consumes the gradient (an all-to-all's reshape on one mesh, the tree's
+  addition in a loop on another) and come out with other bits. Here the
+  worker runs as both branches of a ``lax.cond`` whose predicate XLA cannot
+  know while compiling (is the first element of the first float param NaN):
+  a branch is its own computation, its parameters in and its root out, the
+  same on every mesh and in every loop.
+  """
+  floats = [x for x in jax.tree_util.tree_leaves(params)
+            if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+  vg = jax.value_and_grad(loss_fn)
+
+  def left(ops):
+    p, b, a = ops
+    return vg(p, b, *a)
+
+  def right(ops):
+    p, b, a = ops
+    return vg(p, b, *a)
+
+  ops = lax.optimization_barrier((params, xs, tuple(wargs)))
+  loss_aval = jax.eval_shape(left, ops)[0]
+  if loss_aval.shape != ():
+    raise UsageError(f"loss_fn must return a scalar, got shape"
+                     f" {loss_aval.shape}")
+  if not floats:
+    return lax.optimization_barrier(left(ops))
+  pred = jnp.isnan(jnp.ravel(floats[0])[0])
+  return lax.optimization_barrier(lax.cond(pred, left, right, ops))
+
+
+def _sharded_dim(sharding: Any, axes: tuple[str, ...]) -> int | None:
+  """The dimension a ``NamedSharding`` splits over exactly ``axes``, if any."""
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return None
+  for i, entry in enumerate(spec):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    if names == axes:
+      return i
+  return None
+
+
 def _permute_batch(x: jax.Array, virtual_workers: int, n: int) -> jax.Array:
   # Rows of worker w = j * n + d go to device d, in the order of j.
   k = virtual_workers // n
@@ -466,9 +532,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       wargs = list(args)
       for i in rng_argnums:
         wargs[i] = worker_key(args[i], w)
-      p, xs, wargs = lax.optimization_barrier((params, xs, wargs))
-      loss, grads = jax.value_and_grad(loss_fn)(p, xs, *wargs)
-      loss, grads = lax.optimization_barrier((loss, grads))
+      loss, grads = _isolated_value_and_grad(loss_fn, params, xs, wargs)
       return _flatten(groups, jax.tree_util.tree_leaves(grads), loss)
 
     def push(stack, sp, chunk, w):
@@ -515,17 +579,130 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       flats.append(total)
     return _unflatten(groups, flats, treedef)
 
-  def run(params, batch, *args):
+  # A device's workers form one node of the fixed tree when they are
+  # consecutive and their number k is a power of two (or the mesh has one
+  # device): then each device sums its own workers locally (the subtree) and
+  # one exchange per step sums the n subtrees (the top of the tree).
+  aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
+
+  def body_tree(dims, gather, params, batch, *args):
+    d = lax.axis_index(axes) if n > 1 else 0
+    local = jax.tree.map(
+        lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), batch)
+    def worker(j):
+      w = (d * k + j).astype(jnp.uint32) if n > 1 else jnp.asarray(
+          j, jnp.uint32)
+      xs = jax.tree.map(
+          lambda x: lax.dynamic_index_in_dim(x, j, 0, keepdims=False), local)
+      wargs = list(args)
+      for i in rng_argnums:
+        wargs[i] = worker_key(args[i], w)
+      return _isolated_value_and_grad(loss_fn, params, xs, wargs)
+
+    avals = jax.eval_shape(worker, jnp.int32(0))
+
+    def perfect(level, j0):
+      # The perfect subtree over workers j0 .. j0 + 2**level - 1: a scan over
+      # its two halves, each added to a carry that starts at -0.0 (x + -0.0
+      # is x, bit for bit, also for x = +-0), so the carry ends as
+      # left + right: one IEEE addition per node, left operand first.
+      if level == 0:
+        return worker(j0)
+      half = 1 << (level - 1)
+
+      def half_step(acc, i):
+        sub = perfect(level - 1, j0 + i * half)
+        return jax.tree.map(jnp.add, acc, sub), None
+
+      init = jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype), avals)
+      acc, _ = lax.scan(half_step, init, jnp.arange(2, dtype=jnp.int32))
+      return acc
+
+    if n > 1:
+      loss, grads = perfect(k.bit_length() - 1, jnp.int32(0))
+    else:
+      # One device: the whole tree, its left subtrees perfect (the binary
+      # representation of V), added from right to left.
+      parts, off = [], 0
+      for b in range(virtual_workers.bit_length() - 1, -1, -1):
+        if virtual_workers >> b & 1:
+          parts.append(perfect(b, jnp.int32(off)))
+          off += 1 << b
+      loss, grads = parts[-1]
+      for part in parts[-2::-1]:
+        loss, grads = jax.tree.map(jnp.add, part, (loss, grads))
+
+    def top(x, a):
+      # The top of the tree over the n devices' subtrees, one chunk each.
+      if x.ndim == 0 or a is None:
+        size = x.size
+        x = jnp.reshape(x, (-1,))
+        if size % n:
+          x = jnp.pad(x, (0, n - size % n))
+        a = 0
+      shape = x.shape
+      x = jnp.reshape(x, shape[:a] + (n, shape[a] // n) + shape[a + 1:])
+      if n > 1:
+        x = lax.all_to_all(x, axes, a, a, tiled=True)
+      chunks = [lax.index_in_dim(x, i, a, keepdims=False) for i in range(n)]
+      return _tree_list(chunks) / jnp.asarray(virtual_workers, x.dtype)
+
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    out = [top(x, a) for x, a in zip(leaves, dims)]
+    if gather:
+      # Inside the caller's jit the update consumes the gradients; handing
+      # it gathered arrays (an all-gather on every mesh, 1 device included)
+      # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
+      out = [lax.all_gather(o, axes, axis=0 if a is None else a, tiled=True)
+             for o, a in zip(out, dims)]
+      out = [o if a is not None else jnp.reshape(o[:x.size], x.shape)
+             for o, x, a in zip(out, leaves, dims)]
+    if n > 1:
+      loss = _tree_list(list(lax.all_gather(loss, axes)))
+    loss = loss / jnp.asarray(virtual_workers, loss.dtype)
+    return loss, out
+
+  def run(params, batch, *args, dims=None):
     global_batch = _check_batch(batch, virtual_workers)
     del global_batch
-    batch = jax.tree.map(lambda x: _permute_batch(jnp.asarray(x), virtual_workers, n),
-                         batch)
     arg_specs = tuple(P() for _ in args)
+    if not aligned:
+      batch = jax.tree.map(
+          lambda x: _permute_batch(jnp.asarray(x), virtual_workers, n), batch)
+      smap = jax.shard_map(
+          body, mesh=mesh,
+          in_specs=(P(), P(spec_axes), *arg_specs),
+          out_specs=(P(), P()), axis_names=manual, check_vma=False)
+      return smap(params, batch, *args)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    for x in leaves:
+      dt = jnp.dtype(jnp.result_type(x))
+      if not jnp.issubdtype(dt, jnp.inexact):
+        raise UsageError(f"params leaf of dtype {dt} has no gradient; only"
+                         " floating params are supported")
+    gather = dims is None
+    if gather:
+      dims = (None,) * len(leaves)
+    # Each leaf's sum comes out split over the batch axes along one of its
+    # dimensions (a reduce-scatter's layout): the dimension the param is
+    # sharded along when known, else the first one n divides, else the
+    # flattened leaf, padded.
+    dims = tuple(
+        a if a is not None and x.shape[a] % n == 0 else
+        next((i for i, s in enumerate(x.shape) if s % n == 0 and s), None)
+        for x, a in zip(leaves, dims))
+    out_specs = [P() if gather else
+                 P(*([None] * a), spec_axes) if a is not None else P(spec_axes)
+                 for a in dims]
     smap = jax.shard_map(
-        body, mesh=mesh,
+        lambda p, b, *a: body_tree(dims, gather, p, b, *a), mesh=mesh,
         in_specs=(P(), P(spec_axes), *arg_specs),
-        out_specs=(P(), P()), axis_names=manual, check_vma=False)
-    return smap(params, batch, *args)
+        out_specs=(P(), out_specs), axis_names=manual, check_vma=False)
+    loss, out = smap(params, batch, *args)
+    grads = [o if gather or a is not None else
+             jnp.reshape(o[:x.size], x.shape)
+             for o, x, a in zip(out, leaves, dims)]
+    return loss, jax.tree_util.tree_unflatten(treedef, grads)
 
   cache: dict[Any, Callable] = {}
   mesh_devices = set(mesh.devices.flat)
@@ -535,7 +712,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     if fn is None:
       out = None if shardings is None else (
           NamedSharding(mesh, P()), jax.tree_util.tree_unflatten(*shardings))
-      fn = jax.jit(run, out_shardings=out,
+      dims = None if shardings is None else tuple(
+          _sharded_dim(s, axes) for s in shardings[1])
+      fn = jax.jit(lambda *a: run(*a, dims=dims), out_shardings=out,
                    compiler_options=dict(COMPILER_OPTIONS))
       cache[shardings] = fn
     return fn
