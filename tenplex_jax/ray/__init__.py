@@ -1,8 +1,12 @@
 """``tenplex_jax.ray``: elastic JAX jobs on Ray (``tenplex_jax[ray]``).
 
-The code lives in :mod:`tenplex_jax.runtime.ray`; this path stays for
-existing imports (``from tenplex_jax import ray as tray``).
+The code lives in :mod:`tenplex_jax.runtime.ray`; this old path is that
+same module (every name, ``tray.NAMESPACE`` and ``tray.UsageError``
+included), for existing imports (``from tenplex_jax import ray as tray``).
 """
 
-from tenplex_jax.runtime.ray import *  # noqa: F403
-from tenplex_jax.runtime.ray import __all__  # noqa: F401
+import sys
+
+from tenplex_jax.runtime import ray as _runtime_ray
+
+sys.modules[__name__] = _runtime_ray

@@ -1,11 +1,12 @@
 """``tenplex_jax.store.launch``: the launcher and a training script's calls.
 
-The code lives in :mod:`tenplex_jax.runtime.launch`; this path stays for
-existing imports (``from tenplex_jax.store.launch import launch``) and for
-``tenplex_jax.store``'s own re-exports.
+The code lives in :mod:`tenplex_jax.runtime.launch`; this old path is that
+same module, for existing imports (``from tenplex_jax.store.launch import
+launch``) and for ``tenplex_jax.store``'s own re-exports.
 """
 
-from tenplex_jax.runtime.launch import *  # noqa: F403
-from tenplex_jax.runtime.launch import (CA_ENV, TOKEN_ENV,  # noqa: F401
-                                        __all__, check_tls_options,
-                                        last_restore)
+import sys
+
+from tenplex_jax.runtime import launch as _runtime_launch
+
+sys.modules[__name__] = _runtime_launch
