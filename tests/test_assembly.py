@@ -167,3 +167,35 @@ def test_sources_module_is_the_interface_only():
                                   "REPLICA", "Source", "SourceTensor"}
   with pytest.raises(TypeError):
     sources.Source()  # abstract: tensors() and read_into() are required
+
+
+def _assemble_store(d, target):
+  with StoreSource(d) as src:
+    return assembly.assemble(src, target)[0]
+
+
+def test_every_restore_takes_its_buffers_from_the_one_allocator(tmp_path):
+  """assemble (Orbax and store sources) and the store restore allocate their
+  new shards through tenplex_jax._hostmem.host_empty: its counters move by
+  one take per distinct new box of 16 KiB or more."""
+  from tenplex_jax._hostmem import host_pool_stats
+  mesh = _mesh((8,), ("d",))
+  x = jax.device_put(np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024),
+                     NamedSharding(mesh, P("d")))  # 32 KiB per saved shard
+  d = str(tmp_path / "store")
+  store.save({"x": x}, d, step=1)
+  tor.save({"x": x}, str(tmp_path / "ck"), step=1)
+  tmesh = _mesh((2, 2), ("r", "t"))
+  target = {"x": jax.ShapeDtypeStruct(
+      (64, 1024), jnp.float32, sharding=NamedSharding(tmesh, P("t")))}
+  # 2 distinct new boxes of 128 KiB, each held by 2 devices.
+  for restore in (lambda: store.restore([d], target),
+                  lambda: tor.restore(str(tmp_path / "ck"), target),
+                  lambda: _assemble_store(d, target)):
+    before = host_pool_stats()
+    out = restore()
+    after = host_pool_stats()
+    takes = (after["mapped"] + after["reused"]) - (before["mapped"]
+                                                    + before["reused"])
+    assert takes == 2
+    assert np.asarray(out["x"]).tobytes() == np.asarray(x).tobytes()
