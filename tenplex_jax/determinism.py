@@ -936,7 +936,7 @@ def check_environment(xla_flags: str | None = None,
 
 def partial_gradient_bytes(params: Any, *, virtual_workers: int, devices: int
                            ) -> dict[str, int]:
-  """Per-device bytes of the buffers :func:`value_and_grad` adds to a step.
+  """Per-device bytes of the buffers :func:`value_and_grad` holds (upper bounds).
 
   Args:
     params: a pytree of arrays or ``jax.ShapeDtypeStruct``s.
@@ -945,27 +945,36 @@ def partial_gradient_bytes(params: Any, *, virtual_workers: int, devices: int
 
   Returns:
     A dict: ``gathered_params`` (the full params each device holds while its
-    workers run), ``worker_grads`` (one worker's full gradient plus its flat
-    copy), ``exchange`` (the ``all_to_all`` result: one flat gradient),
-    ``stack`` (the tree's partial sums: ``bit_length(V)`` chunks of
-    ``1/n`` of the flat gradient), ``result`` (the gathered sum) and
-    ``total``.
+    workers run), ``worker_grads`` (one worker's full gradient), ``stack``
+    (the partial sums: when ``V/n`` is a power of two or ``n = 1``, one
+    full gradient per level of the device's subtree, ``log2(V/n)`` of them;
+    otherwise, the per-worker exchange, the flat copy of a worker's gradient
+    plus ``bit_length(V)`` chunks of ``1/n`` of it), ``exchange`` (the
+    ``all_to_all`` result: one full gradient, at most; the subtree path
+    exchanges leaf by leaf), ``result`` (the summed gradient: ``1/n`` of it
+    per device, gathered where the params are replicated) and ``total``.
 
   Example:
     >>> partial_gradient_bytes({"w": jax.ShapeDtypeStruct((1024,), jnp.float32)},
-    ...                        virtual_workers=8, devices=8)["stack"]
-    2064
+    ...                        virtual_workers=8, devices=2)["stack"]
+    8192
   """
   leaves = jax.tree_util.tree_leaves(params)
-  by_dtype: dict[Any, int] = {}
-  for x in leaves:
-    dt = jnp.dtype(x.dtype)
-    by_dtype[dt] = by_dtype.get(dt, 0) + math.prod(x.shape)
-  flat = sum(-(-(size + 1) // devices) * devices * dt.itemsize
-             for dt, size in by_dtype.items())
   full = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
-  depth = max(1, int(virtual_workers).bit_length())
-  out = {"gathered_params": full, "worker_grads": full + flat,
-         "exchange": flat, "stack": depth * flat // devices, "result": flat}
+  k = int(virtual_workers) // int(devices)
+  if devices == 1 or k & (k - 1) == 0:
+    levels = (int(virtual_workers).bit_length() - 1 if devices == 1
+              else k.bit_length() - 1)
+    stack = levels * full
+  else:
+    by_dtype: dict[Any, int] = {}
+    for x in leaves:
+      dt = jnp.dtype(x.dtype)
+      by_dtype[dt] = by_dtype.get(dt, 0) + math.prod(x.shape)
+    flat = sum(-(-(size + 1) // devices) * devices * dt.itemsize
+               for dt, size in by_dtype.items())
+    stack = flat + max(1, int(virtual_workers).bit_length()) * flat // devices
+  out = {"gathered_params": full, "worker_grads": full, "stack": stack,
+         "exchange": full, "result": full}
   out["total"] = sum(out.values())
   return out

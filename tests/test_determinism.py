@@ -74,8 +74,11 @@ def place(params, batch, mesh, fsdp):
   return params, jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
+# V/n a power of two (or n = 1): each device sums its workers' subtree
+# locally; V = 24 on 2, 4 and 8 devices (V/n = 12, 6, 3) takes the per-worker
+# exchange instead: both paths must give the same bits.
 @pytest.mark.parametrize("v,ns,fsdp_ns", [(8, (1, 2, 4, 8), (2, 8)),
-                                           (24, (1, 3, 6), (3, 6))])
+                                           (24, (1, 2, 3, 4, 6, 8), (3, 6, 8))])
 def test_mlp_bitwise_across_meshes_dp_and_fsdp(v, ns, fsdp_ns):
   params, batch = mlp_data(2 * v)
   ref = None
@@ -95,6 +98,24 @@ def test_mlp_bitwise_across_meshes_dp_and_fsdp(v, ns, fsdp_ns):
   np.testing.assert_allclose(ref[0], loss, rtol=1e-5)
   for a, b in zip(jax.tree_util.tree_leaves(ref[1]), jax.tree_util.tree_leaves(grads)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_bitwise_across_meshes():
+  # Each node of the tree rounds to bfloat16 whether it is added in a
+  # device's local subtree or in the top of the tree after the exchange.
+  params, batch = mlp_data(16)
+  params, batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (params, batch))
+  ref = None
+  for n in (1, 2, 4, 8):
+    mesh = mesh1d(n)
+    f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh)
+    for fsdp in (False, True):
+      out = f(*place(params, batch, mesh, fsdp))
+      got = [np.asarray(x).view(np.uint16) for x in jax.tree_util.tree_leaves(out)]
+      if ref is None:
+        ref = got
+      for a, b in zip(ref, got):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_inside_jit_matches_outside():
@@ -328,8 +349,12 @@ def test_check_environment_reports_gpu_flags():
 
 def test_partial_gradient_bytes():
   params, _ = mlp_data(8)
-  m = det.partial_gradient_bytes(params, virtual_workers=8, devices=4)
   n_params = 16 * 48 + 48 + 48 * 4
-  flat = -(-(n_params + 1) // 4) * 4 * 4
-  assert m["exchange"] == flat and m["stack"] == 4 * flat // 4
-  assert m["gathered_params"] == n_params * 4
+  for n, levels in ((4, 1), (1, 3), (8, 0), (2, 2)):   # log2(V/n) subtree levels
+    m = det.partial_gradient_bytes(params, virtual_workers=8, devices=n)
+    assert m["stack"] == levels * n_params * 4
+    assert m["gathered_params"] == m["exchange"] == n_params * 4
+  # V/n = 3: the per-worker exchange's flat copy and stack of chunks.
+  m = det.partial_gradient_bytes(params, virtual_workers=24, devices=8)
+  flat = -(-(n_params + 1) // 8) * 8 * 4
+  assert m["stack"] == flat + 5 * flat // 8
