@@ -1153,7 +1153,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            compilation_cache: bool | str = True,
            standby: bool = True,
            standby_imports: Sequence[str] | None = None,
-           prepare_ahead: int = 3) -> int:
+           prepare_ahead: int = 4) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -1715,9 +1715,9 @@ def register(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--no-standby", action="store_true",
                  help="start every generation's processes afresh instead of"
                  " keeping standby processes (Python and jax imported)")
-  p.add_argument("--prepare-ahead", type=int, default=3, metavar="N",
+  p.add_argument("--prepare-ahead", type=int, default=4, metavar="N",
                  help="generations to start ahead of their turn for the"
-                 " resizes the script expects (expect_resizes; default 3,"
+                 " resizes the script expects (expect_resizes; default 4,"
                  " 0: none)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)
