@@ -388,6 +388,10 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
   it. Generations with equal keys prepare one after the other (the later one
   loads the earlier one's programs from the compilation cache). Process 0's
   call counts; the others' do nothing. Without the launcher it does nothing.
+
+  Example:
+    >>> expect_resizes([(8, 2, "2x2 data=2,stage=2"), (16, 1, "1x2 tensor=2")],
+    ...                key="2x4 data=2,tensor=2,stage=2")  # no launcher: nothing
   """
   job = _env("TENPLEX_JOB_DIR")
   if not job or not _env("TENPLEX_NUM_PROCS") or _env("TENPLEX_RAY_JOB") \
@@ -414,7 +418,12 @@ def prepared() -> bool:
   """Whether this process belongs to a generation the launcher started
   ahead (:func:`expect_resizes`) and has not had its turn yet: the script
   may compile and warm up, but its state comes only after :func:`wait_turn`
-  (which :func:`restore_or_init` calls)."""
+  (which :func:`restore_or_init` calls).
+
+  Example:
+    >>> prepared()  # a process the launcher did not start ahead
+    False
+  """
   return bool(_env("TENPLEX_TURN_FILE")) and not _turn.get("seen")
 
 
@@ -425,7 +434,12 @@ def wait_turn() -> dict:
   ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
   handed by the launcher, turn seen here; ``"saved"``: when the previous
   generation's last process had saved, or None); ``{}`` in other
-  processes. The turn is looked for every 2 ms."""
+  processes. The turn is looked for every 2 ms.
+
+  Example:
+    >>> wait_turn()  # not started ahead: returns at once
+    {}
+  """
   path = _env("TENPLEX_TURN_FILE")
   if not path or _turn.get("seen"):
     return dict(_turn)
