@@ -39,7 +39,7 @@ def tmp():
 # first so that with `pytest -n 2` neither worker is left with one of them at
 # the end while the other idles.
 _LONG_FIRST = ("test_ray.py", "test_lm_procs.py", "test_examples_nnx.py",
-               "test_jobarray_example.py", "test_launch_recovery.py",
+               "test_jobarray_example.py", "test_launch_recovery.py", "test_launch_ahead.py",
                "test_determinism.py", "test_pipeline_lm.py", "test_store_multiprocess.py")
 
 

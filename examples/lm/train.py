@@ -645,8 +645,9 @@ def assemble(records_path, job_dir):
   ``jax.distributed``, compile and a warm-up step came before the save, in
   ``ahead_s``; ``relaunch_s`` is then the save call to the turn seen, of which
   ``handoff_s`` to the launcher's hand-over (``save_s`` of it until every old
-  process had saved) and ``ahead_wait_s`` waiting for the preparation to finish; ``ahead_margin_s``: how long before the save call it
-  was ready, negative when it was not).
+  process had saved) and ``ahead_wait_s`` waiting for the preparation to finish;
+  ``ahead_margin_s``: how long before the save call it was ready, negative when it
+  was not).
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]

@@ -409,6 +409,10 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
   it. Generations with equal keys prepare one after the other (the later one
   loads the earlier one's programs from the compilation cache). Process 0's
   call counts; the others' do nothing. Without the launcher it does nothing.
+
+  Example:
+    >>> expect_resizes([(8, 2, "2x2 data=2,stage=2"), (16, 1, "1x2 tensor=2")],
+    ...                key="2x4 data=2,tensor=2,stage=2")  # no launcher: nothing
   """
   env = job_env()
   job = env.job_dir
@@ -435,7 +439,12 @@ def prepared() -> bool:
   """Whether this process belongs to a generation the launcher started
   ahead (:func:`expect_resizes`) and has not had its turn yet: the script
   may compile and warm up, but its state comes only after :func:`wait_turn`
-  (which :func:`restore_or_init` calls)."""
+  (which :func:`restore_or_init` calls).
+
+  Example:
+    >>> prepared()  # a process the launcher did not start ahead
+    False
+  """
   return bool(job_env().turn_file) and not _turn.get("seen")
 
 
@@ -446,7 +455,12 @@ def wait_turn() -> dict:
   ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
   handed by the launcher, turn seen here; ``"saved"``: when the previous
   generation's last process had saved, or None); ``{}`` in other
-  processes. The turn is looked for every 2 ms."""
+  processes. The turn is looked for every 2 ms.
+
+  Example:
+    >>> wait_turn()  # not started ahead: returns at once
+    {}
+  """
   path = job_env().turn_file
   if not path or _turn.get("seen"):
     return dict(_turn)
@@ -1154,7 +1168,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            compilation_cache: bool | str = True,
            standby: bool = True,
            standby_imports: Sequence[str] | None = None,
-           prepare_ahead: int = 3) -> int:
+           prepare_ahead: int = 4) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -1715,9 +1729,9 @@ def register(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--no-standby", action="store_true",
                  help="start every generation's processes afresh instead of"
                  " keeping standby processes (Python and jax imported)")
-  p.add_argument("--prepare-ahead", type=int, default=3, metavar="N",
+  p.add_argument("--prepare-ahead", type=int, default=4, metavar="N",
                  help="generations to start ahead of their turn for the"
-                 " resizes the script expects (expect_resizes; default 3,"
+                 " resizes the script expects (expect_resizes; default 4,"
                  " 0: none)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)
