@@ -113,3 +113,27 @@ class _Done:
 
   def result(self):
     return None
+
+
+# Names this module held before the restore core moved them (0.x code that
+# imports them from here keeps working, with a DeprecationWarning naming the
+# new home). Looked up on first use: importing them here would make
+# ``sources`` depend on the modules that implement it.
+_MOVED = {"AssembleReport": "tenplex_jax.assembly",
+          "assemble": "tenplex_jax.assembly",
+          "fetch_pieces": "tenplex_jax.assembly",
+          "match_target": "tenplex_jax.assembly",
+          "place": "tenplex_jax.assembly",
+          "StoreCopy": "tenplex_jax.store.source",
+          "StoreSource": "tenplex_jax.store.source"}
+
+
+def __getattr__(name: str):
+  home = _MOVED.get(name)
+  if home is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  import importlib
+  import warnings
+  warnings.warn(f"tenplex_jax.sources.{name} moved to {home}.{name}",
+                DeprecationWarning, stacklevel=2)
+  return getattr(importlib.import_module(home), name)

@@ -199,3 +199,15 @@ def test_every_restore_takes_its_buffers_from_the_one_allocator(tmp_path):
                                                     + before["reused"])
     assert takes == 2
     assert np.asarray(out["x"]).tobytes() == np.asarray(x).tobytes()
+
+
+@pytest.mark.parametrize("name,home", [
+    ("assemble", "tenplex_jax.assembly"), ("StoreSource", "tenplex_jax.store.source")])
+def test_moved_names_still_resolve_from_sources_with_a_warning(name, home):
+  import importlib
+  import tenplex_jax.sources as sources
+  with pytest.warns(DeprecationWarning, match=f"moved to {home}.{name}"):
+    got = getattr(sources, name)
+  assert got is getattr(importlib.import_module(home), name)
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    sources.nope  # noqa: B018
