@@ -90,6 +90,19 @@ def _nodes(c, k):
   while 1 + len(c.worker_nodes) > k:
     c.remove_node(next(iter(c.worker_nodes)))  # a set in Ray
   c.pids += _pids(c)
+  # Until Ray itself lists exactly those nodes alive with their CPUs free
+  # (on a loaded host an added node registers, and a removed one's actors
+  # go, seconds later): a job started before would size itself on fewer.
+  deadline = time.monotonic() + 120
+  while True:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    free = ray.available_resources().get("CPU", 0)
+    if len(alive) == k and free >= k:
+      return
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"Ray lists {len(alive)} nodes alive with {free}"
+                         f" CPUs free, 120 s after asking for {k}")
+    time.sleep(0.2)
 
 
 def _read_ids(log_dir):
