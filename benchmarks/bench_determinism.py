@@ -334,6 +334,7 @@ def main(argv=None) -> int:
           if args.profile and compiled is not None and not profiles:
             profiles = {"cell": f"{size} {dtype} {layout} V/n={k}",
                         **profile(compiled, bargs)}
+            print(json.dumps({"profiles": profiles}), flush=True)
           del compiled, bargs
           rows.append(row)
           print(json.dumps(row), flush=True)
@@ -343,8 +344,6 @@ def main(argv=None) -> int:
                        + " ".join(argv if argv is not None else sys.argv[1:]),
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "jax": jax.__version__, "rows": rows, "profiles": profiles}
-  if profiles:
-    print(json.dumps({"profiles": profiles}, indent=1), flush=True)
   pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
   return 0
 
