@@ -211,7 +211,19 @@ class StoreCopy(Source):
 
   def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
     """Reads in the storage dtype (``out``: the box's shape, then the
-    trailing key-data dimensions)."""
+    trailing key-data dimensions), or converts to ``out``'s numeric dtype
+    from the tensor's own (``int8``, ``bfloat16``; not a PRNG key's)."""
+    t = self.manifest["tensors"][path]
+    storage = np.dtype(t["storage"])
+    if out.dtype != storage:
+      if t.get("key_impl") or str(t["dtype"]).startswith("key<"):
+        raise StoreError(f"{self.name}: {path!r} is a PRNG key array; it"
+                         f" reads only as its key data ({storage}), not"
+                         f" {out.dtype}")
+      tmp = np.empty(out.shape, storage)  # read, then cast
+      self.read_into(path, box, tmp)
+      out[...] = tmp.view(jnp.dtype(t["dtype"]))
+      return
     if self.direct:
       self.handle.read_into(path, box, out, proc=self.proc, maps=self.maps,
                             round=self.round)
