@@ -50,7 +50,7 @@ from tenplex_jax._targets import (MISMATCH, context_mesh, is_box, per_leaf,
 from tenplex_jax.errors import LayoutError, ReplicationWarning
 from tenplex_jax.layout import key_path_name
 from tenplex_jax.reshard import ReshardReport, reshard_items, resolve_targets
-from tenplex_jax.search import best_mesh_for
+from tenplex_jax import search
 
 __all__ = ["Fallback", "RemeshReport", "remesh", "target_shardings"]
 
@@ -387,8 +387,9 @@ def _search_mesh(state, logical_axes, devices, *, global_batch, seq_len,
   if not any(isinstance(a, nn.LogicallyPartitioned) for a in abstract):
     raise LayoutError("remesh(devices=...): the configuration search picks"
                       " logical axis rules, but " + _NO_NAMES)
-  best = best_mesh_for(abstract, list(devices), global_batch=global_batch,
-                       seq_len=seq_len, hardware=hardware)
+  best = search.best_mesh_for(abstract, list(devices),
+                              global_batch=global_batch, seq_len=seq_len,
+                              hardware=hardware)
   return best.mesh, tuple(best.rules)
 
 
