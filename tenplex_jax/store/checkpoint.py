@@ -28,6 +28,8 @@ from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.orbax import locate
 from tenplex_jax.orbax import restore as orbax_restore
 from tenplex_jax.store import private
+from tenplex_jax.store.format import round_id
+from tenplex_jax.store.objects import ObjectStore
 
 __all__ = ["STORE_NAME", "latest_step", "restore_checkpoint",
            "save_checkpoint"]
@@ -84,13 +86,10 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
       # Orbax 0.12 writes no s3:// path, and a checkpoint written locally
       # holds only this host's shards: each process uploads its own to the
       # tenplex store, the round committed by the manifests, written last.
-      from tenplex_jax.store.api import save
+      from tenplex_jax.store.api import save  # api uses this module
       return save(tree, f"{loc.target}/{STORE_NAME}", step=step, keep=2)
     # One process: the Orbax checkpoint is written here, then uploaded with
     # its commit markers last.
-    import tempfile
-
-    from tenplex_jax.cloud import upload_tree
     with tempfile.TemporaryDirectory(prefix="tenplex-jax-ckpt-") as tmp:
       save_checkpoint(tmp, tree, step)
       upload_tree(os.path.join(tmp, name), f"{loc.target}/{name}")
@@ -139,12 +138,9 @@ def _store_step(directory: str) -> int | None:
   job has its snapshot) of the tenplex store in object-storage checkpoint
   directory ``directory``; None when there is none (or ``directory`` is
   not on object storage)."""
-  from tenplex_jax.locations import OBJECT, parse_location
   loc = parse_location(directory)
   if loc.kind != OBJECT:
     return None
-  from tenplex_jax.store.format import round_id
-  from tenplex_jax.store.objects import ObjectStore
   store = ObjectStore(f"{loc.target}/{STORE_NAME}")
   if not store.is_store():
     return None
@@ -177,8 +173,6 @@ def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
   Raises:
     NoCopyError: ``directory`` holds no Orbax checkpoint (nor store).
   """
-  from tenplex_jax.errors import NoCopyError, UsageError
-  from tenplex_jax.orbax import locate, restore
   in_store = _store_step(directory)
   try:
     loc = locate(directory)
@@ -188,10 +182,9 @@ def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
                         f" to ({e})") from e
     loc = None
   if in_store is not None and (loc is None or in_store > (loc.step or 0)):
-    from tenplex_jax.locations import parse_location
-    from tenplex_jax.store.api import restore_with_report
+    from tenplex_jax.store.api import restore_with_report  # api uses us
     url = f"{parse_location(directory).target}/{STORE_NAME}"
     tree, report = restore_with_report([url], target)
     return tree, report.step
-  tree = restore(loc.item, target)
+  tree = orbax_restore(loc.item, target)
   return tree, 0 if loc.step is None else loc.step
