@@ -493,14 +493,27 @@ class Job:
   def _generation(self, n: int, start: int, failed: int | None) -> dict:
     gen = len(self.generations)
     t0 = time.time()
-    stores = self._stores()  # a draining node's serves its shards
-    nodes = [x for x in stores if x not in self.draining]
-    if not nodes:
-      raise StoreError("no alive Ray node with a CPU for the workers"
-                       f" (draining: {sorted(self.draining)})")
-    room = {x["NodeID"]: self.slots(x["Resources"])
-            for x in _ray.nodes() if x["Alive"]}
-    nodes = [x for x in nodes if room.get(x, 0) > 0] or nodes
+    deadline = time.monotonic() + 120
+    while True:
+      stores = self._stores()  # a draining node's serves its shards
+      nodes = [x for x in stores if x not in self.draining]
+      if not nodes:
+        raise StoreError("no alive Ray node with a CPU for the workers"
+                         f" (draining: {sorted(self.draining)})")
+      room = {x["NodeID"]: self.slots(x["Resources"])
+              for x in _ray.nodes() if x["Alive"]}
+      if any(room.get(x, 0) > 0 for x in nodes):
+        break
+      # The nodes with room have not answered yet (a node that has just
+      # joined starts its store actor first): ask again, for a while.
+      if time.monotonic() > deadline:
+        raise StoreError(
+            "no alive Ray node whose store answers has room for a worker"
+            f" asking {dict(self.worker_resources)}: nodes with room"
+            f" {sorted(k for k, v in room.items() if v > 0)}, answering"
+            f" {sorted(nodes)} (draining: {sorted(self.draining)})")
+      time.sleep(1.0)
+    nodes = [x for x in nodes if room.get(x, 0) > 0]
     fits = sum(room.get(x, 1) for x in nodes)
     if self.auto and self.bounds[0] <= fits < n:
       # Ray still lists a node killed moments ago, whose store did not
