@@ -440,6 +440,10 @@ def drive(args: argparse.Namespace) -> int:
         cluster.remove(idle[-1])
         events["removed"] = step
         print(f"driver: removed an idle node at step {step}", flush=True)
+      else:  # the node the shrink left idle is the head: it stays
+        events["removed"] = None
+        print(f"driver: the shrink left the head idle (kept) at step"
+              f" {step}", flush=True)
     if (cluster is not None and args.drain_at and step >= args.drain_at
         and "drained" not in events
         and ("removed" in events or not args.shrink_at)):
