@@ -38,6 +38,20 @@ def _param_shapes():
   return [x.shape for x in jax.tree.leaves(abstract_params(config.TINY))]
 
 
+def _run_2_1_2(out, *flags, timeout):
+  """The LM trainer across processes, 2 x 2 devices (stage 2, data 2), 1 x 4
+  (stage 4) from step 2, 2 x 2 again from step 4, 6 steps, its JSON at
+  ``out``; asserts it exited 0."""
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  (run,) = procs.run_all([[
+      sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
+      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
+      *flags, "--json", out, "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
+  assert run.returncode == 0, run.stdout[-5000:]
+
+
 def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   # 2 processes x 2 devices (stage 2, data 2), 1 x 4 (stage 4) from step 2,
   # and back to 2 x 2 (stage 2, data 2) from step 4: the launcher's
@@ -48,14 +62,7 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   # standby processes, and the losses still follow the static run.
   import json
   out = os.path.join(tmp, "lm.json")
-  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  (run,) = procs.run_all([[
-      sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
-      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
-      "--fast-compile", "--json", out, "--timeout", "400"]], timeout=450, env=env)
-  assert run.returncode == 0, run.stdout[-5000:]
+  _run_2_1_2(out, "--fast-compile", timeout=450)
   with open(out) as f:
     log = json.load(f)
   el, st = log["elastic"], log["static"]
@@ -96,14 +103,7 @@ def test_deterministic_resizes_through_generations_started_ahead_are_bitwise(tmp
   # static run's.
   import json
   out = os.path.join(tmp, "det.json")
-  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  (run,) = procs.run_all([[
-      sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
-      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
-      "--deterministic", "2", "--json", out, "--timeout", "600"]], timeout=650, env=env)
-  assert run.returncode == 0, run.stdout[-5000:]
+  _run_2_1_2(out, "--deterministic", "2", timeout=650)
   with open(out) as f:
     log = json.load(f)
   el = log["elastic"]

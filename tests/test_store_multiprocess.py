@@ -38,15 +38,11 @@ def _text(path):
     return f.read()
 
 
-def _free_port():
-  return free_port()
-
-
 def run_job(tmp, name, *, procs, devices, mesh, action, timeout=90, **kw):
   out = os.path.join(tmp, name)
   os.makedirs(out, exist_ok=True)
   cfg = {"procs": procs, "devices": devices, "mesh": mesh, "action": action,
-         "port": _free_port(), "out": out, **kw}
+         "port": free_port(), "out": out, **kw}
   path = os.path.join(out, "config.json")
   with open(path, "w") as f:
     json.dump(cfg, f)

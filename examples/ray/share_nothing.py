@@ -89,10 +89,6 @@ shutil.rmtree(base, ignore_errors=True)
 """
 
 
-def _free_port(ip: str) -> int:
-  return free_port(ip)  # below the ephemeral range: see free_port
-
-
 class ShareNothingCluster:
   """Ray nodes in private mount namespaces on loopback addresses."""
 
@@ -146,11 +142,11 @@ class ShareNothingCluster:
     self._next += 1
     work = os.path.join(self.base, f"node-{k}")
     os.makedirs(work, exist_ok=True)
-    ports = {f"--{name}": str(_free_port(ip)) for name in (
+    ports = {f"--{name}": str(free_port(ip)) for name in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
         "runtime-env-agent-port", "metrics-export-port")}
     if head:
-      ports.update({f"--{name}": str(_free_port(ip)) for name in (
+      ports.update({f"--{name}": str(free_port(ip)) for name in (
           "ray-client-server-port", "dashboard-port")})
     cmd = ["ray", "start", "--block", "--disable-usage-stats",
            "--node-ip-address", ip, f"--num-cpus={num_cpus}",
@@ -160,7 +156,7 @@ class ShareNothingCluster:
       import json
       cmd += ["--resources", json.dumps(resources)]
     if head:
-      self.port = _free_port(ip)
+      self.port = free_port(ip)
       self.temp_dir = os.path.join(self.base, "h")
       cmd += ["--head", f"--port={self.port}", "--include-dashboard=false",
               f"--temp-dir={self.temp_dir}"]
