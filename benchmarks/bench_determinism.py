@@ -15,10 +15,12 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   sharded over ``data`` (XLA's all-reduce / reduce-scatter), compiled with
   ``determinism.COMPILER_OPTIONS`` like the deterministic step;
 * ``plain_acc``: the same gradient accumulated over ``k`` microbatches of
-  ``rows`` sequences per device (a ``lax.scan`` summing plainly): the same
-  per-worker matmul sizes as ``det``, so ``det / plain_acc`` is the cost of
-  the fixed reduction order alone and ``plain_acc / plain`` that of the
-  smaller matmuls;
+  ``rows`` sequences per device (a ``shard_map``: FSDP params all-gathered
+  once, a ``lax.scan`` summing the microbatches' gradients plainly, then one
+  ``psum`` / ``psum_scatter``): the same per-worker matmul sizes and the
+  same communication as ``det``, so ``det / plain_acc`` is the cost of the
+  fixed reduction order alone and ``plain_acc / plain`` that of the smaller
+  matmuls (a plain step on ``V`` devices' work, run ``k`` at a time);
 * ``det``: :func:`tenplex_jax.determinism.value_and_grad` in a step compiled
   by ``determinism.jit``;
 * ``det_old``: the same with ``determinism._EXCHANGE_EVERY_WORKER`` set, the
@@ -31,8 +33,9 @@ sizes (``memory_analysis``) of each program, the process's peak RSS and the
 load. Before running a cell it compiles every program and skips the cell
 (saying why) if 1.3 x (the devices' arguments, outputs and temp buffers of the
 largest program) + 1 GiB would not fit in ``MemAvailable``. With ``--profile``
-it also traces each program of the first cell that runs and adds up XLA's
-per-op times by kind: where the time goes. Results go to stdout as JSON lines
+it also traces each program of the cells whose ``V/n`` is in
+``--profile-ratios`` and adds up XLA's per-op times by kind: where the time
+goes. Results go to stdout as JSON lines
 and to ``--out``.
 
 The ``100m`` model is 12 blocks of 1024 x 4096 (2 matrices each, residual
@@ -106,22 +109,40 @@ def programs(mesh, params, fsdp, k, rows, methods):
   n = mesh.shape["data"]
   v = n * k
   out = (NamedSharding(mesh, P()), shardings(params, mesh, fsdp))
-  batch_sharding = NamedSharding(mesh, P("data"))
 
   def plain_acc(p, b):
-    # k microbatches of `rows` sequences on every device, summed in a scan.
-    def split(x):
-      y = jnp.reshape(x, (n, k, rows) + x.shape[1:])
-      return jnp.reshape(jnp.swapaxes(y, 0, 1), (k, n * rows) + x.shape[1:])
+    # Gradient accumulation as a trainer writes it: each device runs k
+    # microbatches of `rows` sequences (the virtual workers' slices), sums
+    # their gradients locally in a lax.scan, and the devices' sums are
+    # reduced once (psum, or psum_scatter to the FSDP shards): the same
+    # per-worker matmuls and the same communication as `det`, without the
+    # fixed order.
+    specs = jax.tree.map(lambda s: s.spec, out[1])
 
-    def step(acc, xb):
-      xb = jax.lax.with_sharding_constraint(xb, batch_sharding)
-      lg = jax.value_and_grad(loss_fn)(p, xb)
-      return jax.tree.map(jnp.add, acc, lg), None
+    def body(ps, xb):
+      full = jax.tree.map(
+          lambda x, s: x if s == P() else lax.all_gather(x, "data", axis=0,
+                                                         tiled=True),
+          ps, specs)
 
-    zero = jax.tree.map(jnp.zeros_like, (jnp.float32(0), p))
-    (loss, g), _ = lax.scan(step, zero, jax.tree.map(split, b))
-    return jax.tree.map(lambda a: a / jnp.asarray(k, a.dtype), (loss, g))
+      def step(acc, mb):
+        lg = jax.value_and_grad(loss_fn)(full, mb)
+        return jax.tree.map(jnp.add, acc, lg), None
+
+      local = jax.tree.map(
+          lambda x: jnp.reshape(x, (k, rows) + x.shape[1:]), xb)
+      zero = jax.tree.map(jnp.zeros_like, (jnp.float32(0), full))
+      (loss, g), _ = lax.scan(step, zero, local)
+      loss = lax.psum(loss, "data") / v
+      g = jax.tree.map(
+          lambda x, s: (lax.psum(x, "data") if s == P() else
+                        lax.psum_scatter(x, "data", scatter_dimension=0,
+                                         tiled=True)) / jnp.asarray(v, x.dtype),
+          g, specs)
+      return loss, g
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, P("data")),
+                         out_specs=(P(), specs), check_vma=False)(p, b)
 
   fns = {}
   if "plain" in methods:
@@ -131,7 +152,8 @@ def programs(mesh, params, fsdp, k, rows, methods):
     fns["plain_acc"] = jax.jit(plain_acc, out_shardings=out,
                                compiler_options=OPTS)
   if "det" in methods:
-    vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh)
+    vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
+                            param_shardings=out[1])
     fns["det"] = det.jit(lambda p, b: vg(p, b), out_shardings=out)
   if "det_old" in methods:
     with mock.patch.object(det, "_EXCHANGE_EVERY_WORKER", True):
@@ -316,7 +338,14 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-only", action="store_true",
                   help="print XLA's buffer sizes and the memory estimate only")
   ap.add_argument("--profile", action="store_true",
-                  help="also trace the first cell's programs: XLA time by op")
+                  help="also trace the programs of the cells whose V/n is in"
+                       " --profile-ratios: XLA time by op")
+  ap.add_argument("--profile-ratios", default="1",
+                  help="V/n of the cells to profile (every size and layout)")
+  ap.add_argument("--profile-steps", type=int, default=3,
+                  help="steps traced per program")
+  ap.add_argument("--profile-dtypes", default="",
+                  help="dtypes of the cells to profile (default: all)")
   ap.add_argument("--out", default=str(pathlib.Path(__file__).with_name(
       "bench_determinism_result.json")))
   args = ap.parse_args(argv)
@@ -324,27 +353,38 @@ def main(argv=None) -> int:
   methods = tuple(m for m in METHODS if m in args.methods.split(","))
   load_before = os.getloadavg()
   rows, profiles = [], {}
-  for size in args.sizes.split(","):
-    for dtype in args.dtypes.split(","):
-      for layout in args.layouts.split(","):
-        for k in (int(r) for r in args.ratios.split(",")):
-          row = bench(size, jnp.dtype(dtype), layout == "fsdp", k, args, mesh,
-                      methods)
-          compiled, bargs = row.pop("_compiled", None), row.pop("_args", None)
-          if args.profile and compiled is not None and not profiles:
-            profiles = {"cell": f"{size} {dtype} {layout} V/n={k}",
-                        **profile(compiled, bargs)}
-            print(json.dumps({"profiles": profiles}), flush=True)
-          del compiled, bargs
-          rows.append(row)
-          print(json.dumps(row), flush=True)
-  result = {"machine": f"{os.cpu_count()} cores, {args.devices} simulated CPU"
-                       " devices",
-            "command": "PYTHONPATH=. python3 benchmarks/bench_determinism.py "
-                       + " ".join(argv if argv is not None else sys.argv[1:]),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "jax": jax.__version__, "rows": rows, "profiles": profiles}
-  pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+  command = ("PYTHONPATH=. python3 benchmarks/bench_determinism.py "
+             + " ".join(argv if argv is not None else sys.argv[1:]))
+
+  def write(done):
+    # After every cell, so that a run stopped early keeps what it measured.
+    result = {"machine": f"{os.cpu_count()} cores, {args.devices} simulated"
+                         " CPU devices",
+              "command": command, "complete": done,
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+              "jax": jax.__version__, "rows": rows, "profiles": profiles}
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+
+  # V/n outermost (in the order given): a run stopped early has every
+  # dtype and layout of the first ratios.
+  cells = [(size, dtype, layout, int(k)) for k in args.ratios.split(",")
+           for size in args.sizes.split(",") for dtype in args.dtypes.split(",")
+           for layout in args.layouts.split(",")]
+  for size, dtype, layout, k in cells:
+    row = bench(size, jnp.dtype(dtype), layout == "fsdp", k, args, mesh,
+                methods)
+    compiled, bargs = row.pop("_compiled", None), row.pop("_args", None)
+    if (args.profile and compiled is not None
+        and str(k) in args.profile_ratios.split(",")
+        and (not args.profile_dtypes or dtype in args.profile_dtypes.split(","))):
+      cell = f"{size} {dtype} {layout} V/n={k}"
+      profiles[cell] = profile(compiled, bargs, args.profile_steps)
+      print(json.dumps({"profile": cell, **profiles[cell]}), flush=True)
+    del compiled, bargs
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    write(False)
+  write(True)
   return 0
 
 

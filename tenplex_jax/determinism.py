@@ -370,7 +370,9 @@ def _tree_list(xs: Sequence[jax.Array]) -> jax.Array:
 
 
 def _isolated_value_and_grad(loss_fn: Callable, params: Any, xs: Any,
-                             wargs: Sequence[Any]) -> tuple:
+                             wargs: Sequence[Any],
+                             prepare: Callable[[Any], Any] | None = None,
+                             pred: jax.Array | None = None) -> tuple:
   """One virtual worker's ``value_and_grad``, compiled apart from its context.
 
   XLA:CPU expands optimisation barriers before fusion, so a worker's
@@ -381,28 +383,47 @@ def _isolated_value_and_grad(loss_fn: Callable, params: Any, xs: Any,
   know while compiling (is the first element of the first float param NaN):
   a branch is its own computation, its parameters in and its root out, the
   same on every mesh and in every loop.
+
+  ``prepare`` (the all-gather of FSDP param shards) runs inside the branch,
+  so the gathered params are the branch's temporaries (their buffers are
+  reused for the gradients) instead of operands live through the whole
+  branch. A branch with collectives needs a predicate that is the same on
+  every device: ``pred`` (else the NaN test of the local params).
   """
   floats = [x for x in jax.tree_util.tree_leaves(params)
             if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
   vg = jax.value_and_grad(loss_fn)
+  prep = prepare if prepare is not None else (lambda p: p)
 
   def left(ops):
     p, b, a = ops
-    return vg(p, b, *a)
+    return vg(prep(p), b, *a)
 
   def right(ops):
     p, b, a = ops
-    return vg(p, b, *a)
+    return vg(prep(p), b, *a)
 
   ops = lax.optimization_barrier((params, xs, tuple(wargs)))
   loss_aval = jax.eval_shape(left, ops)[0]
   if loss_aval.shape != ():
     raise UsageError(f"loss_fn must return a scalar, got shape"
                      f" {loss_aval.shape}")
-  if not floats:
-    return lax.optimization_barrier(left(ops))
-  pred = jnp.isnan(jnp.ravel(floats[0])[0])
+  if pred is None:
+    if not floats:
+      return lax.optimization_barrier(left(ops))
+    pred = jnp.isnan(jnp.ravel(floats[0])[0])
   return lax.optimization_barrier(lax.cond(pred, left, right, ops))
+
+
+def _batch_only_dim(sharding: Any, axes: tuple[str, ...]) -> int | None:
+  """The dimension a ``NamedSharding`` splits over ``axes``, if it splits nothing else."""
+  a = _sharded_dim(sharding, axes)
+  if a is None:
+    return None
+  spec = tuple(sharding.spec)
+  if any(entry not in (None, ()) for i, entry in enumerate(spec) if i != a):
+    return None
+  return a
 
 
 def _sharded_dim(sharding: Any, axes: tuple[str, ...]) -> int | None:
@@ -428,7 +449,8 @@ def _permute_batch(x: jax.Array, virtual_workers: int, n: int) -> jax.Array:
 def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
                    mesh: Mesh, batch_axis: str | Sequence[str] = "data",
                    rng_argnums: Sequence[int] = (),
-                   pipeline_axis: str | None = None) -> Callable[..., tuple]:
+                   pipeline_axis: str | None = None,
+                   param_shardings: Any = None) -> Callable[..., tuple]:
   """``jax.value_and_grad`` of a global-batch mean, bitwise independent of the mesh.
 
   The global batch is split into ``virtual_workers`` equal slices;
@@ -460,6 +482,14 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       count (the pipeline applies the same layers to the same microbatches
       and adds their gradients in the same order), so the stage count may
       change too.
+    param_shardings: the params' ``NamedSharding``s (a matching pytree),
+      for ``f`` called inside the caller's ``jit``, where the params'
+      shardings are not known while tracing (outside ``jit`` ``f`` reads
+      them from the arrays). With them FSDP params enter the workers as
+      shards, gathered inside each worker, and the gradients of params split
+      over the batch axes come out split the same way (a reduce-scatter's
+      layout, no all-gather); without them every gradient comes out
+      gathered. A leaf's sharding must be the one it has in the step.
 
   Returns:
     ``f(params, batch, *args) -> (loss, grads)``, usable inside or outside
@@ -585,10 +615,34 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   # one exchange per step sums the n subtrees (the top of the tree).
   aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
 
-  def body_tree(dims, gather, params, batch, *args):
+  def body_tree(dims, gather, shard_in, params, batch, *args):
     d = lax.axis_index(axes) if n > 1 else 0
     local = jax.tree.map(
         lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), batch)
+    # FSDP params arrive as their local shards (``shard_in``: the dimension
+    # split over the batch axes, per leaf) and are all-gathered here: with
+    # one worker per device inside its branch (the gathered params are the
+    # branch's temporaries, their buffers reused for the gradients, as in a
+    # plain step), with several once before the workers' loop.
+    prepare, pred = None, None
+    if any(a is not None for a in shard_in):
+      pleaves, ptree = jax.tree_util.tree_flatten(params)
+
+      def gather_params(p):
+        return jax.tree_util.tree_unflatten(ptree, [
+            x if a is None else lax.all_gather(x, axes, axis=a, tiled=True)
+            for x, a in zip(jax.tree_util.tree_leaves(p), shard_in)])
+
+      if k == 1:
+        prepare = gather_params
+        # The branch holds collectives: every device must take the same one.
+        first = next(x for x in pleaves
+                     if jnp.issubdtype(x.dtype, jnp.inexact) and x.size)
+        pred = lax.psum(jnp.isnan(jnp.ravel(first)[0]).astype(jnp.int32),
+                        axes) > 0
+      else:
+        params = gather_params(params)
+
     def worker(j):
       w = (d * k + j).astype(jnp.uint32) if n > 1 else jnp.asarray(
           j, jnp.uint32)
@@ -597,7 +651,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       wargs = list(args)
       for i in rng_argnums:
         wargs[i] = worker_key(args[i], w)
-      return _isolated_value_and_grad(loss_fn, params, xs, wargs)
+      return _isolated_value_and_grad(loss_fn, params, xs, wargs,
+                                      prepare=prepare, pred=pred)
 
     avals = jax.eval_shape(worker, jnp.int32(0))
 
@@ -649,20 +704,21 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
 
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     out = [top(x, a) for x, a in zip(leaves, dims)]
-    if gather:
-      # Inside the caller's jit the update consumes the gradients; handing
-      # it gathered arrays (an all-gather on every mesh, 1 device included)
-      # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
-      out = [lax.all_gather(o, axes, axis=0 if a is None else a, tiled=True)
-             for o, a in zip(out, dims)]
-      out = [o if a is not None else jnp.reshape(o[:x.size], x.shape)
-             for o, x, a in zip(out, leaves, dims)]
+    # Inside the caller's jit the update consumes the gradients; handing
+    # it gathered arrays (an all-gather on every mesh, 1 device included)
+    # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
+    # Leaves sharded like their FSDP params (``param_shardings``) are left
+    # as they are: the update reads its local shard, plain, on every mesh.
+    out = [lax.all_gather(o, axes, axis=0 if a is None else a, tiled=True)
+           if g else o for o, a, g in zip(out, dims, gather)]
+    out = [o if a is not None or not g else jnp.reshape(o[:x.size], x.shape)
+           for o, x, a, g in zip(out, leaves, dims, gather)]
     if n > 1:
       loss = _tree_list(list(lax.all_gather(loss, axes)))
     loss = loss / jnp.asarray(virtual_workers, loss.dtype)
     return loss, out
 
-  def run(params, batch, *args, dims=None):
+  def run(params, batch, *args, dims=None, shard_in=None, gather=None):
     global_batch = _check_batch(batch, virtual_workers)
     del global_batch
     arg_specs = tuple(P() for _ in args)
@@ -680,9 +736,11 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       if not jnp.issubdtype(dt, jnp.inexact):
         raise UsageError(f"params leaf of dtype {dt} has no gradient; only"
                          " floating params are supported")
-    gather = dims is None
-    if gather:
+    if dims is None:
       dims = (None,) * len(leaves)
+      gather = (True,) * len(leaves)
+    elif gather is None:
+      gather = (False,) * len(leaves)
     # Each leaf's sum comes out split over the batch axes along one of its
     # dimensions (a reduce-scatter's layout): the dimension the param is
     # sharded along when known, else the first one n divides, else the
@@ -691,31 +749,40 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         a if a is not None and x.shape[a] % n == 0 else
         next((i for i, s in enumerate(x.shape) if s % n == 0 and s), None)
         for x, a in zip(leaves, dims))
-    out_specs = [P() if gather else
+    out_specs = [P() if g else
                  P(*([None] * a), spec_axes) if a is not None else P(spec_axes)
-                 for a in dims]
+                 for a, g in zip(dims, gather)]
+    if shard_in is None or n == 1:
+      shard_in = (None,) * len(leaves)
+    param_specs = jax.tree_util.tree_unflatten(treedef, [
+        P() if a is None else P(*([None] * a), spec_axes) for a in shard_in])
     smap = jax.shard_map(
-        lambda p, b, *a: body_tree(dims, gather, p, b, *a), mesh=mesh,
-        in_specs=(P(), P(spec_axes), *arg_specs),
+        lambda p, b, *a: body_tree(dims, gather, shard_in, p, b, *a),
+        mesh=mesh, in_specs=(param_specs, P(spec_axes), *arg_specs),
         out_specs=(P(), out_specs), axis_names=manual, check_vma=False)
     loss, out = smap(params, batch, *args)
-    grads = [o if gather or a is not None else
+    grads = [o if g or a is not None else
              jnp.reshape(o[:x.size], x.shape)
-             for o, x, a in zip(out, leaves, dims)]
+             for o, x, a, g in zip(out, leaves, dims, gather)]
     return loss, jax.tree_util.tree_unflatten(treedef, grads)
 
   cache: dict[Any, Callable] = {}
   mesh_devices = set(mesh.devices.flat)
+
+  def _dims(shardings):
+    if shardings is None:
+      return None, None
+    return (tuple(_sharded_dim(s, axes) for s in shardings[1]),
+            tuple(_batch_only_dim(s, axes) for s in shardings[1]))
 
   def compiled(shardings):
     fn = cache.get(shardings)
     if fn is None:
       out = None if shardings is None else (
           NamedSharding(mesh, P()), jax.tree_util.tree_unflatten(*shardings))
-      dims = None if shardings is None else tuple(
-          _sharded_dim(s, axes) for s in shardings[1])
-      fn = jax.jit(lambda *a: run(*a, dims=dims), out_shardings=out,
-                   compiler_options=dict(COMPILER_OPTIONS))
+      dims, shard_in = _dims(shardings)
+      fn = jax.jit(lambda *a: run(*a, dims=dims, shard_in=shard_in),
+                   out_shardings=out, compiler_options=dict(COMPILER_OPTIONS))
       cache[shardings] = fn
     return fn
 
@@ -724,7 +791,13 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
            for x in jax.tree_util.tree_leaves((params, batch, args))):
       # Inside the caller's jit: trace inline; the caller's compile options
       # apply (compile the step with :func:`jit`).
-      return run(params, batch, *args)
+      if param_shardings is None:
+        return run(params, batch, *args)
+      leaves, treedef = jax.tree_util.tree_flatten(params)
+      specs = treedef.flatten_up_to(param_shardings)
+      dims, shard_in = _dims((treedef, tuple(specs)))
+      return run(params, batch, *args, dims=dims, shard_in=shard_in,
+                 gather=tuple(a is None for a in dims))
     # Outside jit: grads get each param's sharding when it lives on this
     # mesh's devices; otherwise (e.g. an uncommitted array on one device)
     # they come back replicated over the mesh.

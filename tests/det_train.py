@@ -80,10 +80,12 @@ def shardings(state, mesh, fsdp):
   return jax.tree_util.tree_map(lambda x: NamedSharding(mesh, spec(x)), state)
 
 
-def make_step(mesh, v):
-  """The train step on ``mesh`` with ``v`` virtual workers."""
+def make_step(mesh, v, param_shardings=None):
+  """The train step on ``mesh`` with ``v`` virtual workers (``param_shardings``:
+  passed to ``value_and_grad``, so FSDP params enter the workers as shards
+  and their gradients leave them split like the params)."""
   grad = det.value_and_grad(net_loss, virtual_workers=v, mesh=mesh,
-                            rng_argnums=(0,))
+                            rng_argnums=(0,), param_shardings=param_shardings)
 
   def step(state, batch, t):
     k = jax.random.fold_in(jax.random.key(42), t)  # (seed, step)

@@ -128,6 +128,25 @@ def test_inside_jit_matches_outside():
   assert_bitwise(outside, inside)
 
 
+def test_inside_jit_with_param_shardings_matches_outside():
+  # FSDP params passed as shards (gathered inside each worker: V/n = 1 on 8
+  # devices, once before the workers' loop for V/n = 4 on 2) and DP params:
+  # the bits of the 1-device run, the gradients sharded like the params.
+  params, batch = mlp_data(16)
+  mesh1 = mesh1d(1)
+  ref = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh1)(
+      *place(params, batch, mesh1, False))
+  for n, fsdp in ((8, True), (2, True), (4, False)):
+    mesh = mesh1d(n)
+    p, b = place(params, batch, mesh, fsdp)
+    sh = jax.tree.map(lambda x: x.sharding, p)
+    f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh,
+                           param_shardings=sh)
+    out = det.jit(lambda p, b: f(p, b), out_shardings=(NamedSharding(mesh, P()),
+                                                       sh))(p, b)
+    assert_bitwise(ref, out)
+
+
 # ------------------------------------------------ flax's lm1b transformer
 
 TINY = dict(vocab_size=64, emb_dim=32, num_heads=2, num_layers=1, qkv_dim=32,
@@ -187,18 +206,20 @@ def test_plain_psum_step_differs_across_meshes():
 _STEPS_CACHE = {}
 
 
-def train_step_for(mesh, v):
-  key = (tuple(d.id for d in mesh.devices.flat), v)
+def train_step_for(mesh, v, param_shardings=None):
+  key = (tuple(d.id for d in mesh.devices.flat), v, param_shardings is None)
   if key not in _STEPS_CACHE:
-    _STEPS_CACHE[key] = det_train.make_step(mesh, v)
+    _STEPS_CACHE[key] = det_train.make_step(mesh, v, param_shardings)
   return _STEPS_CACHE[key]
 
 
-def train(schedule, v, *, fsdp=False, store_dir=None):
+def train(schedule, v, *, fsdp=False, store_dir=None, shards_in=False):
   """``schedule``: ((first step, devices), ...); resizes with remesh.
 
   ``fsdp``: params and adamw moments ZeRO-3 sharded over ``data`` (their
-  shard shapes change with every resize), else replicated."""
+  shard shapes change with every resize), else replicated. ``shards_in``:
+  the step passes the params' shardings to ``value_and_grad`` (params enter
+  the workers as shards, gradients leave them split like the params)."""
   x, y = det_train.dataset(2 * v)
   state = det_train.init_state()
   starts = dict(schedule)
@@ -222,7 +243,8 @@ def train(schedule, v, *, fsdp=False, store_dir=None):
         assert a.sharding.is_equivalent_to(s, a.ndim)
       mesh = new
     batch = jax.device_put({"x": x[t], "y": y[t]}, NamedSharding(mesh, P("data")))
-    state, _ = train_step_for(mesh, v)(state, batch, t)
+    ps = det_train.shardings(state, mesh, fsdp)["params"] if shards_in else None
+    state, _ = train_step_for(mesh, v, ps)(state, batch, t)
   return state
 
 
@@ -247,6 +269,11 @@ def test_d0_d1_training_v8_resizes_8_4_2_8(tmp_path):
   # and of adamw's moments, which the update runs on.
   assert_bitwise(static, train(((0, 8), (5, 4), (10, 2), (15, 8)), 8,
                                fsdp=True))
+  # The same with the params' shardings passed to value_and_grad: the
+  # params are gathered inside each worker and the update reads gradient
+  # shards laid out like its params (no all-gather of the gradients).
+  assert_bitwise(static, train(((0, 8), (5, 4), (10, 2), (15, 8)), 8,
+                               fsdp=True, shards_in=True))
 
 
 def test_d1_training_v24_resizes_8_3_6():
