@@ -179,7 +179,8 @@ def batch_for(size, mesh, dt, global_batch, seq):
   return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
-def bench(size, dt, fsdp, k, args, mesh, methods):
+def prepare(size, dt, fsdp, k, args, mesh, methods):
+  """Compiles the cell's programs and reads XLA's buffer sizes (no timing)."""
   n = mesh.shape["data"]
   v = n * k
   global_batch = args.rows * v
@@ -219,6 +220,22 @@ def bench(size, dt, fsdp, k, args, mesh, methods):
   label = f"{size} {dt} {row['layout']} V/n={k}"
   print(f"{label}: XLA buffers {mem}; ~{need / GIB:.2f} GiB,"
         f" {avail / GIB:.1f} GiB available", file=sys.stderr, flush=True)
+  row["_compiled"] = compiled
+  row["_cell"] = (size, dt, fsdp, k)
+  return row
+
+
+def measure(row, args, mesh):
+  """Runs and times a prepared cell's programs."""
+  compiled = row.pop("_compiled")
+  size, dt, fsdp, k = row.pop("_cell")
+  n = mesh.shape["data"]
+  global_batch = row["global_batch"]
+  abstract = jax.eval_shape(lambda: init(size, jax.random.key(0), dt))
+  sh = shardings(abstract, mesh, fsdp)
+  need = row["estimated_peak_bytes"]
+  avail = mem_available()
+  row["mem_available_bytes"] = avail
   if args.compile_only:
     row["skipped"] = "--compile-only"
     return row
@@ -346,6 +363,8 @@ def main(argv=None) -> int:
                   help="steps traced per program")
   ap.add_argument("--profile-dtypes", default="",
                   help="dtypes of the cells to profile (default: all)")
+  ap.add_argument("--lock", default="",
+                  help="a file to flock while timing (after compiling)")
   ap.add_argument("--out", default=str(pathlib.Path(__file__).with_name(
       "bench_determinism_result.json")))
   args = ap.parse_args(argv)
@@ -370,9 +389,20 @@ def main(argv=None) -> int:
   cells = [(size, dtype, layout, int(k)) for k in args.ratios.split(",")
            for size in args.sizes.split(",") for dtype in args.dtypes.split(",")
            for layout in args.layouts.split(",")]
-  for size, dtype, layout, k in cells:
-    row = bench(size, jnp.dtype(dtype), layout == "fsdp", k, args, mesh,
-                methods)
+  # Every program is compiled first; only the timing holds --lock (the
+  # machine's benchmark lock), so that compiling never waits for it.
+  prepared = [prepare(size, jnp.dtype(dtype), layout == "fsdp", k, args, mesh,
+                      methods) for size, dtype, layout, k in cells]
+  lock = None
+  if args.lock and not args.compile_only:
+    import fcntl
+    lock = open(args.lock, "a")
+    t0 = time.perf_counter()
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    print(f"waited {time.perf_counter() - t0:.0f} s for {args.lock}",
+          file=sys.stderr, flush=True)
+  for (size, dtype, layout, k), row in zip(cells, prepared):
+    row = measure(row, args, mesh)
     compiled, bargs = row.pop("_compiled", None), row.pop("_args", None)
     if (args.profile and compiled is not None
         and str(k) in args.profile_ratios.split(",")
