@@ -18,12 +18,16 @@ continues from its state and the step is compiled for the new mesh. Then the
 same number of steps runs on the first phase's layout without resizes, and
 the losses are compared: the global batches do not depend on the device
 count (``tenplex_jax.data.ElasticIterator``), so the curves agree up to the
-order of float reductions.
+order of float reductions. With ``--deterministic V`` they agree bit for bit
+(``tenplex_jax.determinism``, V virtual workers, each worker's slice through
+the pipeline over ``stage``; see :func:`make_step`) when every phase's
+data x fsdp degree divides V, whatever its tensor and stage degrees.
 
   python examples/nnx/train.py                       # 8 -> 4 -> 2 -> 8 devices
   python examples/nnx/train.py --search --schedule "0:8 8:4 16:2 24:8"
   python examples/nnx/train.py --json nnx.json --plot nnx.png
   python examples/nnx/train.py --procs 2,2,1,2      # the same, across processes
+  python examples/nnx/train.py --deterministic 8    # bitwise the static run
 
 With ``--procs P1,P2,...`` (one process count per phase) the run goes across
 processes, as ``examples/lm/train.py --procs`` does and with its driver
@@ -364,8 +368,9 @@ def main(argv=None):
   ap.add_argument("--remat", action="store_true", help="recompute layer activations in backward")
   ap.add_argument("--deterministic", type=int, metavar="V",
                   help="gradients bitwise independent of the mesh (tenplex_jax.determinism,"
-                  " V virtual workers; every phase's data x fsdp degree must divide V); the"
-                  " layers then run in order inside each worker instead of as a pipeline")
+                  " V virtual workers; every phase's data x fsdp degree must divide V):"
+                  " bitwise identical to the static run, whatever the tensor and stage"
+                  " degrees; each worker's slice runs through the pipeline over stage")
   ap.add_argument("--procs", metavar="P1,P2,...",
                   help="run across processes with tenplex-jax launch: processes per phase"
                   " (each phase's devices split evenly over them; 'auto': 2 for phases of"
@@ -419,12 +424,20 @@ def main(argv=None):
         f" {len(resizes)} resizes {where}, reconfiguration"
         f" {sum(r['reconfig_s'] for r in resizes) * 1e3:.0f} ms in total;"
         f" max |elastic - static| = {diff:.2e} (loss), {pdiff:.2e} (final params)")
+  bitwise = None
+  if v is not None:
+    bitwise = [a["loss"] for a in elastic] == [b["loss"] for b in static] and all(
+        np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(
+            jax.tree.leaves(el_params), jax.tree.leaves(params_of(st_state))))
+    print(f"deterministic ({v} virtual workers): losses and final params are "
+          + ("bitwise identical to the static run" if bitwise
+             else "NOT bitwise identical to the static run"))
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"config": dataclasses.asdict(cfg), "schedule": args.schedule,
                  "search": args.search, "procs": plan, "deterministic": v,
                  "elastic": elastic, "static": static, "max_abs_loss_diff": diff,
-                 "max_abs_param_diff": pdiff}, f, indent=1)
+                 "max_abs_param_diff": pdiff, "bitwise_identical": bitwise}, f, indent=1)
   if args.plot:
     lm.plot(elastic, static, args.plot)
   return diff
