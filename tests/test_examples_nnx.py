@@ -228,3 +228,32 @@ def test_deterministic_refuses_a_batch_degree_not_dividing_v(capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert "--deterministic 6" in err and "data x fsdp = 4" in err and "step 2" in err
+
+
+@pytest.mark.slow
+def test_deterministic_cross_process_resize_through_the_stores_is_bitwise(tmp):
+  """``--procs 2,1 --deterministic 8``: 2 processes x 2 devices (data 2, stage
+  2), then at step 2 one process x 4 devices (stage 4) that restores
+  ``nnx.state((model, optimizer))`` from the per-host stores: the losses at
+  every step and the final params (read back from the stores) are the static
+  run's, bit for bit."""
+  out = os.path.join(tmp, "det.json")
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  (run,) = procs.run_all([[sys.executable, str(ROOT / "examples" / "nnx" / "train.py"),
+                           "--procs", "2,1", "--schedule", "0:stage=2,data=2 2:stage=4,mb=2",
+                           "--steps", "4", "--deterministic", "8", "--json", out,
+                           "--timeout", "600"]], timeout=650, env=env)
+  assert run.returncode == 0, run.stdout[-5000:]
+  log = json.loads(pathlib.Path(out).read_text())
+  el, st = log["elastic"], log["static"]
+  assert [(r["procs"], r["devices_per_proc"], r["mesh"]["stage"]) for r in el] == [
+      (2, 2, 2), (2, 2, 2), (1, 4, 4), (1, 4, 4)]
+  (resized,) = [r for r in el if "resized_from" in r]
+  n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(
+      train.abstract_params(train.CONFIGS["tiny"])))
+  assert resized["step"] == 2 and resized["reconfig_bytes"] >= 3 * 4 * n_params, resized
+  assert [r["loss"] for r in el] == [r["loss"] for r in st]
+  assert log["bitwise_identical"] is True and log["max_abs_param_diff"] == 0.0
+  assert ("deterministic (8 virtual workers): losses and final params are bitwise"
+          " identical to the static run") in run.stdout
