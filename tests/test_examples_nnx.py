@@ -139,3 +139,121 @@ def test_cross_process_resize_with_stage_change_follows_static_run(tmp):
   procs.check_stage_change_resize(
       ROOT / "examples" / "nnx" / "train.py", os.path.join(tmp, "nnx.json"),
       root=ROOT, n_params=n_params)
+
+
+# --deterministic V: 8 devices (data 2, tensor 2, stage 2) -> 4 devices (stage 4)
+# -> 4 devices (fsdp 2, tensor 2, one stage): the stage count goes 2 -> 4 -> 1 and
+# the batch, tensor and fsdp degrees change with it; every data x fsdp degree
+# divides V = 8.
+DET_SCHEDULE = "0:data=2,tensor=2,stage=2 2:stage=4,mb=2 4:fsdp=2,tensor=2"
+DET_STEPS = 6
+
+
+def _bits(tree):
+  return [np.asarray(x).view(np.uint32) for x in jax.tree.leaves(tree)]
+
+
+def _pipelined_without_gathering_the_stack(hlo):
+  """Whether the compiled deterministic step runs each worker's slice as a
+  pipeline: the stage hand-offs (``ppermute``) of the forward pass and of
+  its transpose are there, and no all-gather but the gradient exchange's
+  produces a whole stacked block parameter (the worker's layers are not
+  gathered over ``stage``; the exchange, ``determinism.value_and_grad``'s
+  ``all_to_all`` and ``all_gather`` of the summed gradient, does gather them
+  today)."""
+  stacked = {tuple(v.shape) for v in jax.tree.leaves(
+      train.abstract_params(train.CONFIGS["tiny"])["blocks"])}
+  hops = re.findall(r'collective-permute(?:-start)?\([^\n]*op_name="([^"]*)"', hlo)
+  forward = [n for n in hops if n.endswith("ppermute") and "transpose(" not in n]
+  backward = [n for n in hops if n.endswith("ppermute") and "transpose(jvp())" in n]
+  gathers = re.finditer(
+      r'= \(?[a-z0-9]+\[([0-9,]*)\][^\n]* all-gather(?:-start)?\([^\n]*op_name="([^"]*)"', hlo)
+  whole = [(m.group(1), m.group(2)) for m in gathers
+           if tuple(int(d) for d in m.group(1).split(",") if d) in stacked
+           and not m.group(2).endswith(("/all_gather", "/all_to_all"))]
+  return bool(forward) and bool(backward) and not whole
+
+
+def test_deterministic_pipelined_over_2_and_4_stages_is_bitwise_the_static_run():
+  """``--deterministic 8``: each virtual worker's slice runs through the
+  pipeline over ``stage`` (2, then 4 stages, then 1), and the losses at every
+  step and the final params (raw float32 bits) are the static run's on data
+  2 x tensor 2 x stage 2."""
+  cfg = train.CONFIGS["tiny"]
+  phases = train.parse_schedule(DET_SCHEDULE)
+  el, (_, el_state) = train.train(phases, DET_STEPS, cfg, deterministic=8,
+                                  return_state=True, log=lambda *_: None)
+  st, (_, st_state) = train.train(phases[:1], DET_STEPS, cfg, deterministic=8,
+                                  return_state=True, log=lambda *_: None)
+  assert [r["mesh"] for r in el[::2]] == [
+      {"data": 2, "fsdp": 1, "tensor": 2, "stage": 2},
+      {"data": 1, "fsdp": 1, "tensor": 1, "stage": 4},
+      {"data": 1, "fsdp": 2, "tensor": 2, "stage": 1}]
+  assert [r["step"] for r in el if "resized_from" in r] == [2, 4]
+  assert all(r["mesh"]["stage"] == 2 and r["devices"] == 8 for r in st)
+  assert [r["loss"] for r in el] == [r["loss"] for r in st]
+  assert el[-1]["loss"] < el[0]["loss"]
+  a, b = _bits(train.params_of(el_state)), _bits(train.params_of(st_state))
+  assert len(a) == len(b) > 0
+  bad = [i for i, (x, y) in enumerate(zip(a, b)) if not np.array_equal(x, y)]
+  assert not bad, bad
+  # The deterministic steps on 2 and 4 stages are pipelines, not the layer
+  # stack run whole on every device.
+  steps = {k[1]: f for k, f in train._COMPILED.items() if k[5] == 8}
+  assert {(2, 1, 2, 2), (1, 1, 4, 1)} <= set(steps)  # (data, fsdp, stage, tensor)
+  for shape in [(2, 1, 2, 2), (1, 1, 4, 1)]:
+    assert _pipelined_without_gathering_the_stack(steps[shape].as_text()), shape
+
+
+def test_deterministic_cli_prints_the_bitwise_line(tmp_path, capsys):
+  """The trainer's own check: ``--deterministic 8`` over the same schedule
+  prints that losses and final params are bitwise the static run's, and its
+  JSON log says so (the steps compiled above are reused)."""
+  out = tmp_path / "det.json"
+  diff = train.main(["--deterministic", "8", "--steps", str(DET_STEPS), "--schedule",
+                     DET_SCHEDULE, "--json", str(out)])
+  assert diff == 0.0
+  log = json.loads(out.read_text())
+  assert log["deterministic"] == 8 and log["bitwise_identical"] is True
+  assert log["max_abs_param_diff"] == 0.0
+  assert [r["loss"] for r in log["elastic"]] == [r["loss"] for r in log["static"]]
+  assert [r["mesh"]["stage"] for r in log["elastic"]] == [2, 2, 4, 4, 1, 1]
+  assert ("deterministic (8 virtual workers): losses and final params are bitwise"
+          " identical to the static run") in capsys.readouterr().out
+
+
+def test_deterministic_refuses_a_batch_degree_not_dividing_v(capsys):
+  with pytest.raises(SystemExit) as e:
+    train.main(["--deterministic", "6", "--schedule", "0:data=2,stage=2 2:data=4"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--deterministic 6" in err and "data x fsdp = 4" in err and "step 2" in err
+
+
+@pytest.mark.slow
+def test_deterministic_cross_process_resize_through_the_stores_is_bitwise(tmp):
+  """``--procs 2,1 --deterministic 8``: 2 processes x 2 devices (data 2, stage
+  2), then at step 2 one process x 4 devices (stage 4) that restores
+  ``nnx.state((model, optimizer))`` from the per-host stores: the losses at
+  every step and the final params (read back from the stores) are the static
+  run's, bit for bit."""
+  out = os.path.join(tmp, "det.json")
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  (run,) = procs.run_all([[sys.executable, str(ROOT / "examples" / "nnx" / "train.py"),
+                           "--procs", "2,1", "--schedule", "0:stage=2,data=2 2:stage=4,mb=2",
+                           "--steps", "4", "--deterministic", "8", "--json", out,
+                           "--timeout", "600"]], timeout=650, env=env)
+  assert run.returncode == 0, run.stdout[-5000:]
+  log = json.loads(pathlib.Path(out).read_text())
+  el, st = log["elastic"], log["static"]
+  assert [(r["procs"], r["devices_per_proc"], r["mesh"]["stage"]) for r in el] == [
+      (2, 2, 2), (2, 2, 2), (1, 4, 4), (1, 4, 4)]
+  (resized,) = [r for r in el if "resized_from" in r]
+  n_params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(
+      train.abstract_params(train.CONFIGS["tiny"])))
+  assert resized["step"] == 2 and resized["reconfig_bytes"] >= 3 * 4 * n_params, resized
+  assert [r["loss"] for r in el] == [r["loss"] for r in st]
+  assert log["bitwise_identical"] is True and log["max_abs_param_diff"] == 0.0
+  assert ("deterministic (8 virtual workers): losses and final params are bitwise"
+          " identical to the static run") in run.stdout

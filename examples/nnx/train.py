@@ -18,12 +18,16 @@ continues from its state and the step is compiled for the new mesh. Then the
 same number of steps runs on the first phase's layout without resizes, and
 the losses are compared: the global batches do not depend on the device
 count (``tenplex_jax.data.ElasticIterator``), so the curves agree up to the
-order of float reductions.
+order of float reductions. With ``--deterministic V`` they agree bit for bit
+(``tenplex_jax.determinism``, V virtual workers, each worker's slice through
+the pipeline over ``stage``; see :func:`make_step`) when every phase's
+data x fsdp degree divides V, whatever its tensor and stage degrees.
 
   python examples/nnx/train.py                       # 8 -> 4 -> 2 -> 8 devices
   python examples/nnx/train.py --search --schedule "0:8 8:4 16:2 24:8"
   python examples/nnx/train.py --json nnx.json --plot nnx.png
   python examples/nnx/train.py --procs 2,2,1,2      # the same, across processes
+  python examples/nnx/train.py --deterministic 8    # bitwise the static run
 
 With ``--procs P1,P2,...`` (one process count per phase) the run goes across
 processes, as ``examples/lm/train.py --procs`` does and with its driver
@@ -48,6 +52,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -191,12 +196,17 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None,
   """The jitted train step on ``mesh``: the stack is pipelined over ``stage``.
 
   With ``deterministic=V`` the gradient is
-  ``tenplex_jax.determinism.value_and_grad`` over ``V`` virtual workers (the
-  same bits on every mesh whose data x fsdp degree divides ``V``). Its
-  workers run inside a ``shard_map`` that is manual over every mesh axis, in
-  which the pipeline's own ``shard_map`` over ``stage`` cannot nest, so each
-  worker runs the stack layer after layer; the params stay sharded over
-  ``stage`` (and the other axes) between steps.
+  ``tenplex_jax.determinism.value_and_grad`` over ``V`` virtual workers with
+  ``pipeline_axis="stage"``: its ``shard_map`` is manual over every other
+  axis, and each worker's slice runs through the pipeline over ``stage``
+  (the params stay split over the stages) in :func:`worker_microbatches`
+  microbatches, the same number on every phase (another split would add the
+  microbatches' gradients in another order), so ``microbatches`` does not
+  apply. The update runs on the gradients laid out on the params' own shards
+  (``determinism.on_shards``) and compiled apart from them
+  (``determinism.unfused``), so its fusions are the same on every mesh. The
+  result has the same bits on every mesh whose data x fsdp degree divides
+  ``V``, whatever its stage and tensor degrees.
   """
 
   def seq_loss(logits, tokens):
@@ -217,25 +227,30 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None,
     return jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, None),
                    compiler_options=compiler_options)
 
-  def deterministic_step(state, tokens, mask):
+  def update(state, grads):
     model, optimizer = nnx.merge(graphdef, state)
-    model_def, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  def deterministic_step(state, tokens, mask):
+    model_def, params, rest = nnx.split(nnx.merge(graphdef, state)[0], nnx.Param, ...)
 
     def worker_loss(params, batch, rest):
       # One virtual worker's slice; all slices have the same number of rows,
       # so the mean of the workers' means is the global batch's mean.
       worker_model = nnx.merge(model_def, params, rest)
-      per_seq = seq_loss(worker_model(batch["tokens"][:, :-1]), batch["tokens"])
-      return (per_seq * batch["mask"]).mean()
+      mb = worker_microbatches(batch["tokens"].shape[0])
+      logits = worker_model(batch["tokens"][:, :-1], mesh=mesh, microbatches=mb)
+      return (seq_loss(logits, batch["tokens"]) * batch["mask"]).mean()
 
     grad_fn = determinism.value_and_grad(worker_loss, virtual_workers=deterministic,
-                                         mesh=mesh, batch_axis=("data", "fsdp"))
+                                         mesh=mesh, batch_axis=("data", "fsdp"),
+                                         pipeline_axis="stage")
     loss, grads = grad_fn(params, {"tokens": tokens, "mask": mask}, rest)
-    # Without the barrier XLA fuses the gradient's last steps into adamw's
-    # update, differently for differently sharded params: 1-ulp drifts.
-    grads = jax.lax.optimization_barrier(grads)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
+    # Without these XLA fuses the gradients' resharding (which differs from
+    # mesh to mesh) into adamw's update: 1-ulp drifts (docs/determinism.md).
+    grads = determinism.on_shards(grads, shardings[0].filter(nnx.Param))
+    return determinism.unfused(update, state, grads), loss
 
   # Not at XLA optimisation level 0 (--fast-compile): its code is not bitwise
   # the same for a whole array and for its shards (see examples/lm/train.py).
@@ -243,6 +258,12 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None,
           if k != "xla_backend_optimization_level"}
   return determinism.jit(deterministic_step, donate_argnums=0, out_shardings=(shardings, None),
                          compiler_options=opts)
+
+
+def worker_microbatches(rows):
+  """The pipeline's microbatch count for a virtual worker's ``rows`` in
+  deterministic mode: ``gcd(MICROBATCHES, rows)``, fixed for the job."""
+  return math.gcd(MICROBATCHES, rows)
 
 
 # Compiled steps by (graphdef, mesh shape, device ids, rules, microbatches,
@@ -347,8 +368,9 @@ def main(argv=None):
   ap.add_argument("--remat", action="store_true", help="recompute layer activations in backward")
   ap.add_argument("--deterministic", type=int, metavar="V",
                   help="gradients bitwise independent of the mesh (tenplex_jax.determinism,"
-                  " V virtual workers; every phase's data x fsdp degree must divide V); the"
-                  " layers then run in order inside each worker instead of as a pipeline")
+                  " V virtual workers; every phase's data x fsdp degree must divide V):"
+                  " bitwise identical to the static run, whatever the tensor and stage"
+                  " degrees; each worker's slice runs through the pipeline over stage")
   ap.add_argument("--procs", metavar="P1,P2,...",
                   help="run across processes with tenplex-jax launch: processes per phase"
                   " (each phase's devices split evenly over them; 'auto': 2 for phases of"
@@ -402,12 +424,20 @@ def main(argv=None):
         f" {len(resizes)} resizes {where}, reconfiguration"
         f" {sum(r['reconfig_s'] for r in resizes) * 1e3:.0f} ms in total;"
         f" max |elastic - static| = {diff:.2e} (loss), {pdiff:.2e} (final params)")
+  bitwise = None
+  if v is not None:
+    bitwise = [a["loss"] for a in elastic] == [b["loss"] for b in static] and all(
+        np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(
+            jax.tree.leaves(el_params), jax.tree.leaves(params_of(st_state))))
+    print(f"deterministic ({v} virtual workers): losses and final params are "
+          + ("bitwise identical to the static run" if bitwise
+             else "NOT bitwise identical to the static run"))
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"config": dataclasses.asdict(cfg), "schedule": args.schedule,
                  "search": args.search, "procs": plan, "deterministic": v,
                  "elastic": elastic, "static": static, "max_abs_loss_diff": diff,
-                 "max_abs_param_diff": pdiff}, f, indent=1)
+                 "max_abs_param_diff": pdiff, "bitwise_identical": bitwise}, f, indent=1)
   if args.plot:
     lm.plot(elastic, static, args.plot)
   return diff
