@@ -396,7 +396,8 @@ def layouts_main(args) -> None:
           f" checkpoint {_du(ck)} bytes on disk, load {os.getloadavg()}")
     results = {"state_bytes": saved["state_bytes"], "disk_bytes": _du(ck),
                "layers": args.layers, "ocdbt": not args.no_ocdbt,
-               "methods": list(methods), "load_before": os.getloadavg(),
+               "methods": list(methods), "seeds": args.seeds,
+               "repeat": args.repeat, "load_before": os.getloadavg(),
                "restore": {}}
     for kind in kinds:
       runs = {m: [] for m in methods}
@@ -434,8 +435,23 @@ def layouts_main(args) -> None:
             f" {r['cpu_speedup_vs_orbax']:.2f}x) | {r['vs_own_saved']:.2f}x"
             f" (CPU {r['cpu_vs_own_saved']:.2f}x) | {t['ratio']:.2f}"
             f" (orbax {o['ratio']:.2f})")
+    for key, pick in (("vs_own_saved", max), ("speedup_vs_orbax", min)):
+      v = [r[key] for r in res.values()]
+      results[f"all_{key}"] = {"worst": pick(v),
+                               "median": statistics.median(v)}
+    results["rss_ratio_worst"] = max(r["tenplex"]["ratio"]
+                                     for r in res.values())
+    print(f"every layout: orbax/tenplex worst"
+          f" {results['all_speedup_vs_orbax']['worst']:.2f}x median"
+          f" {results['all_speedup_vs_orbax']['median']:.2f}x; tenplex/own"
+          f" saved worst {results['all_vs_own_saved']['worst']:.2f}x median"
+          f" {results['all_vs_own_saved']['median']:.2f}x; peak RSS rise"
+          f" worst {results['rss_ratio_worst']:.2f}x the new shards")
     rand = [r for k, r in res.items() if k.startswith("random:")]
     if rand:
+      v = [r["vs_own_saved"] for r in rand]
+      results["random_vs_own_saved"] = {"worst": max(v),
+                                        "median": statistics.median(v)}
       for key in ("speedup_vs_orbax", "cpu_speedup_vs_orbax"):
         v = [r[key] for r in rand]
         results[f"random_{key}"] = {"worst": min(v),

@@ -175,7 +175,8 @@ _GROUP_READS = True
 @dataclasses.dataclass
 class ReadStats:
   """What :func:`read_source` read: ``pieces``, their ``bytes``, and the
-  ``reads`` issued to the source."""
+  ``reads`` of the source (the pieces of one box read together, one box
+  read, count once)."""
 
   pieces: int = 0
   bytes: int = 0
@@ -191,28 +192,41 @@ def read_source(source: Source, filled: Iterable[Filled], *,
   source boxes being read at once (but always two, so that two cores
   decode). From a source whose boxes are read whole
   (``Source.whole_boxes``: compressed chunks) the pieces one source box
-  gives the boxes of one tensor are read together, the part of it they
-  cover once, then copied into place. Boxes are consumed lazily, so that
-  their buffers are allocated while earlier reads run.
+  gives the boxes of one tensor are read together: from a source whose
+  reads of parts of one box started together share one read of it
+  (``Source.shared_reads``, ``Source.read_parts_async``: tensorstore, one
+  batch) each piece is read straight into its place (the box is decoded
+  once, the copies run on the source's threads); from any other,
+  the part of the box they cover is read once into a scratch buffer, then
+  copied into place. Boxes are consumed lazily, so that their buffers are
+  allocated while earlier reads run.
   """
   held = source.tensors()
   whole = _GROUP_READS and getattr(source, "whole_boxes", False)
+  shared = whole and getattr(source, "shared_reads", False)
   st = ReadStats() if stats is None else stats
   pending: collections.deque = collections.deque()
   inflight = 0
 
-  def issue(path, box, out, cost, scatter=()):
+  def issue(path, reads, cost, tmp=None, scatter=()):
+    """Starts ``reads`` ((box, out) of one source box) together."""
     nonlocal inflight
     while len(pending) >= 2 and inflight + cost > inflight_bytes:
       retire()
-    pending.append((source.read_async(path, box, out), cost, out, scatter))
+    futs: list = []
+    pending.append((futs, cost, tmp, scatter))  # started reads, also on error
     inflight += cost
+    if len(reads) == 1:
+      futs.append(source.read_async(path, *reads[0]))
+    else:
+      futs.extend(source.read_parts_async(path, reads))
     st.reads += 1
 
   def retire():
     nonlocal inflight
-    f, c, tmp, scatter = pending.popleft()
-    f.result()
+    futs, c, tmp, scatter = pending.popleft()
+    for f in futs:
+      f.result()
     for index, view in scatter:  # one source box read, copied to its pieces
       view[...] = tmp[index]
     inflight -= c
@@ -230,12 +244,14 @@ def read_source(source: Source, filled: Iterable[Filled], *,
           if whole:  # issued once this tensor's boxes are known, below
             by_src.setdefault(si, []).append((piece, view))
           else:
-            issue(path, piece[:rank], view, box_volume(t.boxes[si]) * per)
+            issue(path, [(piece[:rank], view)],
+                  box_volume(t.boxes[si]) * per)
       for si, group in by_src.items():
         cost = box_volume(t.boxes[si]) * per
-        if len(group) == 1:
-          piece, view = group[0]
-          issue(path, piece[:rank], view, cost)
+        if len(group) == 1 or shared:
+          # One piece, or a source that reads one box once for all the
+          # parts read together: every piece straight into its place.
+          issue(path, [(p[:rank], v) for p, v in group], cost)
           continue
         # Several pieces lie in one source box: read the part of it they
         # cover once (a compressed chunk is decoded once, not once per
@@ -244,16 +260,17 @@ def read_source(source: Source, filled: Iterable[Filled], *,
                       max(p[k][1] for p, _ in group))
                      for k in range(len(group[0][0])))
         tmp = np.empty(tuple(b - a for a, b in ubox), group[0][1].dtype)
-        issue(path, ubox[:rank], tmp, cost,
+        issue(path, [(ubox[:rank], tmp)], cost, tmp,
               [(relative_index(p, ubox), v) for p, v in group])
     while pending:
       retire()
   finally:
-    for f, _, _, _ in pending:  # an error: let outstanding reads finish first
-      try:
-        f.result()
-      except Exception:  # noqa: BLE001 - the first error is raised
-        pass
+    for futs, _, _, _ in pending:  # an error: let outstanding reads finish
+      for f in futs:
+        try:
+          f.result()
+        except Exception:  # noqa: BLE001 - the first error is raised
+          pass
   return st
 
 
@@ -417,9 +434,11 @@ class AssembleReport:
     read_bytes: bytes of the pieces read from the source (each piece once
       per process).
     pieces: pieces read.
-    reads: reads issued to the source: one per source box when the source
-      reads whole boxes (``Source.whole_boxes``: the pieces of one box are
-      read together, then copied), else one per piece.
+    reads: reads of the source: one per source box when the source reads
+      whole boxes (``Source.whole_boxes``: the pieces of one box are read
+      together, the box once: into a scratch buffer, then copied, or, from
+      a source with ``shared_reads``, straight into place), else one per
+      piece.
     seconds: ``plan``, ``read``, ``build`` and ``total``.
   """
 

@@ -73,7 +73,9 @@ class Source(abc.ABC):
   a sub-box of one held box into a buffer. ``preference`` ranks sources of
   the same piece (lower is tried first): ``DEVICE`` < ``HOST`` < ``PEER`` <
   ``REPLICA`` < ``PERSISTENT``. ``whole_boxes`` says that reading any part
-  of a held box costs reading all of it (compressed chunks).
+  of a held box costs reading all of it (compressed chunks);
+  ``shared_reads`` that :meth:`read_parts_async` reads the box once for
+  all its parts.
   """
 
   name: str = "source"
@@ -82,6 +84,10 @@ class Source(abc.ABC):
   # compressed or checksummed chunk): :func:`assemble` then reads the part
   # of a box that this process's pieces cover once, and copies the pieces.
   whole_boxes: bool = False
+  # With ``whole_boxes``: the reads of :meth:`read_parts_async` share one
+  # read of their box, so each piece is read straight into its place
+  # instead of through a scratch buffer.
+  shared_reads: bool = False
 
   @abc.abstractmethod
   def tensors(self) -> Mapping[str, SourceTensor]:
@@ -98,6 +104,13 @@ class Source(abc.ABC):
     The default reads synchronously."""
     self.read_into(path, box, out)
     return _Done()
+
+  def read_parts_async(self, path: str, parts) -> list:
+    """Starts the reads of several parts ``(box, out)`` of one held box of
+    ``path`` together; returns one :meth:`read_async` result per part. A
+    source with ``shared_reads`` reads the box once for all of them; the
+    default reads each part on its own."""
+    return [self.read_async(path, box, out) for box, out in parts]
 
   def close(self) -> None:
     """Releases open handles; the default holds none."""

@@ -70,6 +70,7 @@ LAYOUTS = {  # name: (mesh shape, axis names, spec kind)
     "blocks2x4": ((2, 4), ("a", "b"), "blocks"),
     "blocks4x2": ((4, 2), ("a", "b"), "blocks"),
     "rows2": ((2,), ("fsdp",), "rows"),
+    "rows8": ((8,), ("fsdp",), "rows"),
     "replicated3": ((3,), ("x",), "replicated"),
 }
 
@@ -125,6 +126,39 @@ def test_per_piece_path_reads_each_piece(rows_ckpt, monkeypatch):
   assert rep.reads == rep.pieces == 3 * 8 * 4 + 2 * 8
   for k in target:
     assert _data(out[k]).tobytes() == saved[k].tobytes(), k
+
+
+def _file_reads() -> int:
+  import tensorstore as ts
+  return sum(v.get("value", 0) for m in ts.experimental_collect_matching_metrics(
+      "/tensorstore/kvstore/file/read") if m["name"].endswith("/read")
+             for v in m["values"])
+
+
+@pytest.mark.parametrize("layout", ["cols8", "blocks2x4"])
+def test_each_chunk_file_read_once(rows_ckpt, layout, monkeypatch):
+  """Counted at the file system (tensorstore's file reads; without OCDBT a
+  chunk is a file): a layout whose new boxes each take a part of several
+  chunks makes exactly the reads of the saved layout, whose new boxes are
+  the chunks; a read per piece (the old path) makes more. The pieces of a
+  chunk go straight into place (no scratch buffer), so this is what says
+  the chunk is read and decoded once for all of them."""
+  d, saved = rows_ckpt
+  if tor.inspect(d)["format"]["ocdbt"]:
+    pytest.skip("OCDBT packs the chunks into shared data files")
+  n0 = _file_reads()
+  tor.restore(d, _target("rows8"))
+  own = _file_reads() - n0
+  n0 = _file_reads()
+  out = tor.restore(d, _target(layout))
+  cut = _file_reads() - n0
+  assert cut == own > 8 * len(saved), (cut, own)
+  for k in saved:
+    assert _data(out[k]).tobytes() == saved[k].tobytes(), k
+  monkeypatch.setattr(assembly, "_GROUP_READS", False)
+  n0 = _file_reads()
+  tor.restore(d, _target(layout))
+  assert _file_reads() - n0 > own
 
 
 def test_grouped_read_error_names_leaf(tmp_path):

@@ -285,6 +285,10 @@ class OrbaxSource(Source):
 
   preference = PERSISTENT
   whole_boxes = True  # a chunk is decoded whole, whatever part is read
+  # read_parts_async: the reads of parts of one chunk go in one tensorstore
+  # batch, which reads and decodes the chunk once for all of them (also with
+  # a cache limit of 0): each piece goes straight into place.
+  shared_reads = True
 
   def __init__(self, path: str, *, step: int | None = None,
                item: str | None = None, cache_bytes: int = 0):
@@ -640,6 +644,18 @@ class OrbaxSource(Source):
   def read_async(self, path: str, box: Box, out: np.ndarray):
     src = self._view(path, box, out.dtype)
     return ts.array(out, copy=False, write=True).write(src)
+
+  def read_parts_async(self, path: str, parts) -> list:
+    # One batch: the chunk is read when it is submitted, once for all parts
+    # (started one by one, a part whose read ended before the next one
+    # started would read and decode the chunk again).
+    batch = ts.Batch()
+    try:
+      return [ts.array(out, copy=False, write=True).write(
+          self._view(path, box, out.dtype), batch=batch)
+              for box, out in parts]
+    finally:
+      batch.submit()
 
   def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
     self.read_async(path, box, out).result()
