@@ -16,8 +16,9 @@ Two executors share one plan:
   one cut and one join program per device.
 
 Both reuse an old shard's buffer untouched wherever a device keeps exactly
-the box it had; where a box only changes device, ``generic`` copies the whole
-shard device-to-device and ``cpu`` aliases it. Neither depends on
+the box it had; where a box only changes device, ``generic`` moves it with
+its packed group (or whole, on the per-device executor) and ``cpu`` aliases
+it. Neither depends on
 ``jax.device_put`` between meshes (which can stall on simulated CPU devices
 with many arrays in flight).
 """
