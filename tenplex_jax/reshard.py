@@ -34,6 +34,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -74,7 +75,9 @@ class ReshardReport:
       on the ``kept`` path all of it is ``layout``.
     aliased_shards: (``cpu`` path) new shards that copied nothing because
       their buffer is shared, read-only, with an old shard that held exactly
-      their box or with another new shard of the same box (a replica).
+      their box, with another new shard of the same box (a replica), or
+      with the same box of an earlier result of the same source arrays
+      that is still alive (see ``reshard``).
     copied_bytes: (``cpu`` path) bytes written into new host buffers: each
       distinct new box that no old shard held exactly, once per process
       however many devices hold it; ``0`` on the ``kept`` path, ``None`` on
@@ -580,6 +583,10 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
       v = view(src)[idx]
       if _aliasable(v):  # an unaligned member is copied, the others not
         built[k] = v
+  if _earlier_boxes(prog, x, built):
+    xs = [shards[a] if kind == "keep" else built[a] for kind, a in prog.outs]
+    return xs, shards, 0, 0
+  made = []
   for k, (shape, pieces) in enumerate(prog.boxes):
     if built[k] is not None:
       continue
@@ -587,10 +594,62 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
     for src, idx, at, _, _ in pieces:
       copies.append((buf, at, view(src)[idx]))
     built[k] = buf
+    made.append((k, buf))
     filled += 1
     copied += buf.nbytes
+  if made:
+    _remember_boxes(prog, x, made)
   xs = [shards[a] if kind == "keep" else built[a] for kind, a in prog.outs]
   return xs, shards, filled, copied
+
+
+# The boxes an array's last CPU reshard filled, while they live: (array id,
+# program id) -> (weak reference to the array, the program, per filled box
+# (box index, weak reference to the buffer's base, byte offset in it)). A
+# jax array never changes, and jax never writes into a host buffer it
+# adopted, so while the same source array is alive and not deleted, and the
+# buffers of its last result are alive (that result, or a part of it, is
+# still held), a reshard of it through the same program adopts those
+# buffers again instead of filling new ones, as ``jax.device_put`` hands
+# out views of the host copy it keeps of an array it gathered. Nothing here
+# keeps an array or a buffer alive.
+_FILLED: dict = {}
+_FILLED_MAX = 1 << 16
+
+
+def _earlier_boxes(prog: _LeafProgram, x: jax.Array, built: list) -> bool:
+  """Fills ``built`` from the buffers an earlier reshard of ``x`` through
+  ``prog`` filled, if they are all alive; whether it did."""
+  hit = _FILLED.get((id(x), id(prog)))
+  if hit is None or hit[0]() is not x or hit[1] is not prog:
+    return False
+  if x.is_deleted():
+    return False
+  bufs = []
+  for k, ref, off in hit[2]:
+    base = ref()
+    if base is None or built[k] is not None:
+      return False
+    bufs.append((k, np.ndarray(prog.boxes[k][0], x.dtype, buffer=base,
+                               offset=off)))
+  for k, buf in bufs:
+    built[k] = buf
+  return True
+
+
+def _remember_boxes(prog: _LeafProgram, x: jax.Array, made: list) -> None:
+  refs = []
+  for k, buf in made:
+    base = buf.base
+    if not isinstance(base, np.ndarray):
+      return  # not a view of an array, as host_empty hands out
+    refs.append((k, weakref.ref(base), buf.ctypes.data - base.ctypes.data))
+  if len(_FILLED) >= _FILLED_MAX:
+    for key in [k for k, v in _FILLED.items() if v[0]() is None]:
+      del _FILLED[key]
+    if len(_FILLED) >= _FILLED_MAX:
+      _FILLED.clear()
+  _FILLED[id(x), id(prog)] = (weakref.ref(x), prog, tuple(refs))
 
 
 # -- the generic executor: one compiled program per device ---------------------
@@ -1798,7 +1857,9 @@ def reshard(tree: Any, target: Any, *, donate: bool = False,
     target sharding.
     On CPU devices (which share the process's memory) the devices holding
     the same box share one read-only buffer, and a box that an old shard
-    held exactly shares that shard's buffer; see ``docs/core.md``.
+    held exactly shares that shard's buffer; resharding the same source
+    arrays again, while the earlier result (or part of it) lives, shares
+    that result's buffers instead of copying; see ``docs/core.md``.
 
   Raises:
     LayoutError: the target does not match the tree (structure, shapes,
