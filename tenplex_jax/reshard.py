@@ -10,13 +10,15 @@ Two executors share one plan:
   without a further copy. No XLA program is compiled.
 * ``generic`` (any backend): each piece is sliced on its source device,
   copied to the destination device, and the pieces are concatenated there;
-  arrays between plain NamedShardings by two SPMD programs per array
-  signature (cut over the source mesh, join over the target mesh), others
-  by one cut and one join program per device.
+  arrays between plain NamedShardings in groups of one class and dtype, by
+  two SPMD programs per group (cut and pack over the source mesh, unpack and
+  join over the target mesh) and one transfer per packed buffer, others by
+  one cut and one join program per device.
 
 Both reuse an old shard's buffer untouched wherever a device keeps exactly
-the box it had; where a box only changes device, ``generic`` copies the whole
-shard device-to-device and ``cpu`` aliases it. Neither depends on
+the box it had; where a box only changes device, ``generic`` moves it with
+its packed group (or whole, on the per-device executor) and ``cpu`` aliases
+it. Neither depends on
 ``jax.device_put`` between meshes (which can stall on simulated CPU devices
 with many arrays in flight).
 """
@@ -32,6 +34,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,7 +75,9 @@ class ReshardReport:
       on the ``kept`` path all of it is ``layout``.
     aliased_shards: (``cpu`` path) new shards that copied nothing because
       their buffer is shared, read-only, with an old shard that held exactly
-      their box or with another new shard of the same box (a replica).
+      their box, with another new shard of the same box (a replica), or
+      with the same box of an earlier result of the same source arrays
+      that is still alive (see ``reshard``).
     copied_bytes: (``cpu`` path) bytes written into new host buffers: each
       distinct new box that no old shard held exactly, once per process
       however many devices hold it; ``0`` on the ``kept`` path, ``None`` on
@@ -578,6 +583,10 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
       v = view(src)[idx]
       if _aliasable(v):  # an unaligned member is copied, the others not
         built[k] = v
+  if _earlier_boxes(prog, x, built):
+    xs = [shards[a] if kind == "keep" else built[a] for kind, a in prog.outs]
+    return xs, shards, 0, 0
+  made = []
   for k, (shape, pieces) in enumerate(prog.boxes):
     if built[k] is not None:
       continue
@@ -585,10 +594,62 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
     for src, idx, at, _, _ in pieces:
       copies.append((buf, at, view(src)[idx]))
     built[k] = buf
+    made.append((k, buf))
     filled += 1
     copied += buf.nbytes
+  if made:
+    _remember_boxes(prog, x, made)
   xs = [shards[a] if kind == "keep" else built[a] for kind, a in prog.outs]
   return xs, shards, filled, copied
+
+
+# The boxes an array's last CPU reshard filled, while they live: (array id,
+# program id) -> (weak reference to the array, the program, per filled box
+# (box index, weak reference to the buffer's base, byte offset in it)). A
+# jax array never changes, and jax never writes into a host buffer it
+# adopted, so while the same source array is alive and not deleted, and the
+# buffers of its last result are alive (that result, or a part of it, is
+# still held), a reshard of it through the same program adopts those
+# buffers again instead of filling new ones, as ``jax.device_put`` hands
+# out views of the host copy it keeps of an array it gathered. Nothing here
+# keeps an array or a buffer alive.
+_FILLED: dict = {}
+_FILLED_MAX = 1 << 16
+
+
+def _earlier_boxes(prog: _LeafProgram, x: jax.Array, built: list) -> bool:
+  """Fills ``built`` from the buffers an earlier reshard of ``x`` through
+  ``prog`` filled, if they are all alive; whether it did."""
+  hit = _FILLED.get((id(x), id(prog)))
+  if hit is None or hit[0]() is not x or hit[1] is not prog:
+    return False
+  if x.is_deleted():
+    return False
+  bufs = []
+  for k, ref, off in hit[2]:
+    base = ref()
+    if base is None or built[k] is not None:
+      return False
+    bufs.append((k, np.ndarray(prog.boxes[k][0], x.dtype, buffer=base,
+                               offset=off)))
+  for k, buf in bufs:
+    built[k] = buf
+  return True
+
+
+def _remember_boxes(prog: _LeafProgram, x: jax.Array, made: list) -> None:
+  refs = []
+  for k, buf in made:
+    base = buf.base
+    if not isinstance(base, np.ndarray):
+      return  # not a view of an array, as host_empty hands out
+    refs.append((k, weakref.ref(base), buf.ctypes.data - base.ctypes.data))
+  if len(_FILLED) >= _FILLED_MAX:
+    for key in [k for k, v in _FILLED.items() if v[0]() is None]:
+      del _FILLED[key]
+    if len(_FILLED) >= _FILLED_MAX:
+      _FILLED.clear()
+  _FILLED[id(x), id(prog)] = (weakref.ref(x), prog, tuple(refs))
 
 
 # -- the generic executor: one compiled program per device ---------------------
@@ -889,47 +950,52 @@ def _run_generic(batch: list) -> list:
   return made
 
 
-# -- the generic executor by class: two SPMD programs per array signature -------
+# -- the generic executor by class: two SPMD programs per group of arrays -------
 #
 # Between two plain NamedShardings an array's boxes are unions of equal
-# sub-blocks (see _UnitClass). Every source device then cuts its shard into
-# the same grid of sub-blocks and every target device joins the same grid
-# into its box, so one SPMD program over the source mesh cuts all of them,
-# and one over the target mesh joins them: two compiles per (shape, dtype,
-# shardings), shared by every device and every array of that signature, not
-# two per device that grow with the pieces. On lm1b SMALL (125 arrays) that
-# is 10 signatures.
+# sub-blocks (see _UnitClass), and which source device sends which sub-block
+# to which target device depends only on the shardings and the rank, not on
+# the shape. So arrays of one (source sharding, target sharding, rank, dtype)
+# move together: one SPMD program over the source mesh cuts every array's
+# shard into its sub-blocks and packs sub-block ``j`` of all of them into one
+# flat buffer per device; one transfer per (source device, target device,
+# sub-block) moves the packed buffers; one SPMD program over the target mesh
+# unpacks them and joins each array's sub-blocks into its new shard. The
+# number of transfers and program launches is that of one array per group,
+# not per array (lm1b SMALL: 128 transfers and 10 launches per call, against
+# 3,552 and 147 with one array per program). A group holds at most _GROUP_SLICES
+# sub-block slices per program, so no program grows with the state; its
+# programs are compiled once per (shardings, dtype, member shapes).
 
 _SUB_BYTE = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
+_GROUP_SLICES = 256
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _SpmdPlan:
-  """How one array signature moves on the SPMD generic path.
+class _ClassMoves:
+  """Where the sub-blocks of every array of one class go (shape-free).
 
   Attributes:
-    cut: jitted program over the source mesh returning one array per
-      sub-block of a source shard (grid order), or ``None`` when a source
-      shard is one sub-block (the shards themselves are the pieces).
-    glue: jitted program over the target mesh joining the inputs (one per
-      sub-block of a target box, grid order) into the new array, or
-      ``None`` when a target box is one sub-block.
-    glue_in: the shape of each glue input (sub-block times target parts).
+    units: sub-blocks per dimension of the whole array.
+    cut_grid: offsets (in sub-blocks) of the sub-blocks of a source shard,
+      in the order the cut program returns them.
+    glue_counts: sub-blocks per dimension of a target box.
+    glue_grid: offsets of the sub-blocks of a target box (row-major).
     devices: the target's addressable devices, in order.
     need: per target device, per sub-block of its box, ``(source device id,
       cut output index)``.
+    flat_src, flat_dst: shardings of the packed buffers (one flat block per
+      device of the source / target mesh).
   """
 
-  cut: Any
-  glue: Any
-  glue_in: tuple
+  units: tuple
+  cut_grid: tuple
+  glue_counts: tuple
+  glue_grid: tuple
   devices: tuple
   need: tuple
-
-
-def _fast_options(platform: str) -> dict | None:
-  return (_FAST_COMPILE_CPU if platform == "cpu" else
-          _FAST_COMPILE if platform in ("gpu", "cuda", "rocm") else None)
+  flat_src: Sharding
+  flat_dst: Sharding
 
 
 def _grid(counts: tuple) -> list:
@@ -940,27 +1006,24 @@ def _grid(counts: tuple) -> list:
   return out
 
 
-def _jit_fast(fn, platform: str):
-  opts = _fast_options(platform)
-  return jax.jit(fn) if opts is None else jax.jit(fn, compiler_options=opts)
+def _flat_sharding(s: NamedSharding) -> NamedSharding:
+  """One block per device of ``s``'s mesh, for a 1-D array."""
+  return NamedSharding(s.mesh, PartitionSpec(tuple(s.mesh.axis_names)))
 
 
 @functools.lru_cache(maxsize=1024)
-def _spmd_plan(shape: tuple, dtype, src: Sharding, dst: Sharding
-               ) -> _SpmdPlan | None:
-  """The plan of arrays of ``shape``/``dtype`` from ``src`` to ``dst``, or
-  ``None`` (then the per-device executor moves them)."""
-  if np.dtype(dtype).name in _SUB_BYTE or not shape:
+def _class_moves(src: Sharding, dst: Sharding, ndim: int
+                 ) -> _ClassMoves | None:
+  """The moves of rank-``ndim`` arrays from ``src`` to ``dst``, or ``None``
+  (then the per-device executor moves them)."""
+  if ndim == 0:
     return None
-  c = _unit_class(src, dst, len(shape))
-  if c is None or any(n <= 0 or n % u for n, u in zip(shape, c.units)):
+  c = _unit_class(src, dst, ndim)
+  if c is None:
     return None
   if _platforms(src) != _platforms(dst) or len(_platforms(src)) != 1:
     return None
-  platform = next(iter(_platforms(src)))
-  ndim = len(shape)
   p, q = _dim_parts(src, ndim), _dim_parts(dst, ndim)
-  b = tuple(n // u for n, u in zip(shape, c.units))
   k = tuple(u // a for u, a in zip(c.units, p))
   h = tuple(u // a for u, a in zip(c.units, q))
   sp = placement_by_arithmetic(src, c.units)
@@ -982,73 +1045,177 @@ def _spmd_plan(shape: tuple, dtype, src: Sharding, dst: Sharding
       devs, j = holders[tuple(a + o for (a, _), o in zip(box, off))]
       row.append((dev.id if dev.id in devs else devs[dev.id % len(devs)], j))
     need.append(tuple(row))
-  cut = glue = None
-  if len(cut_grid) > 1:
-    def cut_body(x):
-      return tuple(jax.lax.slice(x, tuple(o * s for o, s in zip(off, b)),
-                                 tuple((o + 1) * s for o, s in zip(off, b)))
-                   for off in cut_grid)
-    cut = _jit_fast(jax.shard_map(
-        cut_body, mesh=src.mesh, in_specs=src.spec,
-        out_specs=(src.spec,) * len(cut_grid), check_vma=False), platform)
-  if len(glue_grid) > 1:
-    def glue_body(*blocks):
-      def join(items, d):
-        if d == ndim:
-          return items[0]
-        step = len(items) // h[d]
-        parts = [join(items[i * step:(i + 1) * step], d + 1)
-                 for i in range(h[d])]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, d)
-      return join(list(blocks), 0)
-    glue = _jit_fast(jax.shard_map(
-        glue_body, mesh=dst.mesh, in_specs=(dst.spec,) * len(glue_grid),
-        out_specs=dst.spec, check_vma=False), platform)
-  glue_in = tuple(s * a for s, a in zip(b, q))
-  return _SpmdPlan(cut, glue, glue_in, devices, tuple(need))
+  return _ClassMoves(c.units, tuple(cut_grid), h, tuple(glue_grid), devices,
+                     tuple(need), _flat_sharding(src), _flat_sharding(dst))
 
 
-def _spmd_eligible(leaf: jax.Array, s: Sharding) -> bool:
-  return (type(s) is NamedSharding and type(leaf.sharding) is NamedSharding
-          and _spmd_plan(tuple(leaf.shape), leaf.dtype, leaf.sharding, s)
-          is not None)
+@functools.lru_cache(maxsize=64)
+def _sub_byte(dtype) -> bool:
+  return np.dtype(dtype).name in _SUB_BYTE
 
 
-def _run_generic_spmd(batch: list) -> list:
-  """The generic executor for arrays with an :class:`_SpmdPlan`:
-  ``(program, array, target)`` triples; returns ``(xs, shards)`` per array
-  for :func:`_make_array`, as :func:`_run_generic` does."""
-  staged = []
-  for prog, x, s in batch:
-    plan = _spmd_plan(tuple(x.shape), x.dtype, x.sharding, s)
-    shards = _shards_of(x)
-    pieces = ([shards] if plan.cut is None else
-              [_shards_of(o) for o in plan.cut(x)])
-    staged.append((prog, x, s, plan, shards, pieces))
-  sends, dests, where = [], [], []
-  for n, (prog, x, s, plan, shards, pieces) in enumerate(staged):
-    for dev, row in zip(plan.devices, plan.need):
-      for src, j in row:
-        if src != dev.id:
-          sends.append(pieces[j][src])
-          dests.append(dev)
-          where.append((n, dev.id, src, j))
-  moved = dict(zip(where, _send(sends, dests))) if sends else {}
-  made = []
-  for n, (prog, x, s, plan, shards, pieces) in enumerate(staged):
-    blocks = []  # per target device, its sub-blocks
-    for dev, row in zip(plan.devices, plan.need):
-      blocks.append([pieces[j][src] if src == dev.id else
-                     moved[n, dev.id, src, j] for src, j in row])
-    if plan.glue is None:
-      new = {dev.id: bl[0] for dev, bl in zip(plan.devices, blocks)}
+def _packed_eligible(leaf: jax.Array, s: Sharding) -> bool:
+  if (type(s) is not NamedSharding or type(leaf.sharding) is not NamedSharding
+      or _sub_byte(leaf.dtype)):
+    return False
+  m = _class_moves(leaf.sharding, s, leaf.ndim)
+  return m is not None and all(n > 0 and n % u == 0
+                               for n, u in zip(leaf.shape, m.units))
+
+
+_GROUP_EXES: collections.OrderedDict = collections.OrderedDict()
+_GROUP_EXES_MAX = 256
+
+
+def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
+                    shapes: tuple) -> tuple:
+  """``(cut, glue, size)``: the lowered SPMD programs of one group of
+  arrays of ``shapes`` (one class, one dtype; see the section comment) and
+  the length of a packed buffer on one device.
+
+  The cut program returns, per sub-block of a source shard, every member's
+  sub-block flattened and packed in member order; the glue program takes,
+  per sub-block of a target box, such a packed buffer and returns the
+  members' new arrays.
+  """
+  moves = _class_moves(src, dst, len(shapes[0]))
+  blocks = [tuple(n // u for n, u in zip(shape, moves.units))
+            for shape in shapes]
+  sizes = [math.prod(b) for b in blocks]
+  h, ndim = moves.glue_counts, len(moves.units)
+
+  def cut_body(*xs):
+    outs = []
+    for off in moves.cut_grid:
+      parts = [jax.lax.reshape(
+          jax.lax.slice(x, tuple(o * s for o, s in zip(off, b)),
+                        tuple((o + 1) * s for o, s in zip(off, b))),
+          (n,)) for x, b, n in zip(xs, blocks, sizes)]
+      outs.append(parts[0] if len(parts) == 1 else
+                  jax.lax.concatenate(parts, 0))
+    return tuple(outs)
+
+  def join(items, d):
+    if d == ndim:
+      return items[0]
+    step = len(items) // h[d]
+    parts = [join(items[i * step:(i + 1) * step], d + 1) for i in range(h[d])]
+    return parts[0] if len(parts) == 1 else jax.lax.concatenate(parts, d)
+
+  def glue_body(*flats):
+    outs, at = [], 0
+    for b, n in zip(blocks, sizes):
+      outs.append(join([jax.lax.reshape(
+          jax.lax.slice(f, (at,), (at + n,)), b) for f in flats], 0))
+      at += n
+    return tuple(outs)
+
+  size = sum(sizes)
+  fs, fd = moves.flat_src.spec, moves.flat_dst.spec
+  cut = jax.jit(jax.shard_map(
+      cut_body, mesh=src.mesh, in_specs=(src.spec,) * len(shapes),
+      out_specs=(fs,) * len(moves.cut_grid), check_vma=False))
+  glue = jax.jit(jax.shard_map(
+      glue_body, mesh=dst.mesh, in_specs=(fd,) * len(moves.glue_grid),
+      out_specs=(dst.spec,) * len(shapes), check_vma=False))
+  cut = cut.lower(*(jax.ShapeDtypeStruct(s, dtype, sharding=src)
+                    for s in shapes))
+  flat = jax.ShapeDtypeStruct((size * dst.mesh.size,), dtype,
+                              sharding=moves.flat_dst)
+  glue = glue.lower(*(flat,) * len(moves.glue_grid))
+  return cut, glue, size
+
+
+def _ensure_group_programs(keys: list) -> list:
+  """The compiled ``(cut, glue, size)`` of each group key ``(source,
+  target, dtype, shapes)``; those not cached yet are lowered here and
+  compiled several at once (XLA compiles without Python's lock)."""
+  out: dict = {}
+  todo = []
+  with _transitions_lock:
+    for k in keys:
+      hit = _GROUP_EXES.get(k)
+      if hit is not None:
+        _GROUP_EXES.move_to_end(k)
+        out[k] = hit
+  for k in keys:
+    if k not in out and all(k != t[0] for t in todo):
+      cut, glue, size = _group_programs(*k)
+      platform = next(iter(_platforms(k[0])))
+      todo.append((k, cut, glue, size, platform))
+  if todo:
+    jobs = [(lo, t[4]) for t in todo for lo in t[1:3]]
+    n = min(len(jobs), _copy_threads())
+    if n <= 1:
+      exes = [_compile(lo, p) for lo, p in jobs]
     else:
-      ins = [_make_array(plan.glue_in, x.dtype, s, [bl[i] for bl in blocks],
-                         list(plan.devices)) for i in range(len(blocks[0]))]
-      new = _shards_of(plan.glue(*ins))
-    xs = [shards[a] if kind == "keep" else new[dev.id]
-          for dev, (kind, a) in zip(prog.devices, prog.outs)]
-    made.append((xs, shards))
+      with concurrent.futures.ThreadPoolExecutor(
+          n, thread_name_prefix="tenplex-compile") as pool:
+        exes = list(pool.map(lambda j: _compile(*j), jobs))
+    with _transitions_lock:
+      for i, (k, _, _, size, _) in enumerate(todo):
+        out[k] = _GROUP_EXES[k] = (exes[2 * i], exes[2 * i + 1], size)
+      while len(_GROUP_EXES) > max(_GROUP_EXES_MAX, len(keys)):
+        _GROUP_EXES.popitem(last=False)
+  return [out[k] for k in keys]
+
+
+def _groups(batch: list) -> list:
+  """``batch`` (``(program, array, target)`` triples) split into groups of
+  one class and dtype, each at most _GROUP_SLICES slices per program:
+  ``(key, moves, members)`` with ``key`` the programs' cache key."""
+  by_key: dict = {}
+  for n, (_, x, s) in enumerate(batch):
+    by_key.setdefault((x.sharding, s, x.ndim, x.dtype), []).append(n)
+  out = []
+  for (src, dst, ndim, dtype), members in by_key.items():
+    moves = _class_moves(src, dst, ndim)
+    per = max(1, _GROUP_SLICES // max(len(moves.cut_grid),
+                                      len(moves.glue_grid)))
+    for a in range(0, len(members), per):
+      part = members[a:a + per]
+      shapes = tuple(tuple(batch[n][1].shape) for n in part)
+      out.append(((src, dst, dtype, shapes), moves, part))
+  return out
+
+
+def _run_generic_packed(batch: list) -> list:
+  """The generic executor for arrays between plain NamedShardings:
+  ``(program, array, target)`` triples; returns, per array, ``(new array,
+  None)``, or ``(xs, shards)`` for :func:`_make_array` where a device
+  keeps its old shard."""
+  groups = _groups(batch)
+  exes = _ensure_group_programs([k for k, _, _ in groups])
+  sends, dests, where, staged = [], [], [], []
+  for g, ((_, _, dtype, _), moves, members) in enumerate(groups):
+    cut, glue, size = exes[g]
+    packed = [_shards_of(o) for o in cut(*[batch[n][1] for n in members])]
+    for dev, row in zip(moves.devices, moves.need):
+      for src_id, j in row:
+        if src_id != dev.id:
+          sends.append(packed[j][src_id])
+          dests.append(dev)
+          where.append((g, dev.id, src_id, j))
+    staged.append((dtype, moves, members, glue, size, packed))
+  moved = dict(zip(where, _send(sends, dests))) if sends else {}
+  made: list = [None] * len(batch)
+  for g, (dtype, moves, members, glue, size, packed) in enumerate(staged):
+    blocks = {dev.id: [packed[j][src_id] if src_id == dev.id else
+                       moved[g, dev.id, src_id, j] for src_id, j in row]
+              for dev, row in zip(moves.devices, moves.need)}
+    order = _device_order(moves.flat_dst)
+    ins = [_make_array((size * len(order),), dtype, moves.flat_dst,
+                       [blocks[d.id][i] for d in order], list(order))
+           for i in range(len(moves.glue_grid))]
+    for n, new in zip(members, glue(*ins)):
+      prog, x, _ = batch[n]
+      if not prog.reused:
+        made[n] = (new, None)
+        continue
+      shards = _shards_of(x)
+      new = _shards_of(new)
+      made[n] = ([shards[a] if kind == "keep" else new[dev.id]
+                  for dev, (kind, a) in zip(prog.devices, prog.outs)], shards)
   return made
 
 
@@ -1167,6 +1334,9 @@ def _make_arrays(staged, phys: list, tr) -> dict:
   made = {}
   for i, xs, shards in staged:
     name, leaf, s, _ = phys[i]
+    if isinstance(xs, jax.Array):  # built whole (see _run_generic_packed)
+      made[i] = (xs, shards)
+      continue
     try:
       made[i] = (_make_array(leaf.shape, leaf.dtype, s, xs,
                              list(tr.progs[i].devices)), shards)
@@ -1177,13 +1347,13 @@ def _make_arrays(staged, phys: list, tr) -> dict:
 
 def _build_generic(batch: list, phys: list, tr) -> dict:
   """Builds the arrays ``batch`` on the generic path: arrays between plain
-  NamedShardings by class (see _run_generic_spmd), the rest per device (see
+  NamedShardings by class (see _run_generic_packed), the rest per device (see
   _run_generic)."""
   spmd, rest = [], []
   for i in batch:
-    (spmd if _spmd_eligible(phys[i][1], phys[i][2]) else rest).append(i)
+    (spmd if _packed_eligible(phys[i][1], phys[i][2]) else rest).append(i)
   try:
-    out = dict(zip(spmd, _run_generic_spmd(
+    out = dict(zip(spmd, _run_generic_packed(
         [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))
     if rest:
       out.update(zip(rest, _run_generic(
@@ -1627,7 +1797,8 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
       new, shards = made[i]
       reused += len(tr.progs[i].reused)
       if donate and id(items[i][1]) not in shared:
-        _donate_sources(shards, tr.progs[i].reused)
+        _donate_sources(_shards_of(leaf) if shards is None else shards,
+                        tr.progs[i].reused)
         if impl is not None:
           items[i][1].delete()
       if impl is not None:
@@ -1686,7 +1857,9 @@ def reshard(tree: Any, target: Any, *, donate: bool = False,
     target sharding.
     On CPU devices (which share the process's memory) the devices holding
     the same box share one read-only buffer, and a box that an old shard
-    held exactly shares that shard's buffer; see ``docs/core.md``.
+    held exactly shares that shard's buffer; resharding the same source
+    arrays again, while the earlier result (or part of it) lives, shares
+    that result's buffers instead of copying; see ``docs/core.md``.
 
   Raises:
     LayoutError: the target does not match the tree (structure, shapes,

@@ -273,3 +273,58 @@ def test_generic_compiles_once_per_array_signature():
     assert out[k].sharding == target[k]
     for s in out[k].addressable_shards:
       assert np.asarray(s.data).tobytes() == np.asarray(host)[s.index].tobytes()
+
+
+def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
+  # Arrays of several shapes and dtypes between the same two shardings move
+  # in packed groups (one per dtype): the device-to-device transfers are
+  # those of one array per group, however many arrays there are.
+  a = Mesh(np.array(DEVS).reshape(2, 4), ("p", "q"))
+  hosts = {f"f{i}": np.arange(16 * (8 + 8 * i), dtype=np.float32)
+           .reshape(16, 8 + 8 * i) * (i + 1) for i in range(6)}
+  hosts.update({f"b{i}": (np.arange(16 * 8 * (i + 1)) % 3 == 0)
+                .reshape(16, 8 * (i + 1)) for i in range(3)})
+  src = NamedSharding(a, P("p", "q"))
+  sent = []
+  real_send = rmod._send
+
+  def counting_send(arrays, devices):
+    sent.append(len(arrays))
+    return real_send(arrays, devices)
+
+  monkeypatch.setattr(rmod, "_send", counting_send)
+
+  def run(keys, target, donate=False):
+    tree = {k: jax.device_put(hosts[k], src) for k in keys}
+    sent.clear()
+    with CompileCounter() as c:
+      out, rep = tj.reshard_with_report(tree, {k: target for k in keys},
+                                        method="generic", donate=donate)
+      jax.block_until_ready(out)
+    assert rep.method == "generic"
+    for k, v in out.items():
+      assert v.sharding == target and v.dtype == hosts[k].dtype
+      for s in v.addressable_shards:
+        assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
+    return tree, out, rep, sum(sent), c.n
+
+  # Blocks of 4 x 2 -> 2 x 4 on other devices: every array cut and joined.
+  other = NamedSharding(Mesh(np.array(DEVS[::-1]).reshape(4, 2), ("p", "q")),
+                        P("p", "q"))
+  one = run(["f0"], other)[3]
+  assert one > 0
+  _, _, rep, n_sent, compiles = run(sorted(hosts), other)
+  assert n_sent == 2 * one  # one float32 group, one bool group
+  assert compiles <= 4  # a cut and a glue program per group
+  # The same transition again: cached programs, nothing compiled.
+  _, _, rep, _, compiles = run(sorted(hosts), other)
+  assert compiles == 0 and rep.cached
+  # Devices 1 and 2 swap their shards, 0 and 3-7 keep theirs (reused, not
+  # copied), and with donate the sources are freed.
+  perm = NamedSharding(Mesh(np.array(DEVS)[[0, 2, 1, 3, 4, 5, 6, 7]]
+                            .reshape(2, 4), ("p", "q")), P("p", "q"))
+  tree, _, rep, n_sent, _ = run(sorted(hosts), perm, donate=True)
+  assert n_sent == 2 * 2 and rep.reused_shards == 6 * len(hosts)
+  for k in hosts:
+    old = rmod._shards_of(tree[k])
+    assert [d for d, x in old.items() if x.is_deleted()] == [1, 2]
