@@ -393,7 +393,8 @@ def resize_due(step: int) -> int | None:
 
 
 def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
-                   key: str = "") -> None:
+                   key: str = "",
+                   failure: tuple[int, str] | None = None) -> None:
   """Tells the launcher the resizes this job expects, so that it prepares
   their generations while this one trains.
 
@@ -410,10 +411,30 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
   loads the earlier one's programs from the compilation cache). Process 0's
   call counts; the others' do nothing. Without the launcher it does nothing.
 
+  ``failure``: ``(procs, key)`` of the generation that would take over after a
+  process of this one fails (e.g. the config search's choice for N - 1
+  hosts). The launcher prepares it too, once this generation has stepped, as
+  a standby generation: when a process fails and the launcher restarts on
+  ``procs`` processes (its ``on_failure``), it hands that generation the turn
+  (with the failed step, ``TENPLEX_FAILED_STEP``, and the start step) instead
+  of starting processes; :func:`restore_or_init` then restores the newest
+  snapshot. Its start step is not known before the turn: its
+  ``TENPLEX_START_STEP`` is this generation's until :func:`wait_turn`.
+
   Example:
     >>> expect_resizes([(8, 2, "2x2 data=2,stage=2"), (16, 1, "1x2 tensor=2")],
-    ...                key="2x4 data=2,tensor=2,stage=2")  # no launcher: nothing
+    ...                key="2x4 data=2,tensor=2,stage=2",
+    ...                failure=(1, "1x4 data=4"))  # no launcher: nothing
   """
+  if failure is not None:
+    try:
+      fprocs, fkey = failure
+      ok = int(fprocs) >= 1
+    except (TypeError, ValueError):
+      ok = False
+    if not ok:
+      raise UsageError(f"expect_resizes: failure={failure!r}: expected"
+                       " (procs >= 1, key)")
   env = job_env()
   job = env.job_dir
   if not job or not env.launched or env.ray_controller or env.proc_id != 0:
@@ -428,7 +449,9 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
   p = os.path.join(job, "expected_resizes.json")
   with private.open_private(f"{p}.{os.getpid()}") as f:
     json.dump({"generation": env.generation,
-               "key": str(key), "resizes": out}, f)
+               "key": str(key), "resizes": out,
+               "failure": None if failure is None
+               else [int(failure[0]), str(failure[1])]}, f)
   os.replace(f"{p}.{os.getpid()}", p)
 
 
@@ -454,7 +477,9 @@ def wait_turn() -> dict:
   (the previous one saved the state this one restores). Returns
   ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
   handed by the launcher, turn seen here; ``"saved"``: when the previous
-  generation's last process had saved, or None); ``{}`` in other
+  generation's last process had saved, or None; ``"failure": True`` for a
+  generation prepared for a failure (:func:`expect_resizes`), whose start
+  and failed step the turn sets in ``os.environ``); ``{}`` in other
   processes. The turn is looked for every 2 ms.
 
   Example:
@@ -474,6 +499,10 @@ def wait_turn() -> dict:
     except (OSError, ValueError):
       time.sleep(0.002)
   _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time())
+  # A generation prepared for a failure learns its start and failed step now.
+  os.environ.update(turn.get("env") or {})
+  if turn.get("failure"):
+    _turn["failure"] = True
   _heartbeat()
   return dict(_turn)
 
@@ -844,9 +873,10 @@ def _start_child(index: int, cmd: Sequence[str], env: dict,
 class _Ahead:
   """A generation started ahead of its turn (:func:`expect_resizes`): its
   processes run the script up to :func:`wait_turn`; :meth:`hand` gives
-  them the turn (``TENPLEX_TURN_FILE``: the launcher's ``time.time()``)."""
+  them the turn (``TENPLEX_TURN_FILE``: the launcher's ``time.time()``).
+  ``step`` None: the generation prepared for a failure."""
 
-  def __init__(self, gen: int, n: int, step: int, key: str,
+  def __init__(self, gen: int, n: int, step: int | None, key: str,
                children: list[_Child], turn_file: str):
     self.gen, self.n, self.step, self.key = gen, n, step, key
     self.children, self.turn_file = children, turn_file
@@ -859,11 +889,15 @@ class _Ahead:
     return all(os.path.exists(os.path.join(job_dir, f"ready_{self.gen}_{i}"
                                            ".txt")) for i in range(self.n))
 
-  def hand(self, saved: float | None = None) -> None:
+  def hand(self, saved: float | None = None,
+           env: dict[str, str] | None = None) -> None:
     """The turn: when it was handed, and when the previous generation's
-    last process had saved (``saved``, when known)."""
+    last process had saved (``saved``, when known); ``env``: variables the
+    processes set before they restore (a generation prepared for a failure:
+    its start and failed step)."""
     with private.open_private(self.turn_file + ".tmp") as f:
-      json.dump({"handed": time.time(), "saved": saved}, f)
+      json.dump({"handed": time.time(), "saved": saved, "env": env or {},
+                 "failure": self.step is None}, f)
     os.replace(self.turn_file + ".tmp", self.turn_file)
 
 
@@ -1383,11 +1417,33 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   expected = {"mtime": None, "data": None}
   numbers = {"next": 0}  # generation numbers handed out
   failed_ahead: set[int] = set()  # steps whose generation ahead failed
+  # The generation prepared for a failure of the running one (at most one:
+  # expect_resizes's failure), and the generations whose one failed early.
+  standby_gen: list[_Ahead] = []
+  failed_standby: set[int] = set()
 
   def drop_ahead(which):
     for a in [a for a in ahead if which(a)]:
       ahead.remove(a)
       _stop(a.children, wake, 0)
+
+  def drop_standby_gen():
+    for a in standby_gen:
+      _stop(a.children, wake, 0)
+    standby_gen.clear()
+
+  def start_ahead(count, step, key, start):
+    """A generation of ``count`` processes started ahead: for the resize at
+    ``step``, or (``step`` None) for a failure; ``start``: its start step."""
+    g = numbers["next"]
+    numbers["next"] += 1
+    urls = ensure_servers(count)
+    port = free_port()
+    turn = os.path.join(job_dir, f"turn_{g}")
+    kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
+                                  "TENPLEX_TURN_FILE": turn},
+                         wake, standbys) for i in range(count)]
+    return _Ahead(g, count, step, key, kids, turn)
 
   def prepare(cur):
     """Starts the generations the running script expects (at most
@@ -1410,27 +1466,41 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
             f" {[c.code for c in a.children]}); not starting it again",
             file=sys.stderr, flush=True)
       drop_ahead(lambda x, a=a: x is a)
-    busy = {a.key for a in ahead if not a.ready(job_dir)}
-    if not cur["stepped"] and data.get("generation") == cur["gen"]:
+    for a in [a for a in standby_gen if not a.alive()]:
+      failed_standby.add(cur["gen"])
+      print(f"tenplex-jax launch: generation {a.gen}, prepared for a failure,"
+            f" failed before its turn (exit codes"
+            f" {[c.code for c in a.children]}); not starting it again",
+            file=sys.stderr, flush=True)
+      drop_standby_gen()
+    busy = {a.key for a in ahead + standby_gen if not a.ready(job_dir)}
+    mine = data.get("generation") == cur["gen"]
+    if not cur["stepped"] and mine:
       busy.add(data.get("key"))
     for step, count, key in sorted(data.get("resizes", [])):
       if len(ahead) >= prepare_ahead:
-        return
+        break
       if step <= cur["start"] or any(a.step == step for a in ahead) \
           or key in busy or step in failed_ahead:
         continue
-      g = numbers["next"]
-      numbers["next"] += 1
-      urls = ensure_servers(count)
-      port = free_port()
-      turn = os.path.join(job_dir, f"turn_{g}")
-      kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, step, urls),
-                                    "TENPLEX_TURN_FILE": turn},
-                           wake, standbys) for i in range(count)]
-      ahead.append(_Ahead(g, count, step, key, kids, turn))
+      a = start_ahead(count, step, key, step)
+      ahead.append(a)
       busy.add(key)
-      print(f"tenplex-jax launch: generation {g} ({count} processes, from"
+      print(f"tenplex-jax launch: generation {a.gen} ({count} processes, from"
             f" step {step}) started ahead", flush=True)
+    failure = data.get("failure")
+    # The generation for a failure: once the running one stepped (a failure
+    # before that restarts as usual), and only if a restart would have its
+    # process count.
+    if (failure and mine and cur["stepped"] and not standby_gen
+        and cur["gen"] not in failed_standby and restarts < max_restarts
+        and int(failure[0]) == (max(1, cur["n"] - 1)
+                                if on_failure == "shrink" else cur["n"])
+        and failure[1] not in busy):
+      a = start_ahead(int(failure[0]), None, failure[1], cur["start"])
+      standby_gen.append(a)
+      print(f"tenplex-jax launch: generation {a.gen} ({a.n} processes)"
+            " prepared for a failure", flush=True)
 
   def hand_over(cur):
     """Hands the turn to the generation started ahead for the resize the
@@ -1510,6 +1580,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           hand_over(cur)
           if ahead:  # a hand-over is 10 ms from the save at most
             return 0.01
+          if standby_gen:
+            return 0.05
         return None
       out = _wait(children, wake, job_dir, gen, pending, t_end, step_timeout,
                   first_step, refill, poll)
@@ -1531,8 +1603,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           ahead.remove(adopt)
           if adopt is not cur["handed"]:
             adopt.hand()
-        # (those for this step or earlier can no longer be used)
+        # (those for this step or earlier can no longer be used; the one for
+        # a failure was the old generation's)
         drop_ahead(lambda a: a.step <= start_step)
+        drop_standby_gen()
         print(f"tenplex-jax launch: generation {gen}: {cur['n']} -> {n}"
               f" processes at step {start_step}"
               + (f" (generation {adopt.gen}, started ahead)" if adopt
@@ -1575,9 +1649,28 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       restarts += 1
       if on_failure == "shrink":  # drop the failed process's slot
         n = max(1, n - 1)
+      # The generation prepared for this failure takes over, if it is alive
+      # and has the restart's process count.
+      spare = next((a for a in standby_gen if a.alive() and a.n == n), None)
       print(f"tenplex-jax launch: generation {gen}: process {first} failed"
             f" (exit code {code}) at step {failed_step}; restart"
-            f" {restarts} of {max_restarts} on {n} processes", flush=True)
+            f" {restarts} of {max_restarts} on {n} processes"
+            + (f" (generation {spare.gen}, prepared for a failure)" if spare
+               else ""), flush=True)
+      if spare is not None:
+        standby_gen.remove(spare)
+        for i in range(max(n, len(children))):  # the failed generation's
+          for name in (f"progress_{i}", f"heartbeat_{i}"):
+            try:
+              os.unlink(os.path.join(job_dir, name))
+            except FileNotFoundError:
+              pass
+        urls = ensure_servers(n)  # (a dead store server restarted: new URL)
+        spare.hand(env={"TENPLEX_START_STEP": str(start_step),
+                        "TENPLEX_FAILED_STEP": str(failed_step),
+                        "TENPLEX_PEERS": json.dumps(urls)})
+        adopt = spare
+      drop_standby_gen()
       code = 1
   except BaseException:
     code = None
@@ -1588,6 +1681,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     # the store servers.
     _stop(children, wake)
     drop_ahead(lambda a: True)
+    drop_standby_gen()
     for sb in standbys:
       sb.kill()
     for p, _ in servers.values():
