@@ -11,7 +11,7 @@ from ``request_resize(M, at_step=S)`` called at step A. Optional:
 per step, ``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
 processes from step S started ahead; each process of a job with it writes
 ``JOB_DIR/ahead_<generation>_<process>.json``: whether it was prepared, when
-``initialize`` had returned, its turn; ``TRAIN_AHEAD_FAIL=1``: processes
+``initialize`` had returned, its turn, its nice value then and after it; ``TRAIN_AHEAD_FAIL=1``: processes
 started ahead exit with status 3 before their turn), ``TRAIN_EXPECT_FAILURE=M``
 (``expect_resizes``'s ``failure``: a generation of M processes prepared for a
 failure; it writes the same files; ``TRAIN_WAIT_READY=S:G:M``: generation 0
@@ -67,6 +67,7 @@ if (expect or expect_failure) and not prepared:
       else None)
 expect = expect or expect_failure
 initialized = time.time()
+nice_prepared = os.getpriority(os.PRIO_PROCESS, 0)  # this (main) thread's
 if prepared and os.environ.get("TRAIN_AHEAD_FAIL"):  # a generation ahead fails early
   print("launch_train: a process started ahead fails", flush=True)
   sys.exit(3)
@@ -75,7 +76,8 @@ if expect:  # whether this process was started ahead, and its turn
   with open(os.path.join(info["job_dir"], f"ahead_{info['generation']}_"
                          f"{info['process_id']}.json"), "w") as f:
     json.dump({"prepared": prepared, "initialized": initialized,
-               "turn": store.wait_turn(), "step": step}, f)
+               "turn": store.wait_turn(), "step": step, "nice_prepared": nice_prepared,
+               "nice_turn": os.getpriority(os.PRIO_PROCESS, 0)}, f)
 assert state["step"] == step, (state["step"], step)
 for s in state["w"].addressable_shards:  # what was saved at that step
   np.testing.assert_array_equal(

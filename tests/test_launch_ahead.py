@@ -48,11 +48,18 @@ def test_expected_generations_are_started_ahead_and_take_their_turn(tmp):
           in out), out[-3000:]
   check_final(job, procs=2, step=10, generation=2)
   assert not _ahead(job, 0, 0)["prepared"]
+  # Prepared at the launcher's nice value + 10 (--prepare-nice's default), where it
+  # may lower it again (as root); back to the launcher's at the turn.
+  from tenplex_jax.runtime.launch import _can_renice
+  low = 10 if _can_renice(10) else 0
+  base = os.getpriority(os.PRIO_PROCESS, 0)
   for gen, step, procs in ((1, 4, 1), (2, 8, 2)):
     for i in range(procs):
       a = _ahead(job, gen, i)
       assert a["prepared"] and a["step"] == step, a
+      assert (a["nice_prepared"], a["nice_turn"]) == (min(19, base + low), base), a
       t = a["turn"]
+      assert t["nice"] == low and t["started"] <= a["initialized"], a
       # initialised (jax.distributed up) before the previous generation had saved
       assert a["initialized"] < t["handed"] <= t["seen"], a
       assert t["ready"] <= t["seen"], a

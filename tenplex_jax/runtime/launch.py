@@ -477,7 +477,9 @@ def wait_turn() -> dict:
   (the previous one saved the state this one restores). Returns
   ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
   handed by the launcher, turn seen here; ``"saved"``: when the previous
-  generation's last process had saved, or None; ``"failure": True`` for a
+  generation's last process had saved, or None; ``"started"``: when the
+  launcher started the generation; ``"nice"``: the nice increment it
+  prepared at; ``"failure": True`` for a
   generation prepared for a failure (:func:`expect_resizes`), whose start
   and failed step the turn sets in ``os.environ``); ``{}`` in other
   processes. The turn is looked for every 2 ms.
@@ -498,7 +500,8 @@ def wait_turn() -> dict:
       break
     except (OSError, ValueError):
       time.sleep(0.002)
-  _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time())
+  _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time(),
+               started=turn.get("started"), nice=turn.get("nice", 0))
   # A generation prepared for a failure learns its start and failed step now.
   os.environ.update(turn.get("env") or {})
   if turn.get("failure"):
@@ -870,6 +873,49 @@ def _start_child(index: int, cmd: Sequence[str], env: dict,
   return _Child(index, cmd, env, wake)
 
 
+def _set_nice(pid: int, nice: int) -> bool:
+  """Sets the nice value of every thread of process ``pid`` (Linux: a
+  thread's own, ``/proc/PID/task``; threads it starts later inherit their
+  creator's). False when a thread refused (gone, or not permitted)."""
+  try:
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+  except OSError:
+    tids = [pid]
+  ok = True
+  for tid in tids:
+    try:
+      os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+      ok = False
+  return ok
+
+
+_NICE_OK: dict = {}
+
+
+def _can_renice(nice: int) -> bool:
+  """Whether this process may raise a thread's nice value to ``nice`` and
+  lower it back to its own (root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE``):
+  tried once, on a thread of its own."""
+  if nice not in _NICE_OK:
+    out = []
+
+    def probe():
+      tid = threading.get_native_id()
+      try:
+        base = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, base + nice)
+        os.setpriority(os.PRIO_PROCESS, tid, base)
+        out.append(True)
+      except (OSError, AttributeError):
+        out.append(False)
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    _NICE_OK[nice] = bool(out and out[0])
+  return _NICE_OK[nice]
+
+
 class _Ahead:
   """A generation started ahead of its turn (:func:`expect_resizes`): its
   processes run the script up to :func:`wait_turn`; :meth:`hand` gives
@@ -877,9 +923,18 @@ class _Ahead:
   ``step`` None: the generation prepared for a failure."""
 
   def __init__(self, gen: int, n: int, step: int | None, key: str,
-               children: list[_Child], turn_file: str):
+               children: list[_Child], turn_file: str, nice: int = 0):
     self.gen, self.n, self.step, self.key = gen, n, step, key
     self.children, self.turn_file = children, turn_file
+    # While it prepares, its processes run at a lower priority (``nice``
+    # more than the launcher's) than the running generation's: their
+    # threads, and those they start, until the turn.
+    self.nice = nice if nice and _can_renice(nice) else 0
+    self.started = time.time()
+    if self.nice:
+      base = os.getpriority(os.PRIO_PROCESS, 0)
+      for c in children:
+        _set_nice(c.popen.pid, base + self.nice)
 
   def alive(self) -> bool:
     return all(c.code is None for c in self.children)
@@ -894,11 +949,21 @@ class _Ahead:
     """The turn: when it was handed, and when the previous generation's
     last process had saved (``saved``, when known); ``env``: variables the
     processes set before they restore (a generation prepared for a failure:
-    its start and failed step)."""
+    its start and failed step). Their priority is the launcher's again
+    first, also when they had not finished preparing."""
+    if self.nice:
+      base = os.getpriority(os.PRIO_PROCESS, 0)
+      for c in self.children:
+        _set_nice(c.popen.pid, base)
     with private.open_private(self.turn_file + ".tmp") as f:
       json.dump({"handed": time.time(), "saved": saved, "env": env or {},
-                 "failure": self.step is None}, f)
+                 "failure": self.step is None, "started": self.started,
+                 "nice": self.nice}, f)
     os.replace(self.turn_file + ".tmp", self.turn_file)
+    if self.nice:  # threads a thread still at the lower priority started
+      base = os.getpriority(os.PRIO_PROCESS, 0)
+      for c in self.children:
+        _set_nice(c.popen.pid, base)
 
 
 def _cache_env(job_dir: str, cache: bool | str) -> dict[str, str]:
@@ -1202,7 +1267,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            compilation_cache: bool | str = True,
            standby: bool = True,
            standby_imports: Sequence[str] | None = None,
-           prepare_ahead: int = 4) -> int:
+           prepare_ahead: int = 4, prepare_nice: int = 10) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -1270,6 +1335,12 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       them the turn, and they restore. A generation whose resize does not
       come is stopped; one that fails before its turn is not started again;
       the resize then starts its processes as without it. 0: none.
+    prepare_nice: how much lower the priority of a generation's processes
+      is than the launcher's while they prepare (their nice value, every
+      thread's, until their turn), so that the running generation's steps
+      come first: default 10, 0 leaves it. Only where the launcher may
+      lower a nice value again (root, ``CAP_SYS_NICE``, or ``ulimit -e``
+      20); elsewhere they prepare at the launcher's priority.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -1296,6 +1367,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if not isinstance(prepare_ahead, int) or prepare_ahead < 0:
     raise UsageError(f"launch: prepare_ahead must be a count >= 0, not"
                      f" {prepare_ahead!r}")
+  if not isinstance(prepare_nice, int) or not 0 <= prepare_nice <= 19:
+    raise UsageError(f"launch: prepare_nice must be a nice increment in"
+                     f" 0..19, not {prepare_nice!r}")
   if step_timeout is not None and not step_timeout > 0:
     raise UsageError(f"launch: step_timeout must be positive seconds, not"
                      f" {step_timeout!r}")
@@ -1443,7 +1517,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
                                   "TENPLEX_TURN_FILE": turn},
                          wake, standbys) for i in range(count)]
-    return _Ahead(g, count, step, key, kids, turn)
+    return _Ahead(g, count, step, key, kids, turn, prepare_nice)
 
   def prepare(cur):
     """Starts the generations the running script expects (at most
@@ -1778,7 +1852,8 @@ def _launch_cmd(args) -> int:
                 compilation_cache=(args.compilation_cache
                                    or not args.no_compilation_cache),
                 standby=not args.no_standby,
-                prepare_ahead=args.prepare_ahead)
+                prepare_ahead=args.prepare_ahead,
+                prepare_nice=args.prepare_nice)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -1827,5 +1902,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                  help="generations to start ahead of their turn for the"
                  " resizes the script expects (expect_resizes; default 4,"
                  " 0: none)")
+  p.add_argument("--prepare-nice", type=int, default=10, metavar="N",
+                 help="nice increment of a generation's processes while they"
+                 " prepare, until their turn (default 10; 0: none; only where"
+                 " the launcher may lower it again, e.g. as root)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)
