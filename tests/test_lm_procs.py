@@ -89,9 +89,14 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
     assert r["import_s"] == 0 and r["distributed_s"] == 0, r
     assert r["relaunch_s"] >= r["handoff_s"] >= 0, r
   for r in (new, back):  # the components, each within the resize
-    parts = ("relaunch_s", "import_s", "distributed_s", "restore_s")
+    parts = ("relaunch_s", "import_s", "distributed_s", "restore_s", "batch_s")
     assert all(r[k] >= 0 for k in parts), r
     assert r["reconfig_s"] <= r["resize_s"], r
+    assert set(r["restore_parts_s"]) == {"manifest", "plan", "read", "build", "total"}, r
+    assert r["restore_parts_s"]["total"] <= r["restore_s"], r
+    # started (by the launcher) before it was ready; the nice it prepared at
+    assert r["ahead_lead_s"] >= r["ahead_margin_s"], r
+    assert r["ahead_s"]["nice"] in (0, 10), r
   np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
   assert log["max_abs_param_diff"] < 1e-5
 

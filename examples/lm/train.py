@@ -534,7 +534,8 @@ def worker(args, cfg, phases, plan, trainer=None):
   if ahead:
     _expect_next(store, args, phases, plan, phase, n)
     ahead_s.update(ready_time=turn["ready"], handed_time=turn["handed"],
-                   saved_time=turn.get("saved"))
+                   saved_time=turn.get("saved"), started_time=turn.get("started"),
+                   nice=turn.get("nice", 0))
   if phase_at(phases, step) != phase:
     raise ValueError(f"restored step {step}, which is not in the phase at step {phase.step}")
   state = tree["train"]
@@ -557,7 +558,9 @@ def worker(args, cfg, phases, plan, trainer=None):
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
   for t in range(step, end):
+    t0 = time.perf_counter()
     tokens, mask, data_state = batches(source, mesh, data_state, gb)
+    batch_s = time.perf_counter() - t0
     if compiling is not None:  # the first step: compiled while restoring
       t0 = time.perf_counter()
       fn, compile_s, compiles, hits = compiling.result()
@@ -571,7 +574,7 @@ def worker(args, cfg, phases, plan, trainer=None):
     state, loss = fn(state, tokens, mask)
     loss = _host_scalar(loss)
     rec = {"event": "step", "step": t, "loss": loss, "step_s": time.perf_counter() - t0,
-           "time": time.time(), "compile_s": compile_s,
+           "time": time.time(), "compile_s": compile_s, "batch_s": batch_s,
            # of which not overlapped with the restore (the first step's compile runs with it)
            "compile_wait_s": compile_wait_s,
            # the step's XLA compilations, and those the persistent cache answered
@@ -647,7 +650,11 @@ def assemble(records_path, job_dir):
   ``handoff_s`` to the launcher's hand-over (``save_s`` of it until every old
   process had saved) and ``ahead_wait_s`` waiting for the preparation to finish;
   ``ahead_margin_s``: how long before the save call it was ready, negative when it
-  was not).
+  was not; ``ahead_lead_s``: how long before the save call the launcher started it;
+  ``ahead_s["nice"]``: the nice increment it prepared at). Every step has ``time``
+  (its end), ``batch_s`` (reading the global batch) and ``step_s`` (the step); the
+  first after a resize also ``restore_parts_s`` (process 0's restore: manifest,
+  plan, read, build, total).
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]
@@ -659,8 +666,8 @@ def assemble(records_path, job_dir):
     elif e["event"] == "start":
       pending = e if e["step"] > 0 else None
     elif e["event"] == "step":
-      rec = {k: e[k] for k in ("step", "loss", "step_s", "compile_s", "compile_wait_s",
-                               "xla_compiles",
+      rec = {k: e[k] for k in ("step", "loss", "step_s", "time", "batch_s", "compile_s",
+                               "compile_wait_s", "xla_compiles",
                                "cache_hits", "devices", "mesh", "microbatches", "procs",
                                "devices_per_proc")}
       rec.update(reconfig_s=0.0, reconfig_bytes=0)
@@ -676,6 +683,8 @@ def assemble(records_path, job_dir):
                    xla_compiles_procs=_compiles(job_dir, pending["generation"]),
                    reconfig_bytes=local + net, network_bytes=net,
                    resized_from=prev["mesh"], procs_from=prev["procs"])
+        if pending.get("restore"):  # process 0's restore: manifest, plan, read, build
+          rec["restore_parts_s"] = pending["restore"]["seconds"]
         if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
           a = pending["ahead_s"]  # preparation to finish
           if a.get("saved_time"):  # the old processes' save, of the hand-over
@@ -683,6 +692,8 @@ def assemble(records_path, job_dir):
           rec.update(ahead_s=a, handoff_s=a["handed_time"] - save["time"],
                      ahead_wait_s=max(0.0, pending["start_time"] - a["handed_time"]),
                      ahead_margin_s=save["time"] - a["ready_time"])
+          if a.get("started_time"):  # how long before the save it was started
+            rec["ahead_lead_s"] = save["time"] - a["started_time"]
         rec["compile_cache_hit"] = bool(rec["xla_compiles_procs"]) and all(
             c == 0 and h > 0 for c, h in rec["xla_compiles_procs"])
         pending = None
@@ -729,7 +740,8 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
                     job_dir=job, timeout=args.timeout, max_restarts=0,
                     standby=not getattr(args, "no_standby", False),
                     compilation_cache=not getattr(args, "no_compilation_cache", False),
-                    standby_imports=STANDBY_IMPORTS)
+                    standby_imports=STANDBY_IMPORTS,
+                    prepare_nice=getattr(args, "prepare_nice", 10))
     if code != 0:
       raise SystemExit(f"the job across processes failed (exit code {code}); its"
                        f" directory {job} is kept (logs, failures.jsonl)")
@@ -839,6 +851,10 @@ def main(argv=None):
                   help="(with --procs) do not have the launcher start the next phases'"
                   " processes ahead (store.expect_resizes): each resize then imports (or takes"
                   " a standby), starts jax.distributed and compiles (or loads) after the save")
+  ap.add_argument("--prepare-nice", type=int, default=10, metavar="N",
+                  help="(with --procs) nice increment of the generations started ahead"
+                  " while they prepare (tenplex-jax launch --prepare-nice; default 10, 0:"
+                  " the running generation's priority)")
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")
   ap.add_argument("--records", metavar="PATH",
