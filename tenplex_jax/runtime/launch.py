@@ -1340,7 +1340,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       thread's, until their turn), so that the running generation's steps
       come first: default 10, 0 leaves it. Only where the launcher may
       lower a nice value again (root, ``CAP_SYS_NICE``, or ``ulimit -e``
-      20); elsewhere they prepare at the launcher's priority.
+      20); elsewhere they prepare at the launcher's priority. The old
+      processes of a resize handed to a prepared generation exit at that
+      lower priority too (raising it needs no privilege), so that their
+      shutdown gives way to the new generation's restore and first step.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -1602,6 +1605,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       return
     a.hand(saved)
     cur.update(handed=a, handed_info=info)
+    if prepare_nice:  # the old processes' exit (jax.distributed's shutdown)
+      base = os.getpriority(os.PRIO_PROCESS, 0)  # gives way to the new ones
+      for c in children:
+        _set_nice(c.popen.pid, min(19, base + prepare_nice))
 
   try:
     adopt = None  # a generation started ahead that has its turn
@@ -1673,6 +1680,17 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         adopt = cur["handed"] or next(
             (a for a in ahead if a.step == start_step and a.n == n
              and a.alive()), None)
+        if adopt is not None and (adopt not in ahead or not adopt.alive()):
+          # handed the turn, but it failed before it could take it (prepare
+          # already dropped it, or is about to): the resize starts afresh
+          if adopt in ahead:
+            failed_ahead.add(adopt.step)
+            print(f"tenplex-jax launch: generation {adopt.gen}, started ahead"
+                  f" for step {adopt.step}, failed before its turn (exit codes"
+                  f" {[c.code for c in adopt.children]}); not starting it"
+                  " again", file=sys.stderr, flush=True)
+            drop_ahead(lambda x, a=adopt: x is a)
+          adopt = None
         if adopt is not None:
           ahead.remove(adopt)
           if adopt is not cur["handed"]:
