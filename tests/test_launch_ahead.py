@@ -143,3 +143,12 @@ def test_a_failure_hands_the_turn_to_the_generation_prepared_for_it(tmp):
   assert not os.path.exists(os.path.join(job, "pid_2_0.txt"))  # no other generation
   check_final(job, procs=2, step=7, generation=1)
   assert not [pid for pid in seen if _alive(pid)], out  # nothing left
+
+
+def test_expect_resizes_refuses_a_failure_generation_without_processes():
+  from tenplex_jax import store
+  from tenplex_jax.errors import UsageError
+  for bad in ((0, "k"), ("x", "k"), (1,), 5):
+    with pytest.raises(UsageError, match=r"failure=.*expected \(procs >= 1, key\)"):
+      store.expect_resizes([], key="k", failure=bad)
+  store.expect_resizes([], key="k", failure=(1, "k"))  # no launcher: nothing
