@@ -50,6 +50,7 @@ def _run_2_1_2(out, *flags, timeout):
       "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
       *flags, "--json", out, "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
   assert run.returncode == 0, run.stdout[-5000:]
+  return run.stdout
 
 
 def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
@@ -62,7 +63,7 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   # standby processes, and the losses still follow the static run.
   import json
   out = os.path.join(tmp, "lm.json")
-  _run_2_1_2(out, "--fast-compile", timeout=450)
+  stdout = _run_2_1_2(out, "--fast-compile", timeout=450)
   with open(out) as f:
     log = json.load(f)
   el, st = log["elastic"], log["static"]
@@ -83,6 +84,12 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   # phases with store.expect_resizes): their step compiled (the second one loaded from
   # the cache, after generation 0 had written it) before their turn
   assert new["ahead"] and back["ahead"], (new, back)
+  # The generation back onto generation 0's mesh started early (expect_resizes(early=True)),
+  # with generation 0 (before its first step), and waited only before compiling
+  # (store.wait_programs) for generation 0's programs.
+  assert ("generation 2 (2 processes, from step 4) started ahead (waits for its programs)"
+          in stdout), stdout[-3000:]
+  assert back["ahead_s"]["started_time"] < first["time"] - first["step_s"], (first, back)
   for r in (new, back):
     a = r["ahead_s"]
     assert a["compile_s"] > 0 and a["warmup_s"] > 0, r

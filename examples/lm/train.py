@@ -241,18 +241,28 @@ def degrees_of(mesh):
   return {a: int(mesh.shape[a]) for a in ("data", "fsdp", "tensor", "stage")}
 
 
-def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, compiler_options):
-  """(executable, seconds spent compiling it: 0 when cached)."""
+def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, compiler_options,
+                   before_compile=None):
+  """(executable, seconds spent compiling it: 0 when cached). ``before_compile()``, if
+  given, runs between tracing and compiling (its time not counted): a generation started
+  early waits there for the programs another one is compiling (``store.wait_programs``)."""
   key = (cfg, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb,
          deterministic, tuple(sorted((compiler_options or {}).items())))
   if key in _COMPILED:
     return _COMPILED[key], 0.0
   t0 = time.perf_counter()
-  fn = make_step(cfg, mesh, mb, deterministic=deterministic,
-                 compiler_options=compiler_options,
-                 state_shardings=jax.tree.map(lambda x: x.sharding, state)).lower(state, tokens, mask).compile()
+  lowered = make_step(cfg, mesh, mb, deterministic=deterministic,
+                      compiler_options=compiler_options,
+                      state_shardings=jax.tree.map(lambda x: x.sharding, state)
+                      ).lower(state, tokens, mask)
+  waited = 0.0
+  if before_compile is not None:
+    t1 = time.perf_counter()
+    before_compile()
+    waited = time.perf_counter() - t1
+  fn = lowered.compile()
   _COMPILED[key] = fn
-  return fn, time.perf_counter() - t0
+  return fn, time.perf_counter() - t0 - waited
 
 
 _COMPILES = {}  # jax's compile events in this process, per thread: {ident: {kind: count}}
@@ -282,12 +292,12 @@ def count_compiles():
   _COMPILES["listening"] = True
 
 
-def counted_step(tr, *args):
-  """``tr.step(*args)`` -> ``(step, compile seconds, XLA compilations, cache hits)``, the
-  compile events counted in this thread."""
+def counted_step(tr, *args, **kwargs):
+  """``tr.step(*args, **kwargs)`` -> ``(step, compile seconds, XLA compilations, cache
+  hits)``, the compile events counted in this thread."""
   mine = _COMPILES.setdefault(threading.get_ident(), {"backend": 0, "cache_hits": 0})
   before = dict(mine)
-  fn, compile_s = tr.step(*args)
+  fn, compile_s = tr.step(*args, **kwargs)
   hits = mine["cache_hits"] - before["cache_hits"]
   return fn, compile_s, mine["backend"] - before["backend"] - hits, hits
 
@@ -434,6 +444,10 @@ class Trainer:
       the step maps ``(state, tokens, mask)`` to ``(state, loss)``.
     params: ``state -> params`` as host numpy arrays.
     check_deterministic: ``(phases, V, layouts)``, raises ``ValueError``.
+    step_waits: ``step`` takes ``before_compile=`` (called between tracing and
+      compiling): a generation started early traces its step before it waits for the
+      programs another generation is compiling (``store.wait_programs``); otherwise it
+      waits before tracing.
   """
   script: str
   process_start: float
@@ -443,6 +457,7 @@ class Trainer:
   step: Callable
   params: Callable
   check_deterministic: Callable
+  step_waits: bool = False
 
 
 def _phase_key(phase, procs):
@@ -458,7 +473,9 @@ def _expect_next(store, args, phases, plan, phase, n):
     return
   later = [(p.step, plan[k], _phase_key(p, plan[k])) for k, p in enumerate(phases)
            if phase.step < p.step < args.steps]
-  store.expect_resizes(later, key=_phase_key(phase, n))
+  # early: a phase with a key being compiled starts at once too and waits for its
+  # programs only before it compiles (store.wait_programs)
+  store.expect_resizes(later, key=_phase_key(phase, n), early=True)
 
 
 def _zeros(tree, fill=0):
@@ -515,8 +532,20 @@ def worker(args, cfg, phases, plan, trainer=None):
   spec = NamedSharding(mesh, P(("data", "fsdp")))
   batch = (jax.ShapeDtypeStruct((gb, cfg.seq_len + 1), jnp.int32, sharding=spec),
            jax.ShapeDtypeStruct((gb,), jnp.float32, sharding=spec))
-  compiling = _Background(counted_step, tr, cfg, mesh, rules, mb, abstract, *batch,
-                          args.deterministic, _compiler_options(args))
+  waits = {}
+
+  def wait_programs():  # a generation started early: the other's programs in the cache
+    waits["programs_wait_s"] = store.wait_programs()
+
+  def compile_step():
+    if tr.step_waits:
+      return counted_step(tr, cfg, mesh, rules, mb, abstract, *batch, args.deterministic,
+                          _compiler_options(args), before_compile=wait_programs)
+    wait_programs()
+    return counted_step(tr, cfg, mesh, rules, mb, abstract, *batch, args.deterministic,
+                        _compiler_options(args))
+
+  compiling = _Background(compile_step)
   ahead_s = {}
   if ahead:  # before the turn: the step compiled and run once (gloo's connections)
     t0 = time.time()
@@ -526,7 +555,8 @@ def worker(args, cfg, phases, plan, trainer=None):
     jax.block_until_ready(warm)
     del warm
     ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
-                   compile_wait_s=t1 - t0, warmup_s=time.time() - t1)
+                   compile_wait_s=t1 - t0, warmup_s=time.time() - t1,
+                   programs_wait_s=waits.get("programs_wait_s", 0.0))
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
@@ -765,7 +795,7 @@ LM_TRAINER = Trainer(
     script=__file__, process_start=_PROCESS_START, dataset=dataset, layout=layout,
     state=state_and_target, step=_compiled_step,
     params=lambda state: jax.tree.map(np.asarray, nn.unbox(state.params)),
-    check_deterministic=check_deterministic)
+    check_deterministic=check_deterministic, step_waits=True)
 
 
 def _compiler_options(args):

@@ -76,7 +76,7 @@ from tenplex_jax.store.server import CA_ENV, TOKEN_ENV, free_port
 __all__ = ["Controller", "RESIZE_EXIT_CODE", "controller", "expect_resizes",
            "initialize", "launch", "prepared", "register", "request_resize",
            "resize_due", "restore_or_init", "save_and_exit", "save_snapshot",
-           "use_controller", "wait_turn"]
+           "use_controller", "wait_programs", "wait_turn"]
 
 RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
@@ -394,7 +394,8 @@ def resize_due(step: int) -> int | None:
 
 def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
                    key: str = "",
-                   failure: tuple[int, str] | None = None) -> None:
+                   failure: tuple[int, str] | None = None,
+                   early: bool = False) -> None:
   """Tells the launcher the resizes this job expects, so that it prepares
   their generations while this one trains.
 
@@ -420,6 +421,12 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
   of starting processes; :func:`restore_or_init` then restores the newest
   snapshot. Its start step is not known before the turn: its
   ``TENPLEX_START_STEP`` is this generation's until :func:`wait_turn`.
+
+  ``early``: start a generation whose key another generation is still
+  compiling at once too, instead of after that one: it imports, starts
+  ``jax.distributed`` and traces its step meanwhile, and the script calls
+  :func:`wait_programs` before it compiles (then loads the other's programs
+  from the compilation cache). For scripts that call it.
 
   Example:
     >>> expect_resizes([(8, 2, "2x2 data=2,stage=2"), (16, 1, "1x2 tensor=2")],
@@ -451,11 +458,33 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
     json.dump({"generation": env.generation,
                "key": str(key), "resizes": out,
                "failure": None if failure is None
-               else [int(failure[0]), str(failure[1])]}, f)
+               else [int(failure[0]), str(failure[1])],
+               "early": bool(early)}, f)
   os.replace(f"{p}.{os.getpid()}", p)
 
 
 _turn: dict = {}  # a prepared process's turn: {"ready", "seen", "handed"}
+
+
+def wait_programs() -> float:
+  """In a generation started early (:func:`expect_resizes`'s ``early``)
+  while another generation with its key was still compiling: blocks until
+  the launcher says that one has its programs (it stepped, or is ready),
+  so that this one's compile loads them from the compilation cache instead
+  of compiling them again; looked for every 20 ms. Returns the seconds it
+  waited (0.0 at once elsewhere: not started early, or not prepared).
+
+  Example:
+    >>> wait_programs()  # not started early: returns at once
+    0.0
+  """
+  path = job_env().programs_file
+  if not path or not prepared():
+    return 0.0
+  t0 = time.time()
+  while not os.path.exists(path):
+    time.sleep(0.02)
+  return time.time() - t0
 
 
 def prepared() -> bool:
@@ -931,6 +960,7 @@ class _Ahead:
     # threads, and those they start, until the turn.
     self.nice = nice if nice and _can_renice(nice) else 0
     self.started = time.time()
+    self.programs: str | None = None  # wait_programs's file, until written
     if self.nice:
       base = os.getpriority(os.PRIO_PROCESS, 0)
       for c in children:
@@ -1509,18 +1539,25 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       _stop(a.children, wake, 0)
     standby_gen.clear()
 
-  def start_ahead(count, step, key, start):
+  def start_ahead(count, step, key, start, wait=False):
     """A generation of ``count`` processes started ahead: for the resize at
-    ``step``, or (``step`` None) for a failure; ``start``: its start step."""
+    ``step``, or (``step`` None) for a failure; ``start``: its start step;
+    ``wait``: another generation compiles its key (wait_programs)."""
     g = numbers["next"]
     numbers["next"] += 1
     urls = ensure_servers(count)
     port = free_port()
     turn = os.path.join(job_dir, f"turn_{g}")
+    programs = os.path.join(job_dir, f"programs_{g}")
+    extra = {"TENPLEX_TURN_FILE": turn}
+    if wait:
+      extra["TENPLEX_PROGRAMS_FILE"] = programs
     kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
-                                  "TENPLEX_TURN_FILE": turn},
+                                  **extra},
                          wake, standbys) for i in range(count)]
-    return _Ahead(g, count, step, key, kids, turn, prepare_nice)
+    a = _Ahead(g, count, step, key, kids, turn, prepare_nice)
+    a.programs = programs if wait else None
+    return a
 
   def prepare(cur):
     """Starts the generations the running script expects (at most
@@ -1550,21 +1587,32 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
             f" {[c.code for c in a.children]}); not starting it again",
             file=sys.stderr, flush=True)
       drop_standby_gen()
-    busy = {a.key for a in ahead + standby_gen if not a.ready(job_dir)}
+    # Keys being compiled: by the running generation before its first step,
+    # by generations ahead not yet ready (but those waiting for programs).
+    busy = {a.key for a in ahead + standby_gen
+            if a.programs is None and not a.ready(job_dir)}
     mine = data.get("generation") == cur["gen"]
     if not cur["stepped"] and mine:
       busy.add(data.get("key"))
+    for a in ahead + standby_gen:  # their programs are in the cache now
+      if a.programs is not None and a.key not in busy:
+        with private.open_private(a.programs):
+          pass
+        a.programs = None
+    busy |= {a.key for a in ahead + standby_gen if not a.ready(job_dir)}
+    early = bool(data.get("early")) and mine
     for step, count, key in sorted(data.get("resizes", [])):
       if len(ahead) >= prepare_ahead:
         break
       if step <= cur["start"] or any(a.step == step for a in ahead) \
-          or key in busy or step in failed_ahead:
+          or (key in busy and not early) or step in failed_ahead:
         continue
-      a = start_ahead(count, step, key, step)
+      a = start_ahead(count, step, key, step, wait=key in busy)
       ahead.append(a)
       busy.add(key)
       print(f"tenplex-jax launch: generation {a.gen} ({count} processes, from"
-            f" step {step}) started ahead", flush=True)
+            f" step {step}) started ahead"
+            + (" (waits for its programs)" if a.programs else ""), flush=True)
     failure = data.get("failure")
     # The generation for a failure: once the running one stepped (a failure
     # before that restarts as usual), and only if a restart would have its
