@@ -20,10 +20,16 @@ job spends changing its layout, next to the step time:
   starts their generations at once, which import, start
   ``jax.distributed``, compile their step and run it once on zeros before
   their turn; at the save the launcher hands the prepared generation the
-  turn and it only restores); each resize's components (relaunch, imports,
-  ``jax.distributed``, restore, compile, the first step) and ``resize_s``,
-  from the save call to the new step's end; and what the background work
-  costs the running steps (each phase's median step, warm against ahead);
+  turn and it only restores; they prepare at nice +10, and a phase whose mesh
+  another generation is compiling starts at once and waits for its programs
+  before compiling), and **ahead_nice0** (the same at the running
+  generation's priority, ``--prepare-nice 0``); each resize's components
+  (relaunch, imports, ``jax.distributed``, restore with its read, compile,
+  the first batch, the first step) and ``resize_s``, from the save call to
+  the new step's end; and what the background work costs the running steps:
+  each phase's median step, warm against ahead, and within each ahead run
+  the steps taken while some generation was being prepared (between its
+  start and its ready time) against those while none was;
 * **Orbax stop/restart** (the baseline users have): one process on the old
   layout saves the train state with ``orbax.checkpoint.StandardCheckpointer``
   and exits; a new process starts, imports, and restores it onto the new
@@ -36,7 +42,8 @@ two timings of ``python -c "import jax, flax, optax"`` (the targets: the
 worst resize no longer than that, and under 0.5 s onto a mesh run before:
 the schedule's last phase is its first one's).
 
-  python benchmarks/bench_lm_resize.py [--steps 40] [--kinds cold,warm,ahead] [--no-orbax] \
+  python benchmarks/bench_lm_resize.py [--steps 40] [--kinds cold,warm,ahead,ahead_nice0] \
+      [--no-orbax] \
       [--out results/bench_lm_resize.json] [--plot docs/lm_resize.png]
 """
 
