@@ -20,10 +20,16 @@ job spends changing its layout, next to the step time:
   starts their generations at once, which import, start
   ``jax.distributed``, compile their step and run it once on zeros before
   their turn; at the save the launcher hands the prepared generation the
-  turn and it only restores); each resize's components (relaunch, imports,
-  ``jax.distributed``, restore, compile, the first step) and ``resize_s``,
-  from the save call to the new step's end; and what the background work
-  costs the running steps (each phase's median step, warm against ahead);
+  turn and it only restores; they prepare at nice +10, and a phase whose mesh
+  another generation is compiling starts at once and waits for its programs
+  before compiling), and **ahead_nice0** (the same at the running
+  generation's priority, ``--prepare-nice 0``); each resize's components
+  (relaunch, imports, ``jax.distributed``, restore with its read, compile,
+  the first batch, the first step) and ``resize_s``, from the save call to
+  the new step's end; and what the background work costs the running steps:
+  each phase's median step, warm against ahead, and within each ahead run
+  the steps taken while some generation was being prepared (between its
+  start and its ready time) against those while none was;
 * **Orbax stop/restart** (the baseline users have): one process on the old
   layout saves the train state with ``orbax.checkpoint.StandardCheckpointer``
   and exits; a new process starts, imports, and restores it onto the new
@@ -36,7 +42,8 @@ two timings of ``python -c "import jax, flax, optax"`` (the targets: the
 worst resize no longer than that, and under 0.5 s onto a mesh run before:
 the schedule's last phase is its first one's).
 
-  python benchmarks/bench_lm_resize.py [--steps 40] [--kinds cold,warm,ahead] [--no-orbax] \
+  python benchmarks/bench_lm_resize.py [--steps 40] [--kinds cold,warm,ahead,ahead_nice0] \
+      [--no-orbax] \
       [--out results/bench_lm_resize.json] [--plot docs/lm_resize.png]
 """
 
@@ -62,12 +69,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # mesh (a mesh the job ran before).
 SCHEDULE = ("0:data=2,tensor=2,stage=2 8:fsdp=2,stage=2 16:tensor=2 24:fsdp=2,stage=4"
             " 32:data=2,tensor=2,stage=2")
-KINDS = ("cold", "warm", "ahead")
+KINDS = ("cold", "warm", "ahead", "ahead_nice0")
 PROCS = "2,2,1,2,2"
 # A resize's parts on its critical path, in order: the compile runs in a thread during the
 # restore, so only what is left of it after the restore counts (compile_wait_s).
-PARTS = ("relaunch_s", "import_s", "distributed_s", "restore_s", "compile_wait_s", "step_s",
-         "other_s")
+PARTS = ("relaunch_s", "import_s", "distributed_s", "restore_s", "compile_wait_s", "batch_s",
+         "step_s", "other_s")
 
 
 def _lm():
@@ -154,12 +161,36 @@ def _components(r):
   out.update(resize_s=r["resize_s"], reconfig_s=r["reconfig_s"], standby=r["standby"],
              compile_s=r["compile_s"], ahead=r["ahead"],
              xla_compiles=r["xla_compiles"], compile_cache_hit=r["compile_cache_hit"])
+  out["restore_parts_s"] = r.get("restore_parts_s")
   if r["ahead"]:  # started ahead: what came before the save, and the hand-over
     out.update(handoff_s=r["handoff_s"], ahead_wait_s=r["ahead_wait_s"],
                save_s=r.get("save_s"),
-               ahead_margin_s=r["ahead_margin_s"],
+               ahead_margin_s=r["ahead_margin_s"], ahead_lead_s=r.get("ahead_lead_s"),
+               nice=r["ahead_s"].get("nice", 0),
                ahead_parts_s={k: r["ahead_s"][k] for k in (
                    "import_s", "distributed_s", "compile_s", "warmup_s")})
+  return out
+
+
+def background_cost(records, phases, steps):
+  """What the generations prepared in the background cost the running steps, in one run:
+  per phase, the median step (after the phase's first) while some generation was being
+  prepared (between its start and its ready time: imports, ``jax.distributed``, compile,
+  warm-up) and while none was (the prepared ones only waiting), with the step counts."""
+  windows = [(r["ahead_s"]["started_time"], r["ahead_s"]["ready_time"])
+             for r in records if r.get("ahead") and r["ahead_s"].get("started_time")]
+  out = []
+  for i, p in enumerate(phases):
+    end = phases[i + 1].step if i + 1 < len(phases) else steps
+    busy, quiet = [], []
+    for r in records:
+      if p.step < r["step"] < end:
+        t1 = r["time"]
+        t0 = t1 - r["step_s"]
+        (busy if any(a < t1 and t0 < b for a, b in windows) else quiet).append(r["step_s"])
+    out.append({"step": p.step, "busy_n": len(busy), "quiet_n": len(quiet),
+                "busy_s": statistics.median(busy) if busy else None,
+                "quiet_s": statistics.median(quiet) if quiet else None})
   return out
 
 
@@ -183,8 +214,8 @@ def plot(rows, import_s, path):
   width = 0.27
   names = {"relaunch_s": "save + relaunch", "import_s": "imports",
            "distributed_s": "jax.distributed", "restore_s": "restore",
-           "compile_wait_s": "compile (after the restore)", "step_s": "first step",
-           "other_s": "other"}
+           "compile_wait_s": "compile (after the restore)", "batch_s": "first batch",
+           "step_s": "first step", "other_s": "other"}
   kinds = [k for k in KINDS if k in rows[0]]
   for j, kind in enumerate(kinds):
     bottom = [0.0] * len(rows)
@@ -192,7 +223,8 @@ def plot(rows, import_s, path):
       vals = [r[kind][k] for r in rows]
       ax.bar([i + (j - (len(kinds) - 1) / 2) * width for i in range(len(rows))], vals,
              width, bottom=bottom, color=f"C{c}", label=names[k] if j == 0 else None,
-             hatch={"cold": "//", "ahead": ".."}.get(kind), edgecolor="white")
+             hatch={"cold": "//", "ahead": "..", "ahead_nice0": "xx"}.get(kind),
+             edgecolor="white")
       bottom = [b + v for b, v in zip(bottom, vals)]
     for i, r in enumerate(rows):
       ax.text(i + (j - (len(kinds) - 1) / 2) * width, bottom[i],
@@ -208,7 +240,8 @@ def plot(rows, import_s, path):
   ax.set_ylabel("seconds (save call -> new step done)")
   ax.set_title("LM trainer, resizes across processes: cold (hatched), warm (standby processes"
                " + compilation cache), ahead (+ next generations started and compiled"
-               " ahead, dotted)", fontsize=8)
+               " ahead at nice +10, dotted; ahead_nice0: at the running one's priority,"
+               " crossed)", fontsize=8)
   ax.legend(fontsize=7, loc="upper right")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -226,7 +259,8 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--kinds", default=",".join(KINDS),
                   help="runs across processes: cold (--no-standby --no-compilation-cache"
-                  " --no-prepare), warm (--no-prepare), ahead (the defaults)")
+                  " --no-prepare), warm (--no-prepare), ahead (the defaults), ahead_nice0"
+                  " (--prepare-nice 0)")
   ap.add_argument("--no-orbax", action="store_true",
                   help="skip the Orbax stop/restart comparison")
   ap.add_argument("--config", default="tiny")
@@ -272,15 +306,19 @@ def main(argv=None):
                               search=False, remat=False, fast_compile=args.fast_compile,
                               deterministic=None, timeout=1800,
                               no_standby=kind == "cold", no_compilation_cache=kind == "cold",
-                              no_prepare=kind != "ahead")
+                              no_prepare=not kind.startswith("ahead"),
+                              prepare_nice=0 if kind == "ahead_nice0" else 10)
       runs[kind], _ = lm.run_procs(ns, cfg, phases, plan, log=lambda *_: None)
       progress.advance(task)
     procs = runs["warm"]
     # What starting and compiling the next generations in the background costs the running
     # steps: each phase's median step (after its first), warm against ahead.
-    if "ahead" in kinds:
+    aheads = [k for k in kinds if k.startswith("ahead")]
+    if aheads:
       res["phase_step_s"] = {k: _phase_steps(runs[k], phases, args.steps)
-                             for k in ("warm", "ahead")}
+                             for k in ("warm", *aheads)}
+      res["background_cost"] = {k: background_cost(runs[k], phases, args.steps)
+                                for k in aheads}
     rows = []
     for i, p in enumerate(phases[1:], 1):
       old, new = phases[i - 1], p
@@ -347,9 +385,9 @@ def main(argv=None):
         f' before, {res["import_jax_flax_optax_s_after"]:.2f} s after')
   print("\n| step | devices (procs) | run | relaunch (ahead: hand-over, of it the save; wait)"
         " | imports |"
-        " jax.distributed | restore | compile: all (after the restore; XLA compiles) |"
-        " first step | resize (save -> step done) |")
-  print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        " jax.distributed | restore (read) | compile: all (after the restore; XLA compiles) |"
+        " first batch | first step | resize (save -> step done) |")
+  print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     for kind in kinds:
       c = r[kind]
@@ -358,9 +396,10 @@ def main(argv=None):
           if c["ahead"] else "") + " |"
       print(f"| {r['step']} | {r['devices'][0]} ({r['procs'][0]}) -> {r['devices'][1]}"
             f" ({r['procs'][1]}){' (run before)' if r['seen'] else ''} | {kind} |" + rel
-            + "".join(f" {c[k]:.2f} |" for k in PARTS[1:4])
+            + "".join(f" {c[k]:.2f} |" for k in PARTS[1:3])
+            + f" {c['restore_s']:.2f} ({(c['restore_parts_s'] or {}).get('read', 0):.2f}) |"
             + f" {c['compile_s']:.2f} ({c['compile_wait_s']:.2f}; {c['xla_compiles']}) |"
-            f" {c['step_s']:.2f} |"
+            f" {c['batch_s']:.2f} | {c['step_s']:.2f} |"
             f" {c['resize_s']:.2f} |")
   worst = {k: max(r[k]["resize_s"] for r in rows) for k in kinds}
   seen = {k: max([r[k]["resize_s"] for r in rows if r["seen"]], default=None) for k in kinds}
@@ -372,12 +411,23 @@ def main(argv=None):
           + (f"; onto a mesh run before: {seen[k]:.2f} s (target < 0.5 s)"
              if seen[k] is not None else ""))
   if "phase_step_s" in res:
-    print("\nmedian step per phase (s), warm | ahead (the next generations started and"
-          " compiled in the background):")
+    print(f"\nmedian step per phase (s), warm | {' | '.join(aheads)} (the next generations"
+          " started and compiled in the background):")
     for i, p in enumerate(phases):
-      w, a = res["phase_step_s"]["warm"][i], res["phase_step_s"]["ahead"][i]
-      if w and a:
-        print(f"  phase at step {p.step}: {w:.3f} | {a:.3f} ({a / w:.2f}x)")
+      w = res["phase_step_s"]["warm"][i]
+      if w:
+        print(f"  phase at step {p.step}: {w:.3f} | " + " | ".join(
+            f"{a:.3f} ({a / w:.2f}x)" if a else "-"
+            for a in (res["phase_step_s"][k][i] for k in aheads)))
+    print("\nthe same run's steps while a generation was being prepared (busy) and while"
+          " none was (quiet), median s (count):")
+    for k in aheads:
+      for c in res["background_cost"][k]:
+        b, q = c["busy_s"], c["quiet_s"]
+        print(f"  {k}, phase at step {c['step']}: busy "
+              + (f"{b:.3f} ({c['busy_n']})" if b else "-") + ", quiet "
+              + (f"{q:.3f} ({c['quiet_n']})" if q else "-")
+              + (f", {b / q:.2f}x" if b and q else ""))
   if args.plot:
     pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, imp, args.plot)

@@ -11,8 +11,12 @@ from ``request_resize(M, at_step=S)`` called at step A. Optional:
 per step, ``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
 processes from step S started ahead; each process of a job with it writes
 ``JOB_DIR/ahead_<generation>_<process>.json``: whether it was prepared, when
-``initialize`` had returned, its turn; ``TRAIN_AHEAD_FAIL=1``: processes
-started ahead exit with status 3 before their turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
+``initialize`` had returned, its turn, its nice value then and after it; ``TRAIN_AHEAD_FAIL=1``: processes
+started ahead exit with status 3 before their turn), ``TRAIN_EXPECT_FAILURE=M``
+(``expect_resizes``'s ``failure``: a generation of M processes prepared for a
+failure; it writes the same files; ``TRAIN_WAIT_READY=S:G:M``: generation 0
+waits at step S until the M processes of generation G are ready for their
+turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
 with code 3 after step S; KIND ``host`` first deletes its store, as if its
 host were lost; KIND ``midsave`` exits before its ``save_snapshot`` of step
 S, once process 0 has committed that snapshot: a crash in the middle of a
@@ -52,12 +56,18 @@ def env_int(name):
 
 target = {"w": jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sh), "step": 0}
 expect = os.environ.get("TRAIN_EXPECT")
+expect_failure = os.environ.get("TRAIN_EXPECT_FAILURE")
 prepared = store.prepared()
-if expect and not prepared:
+if (expect or expect_failure) and not prepared:
   store.expect_resizes(
-      [(int(s), int(m), f"procs{m}") for s, m in (x.split(":") for x in expect.split(","))],
-      key=f"procs{info['num_processes']}")
+      [(int(s), int(m), f"procs{m}") for s, m in
+       (x.split(":") for x in (expect or "").split(",") if x)],
+      key=f"procs{info['num_processes']}",
+      failure=(int(expect_failure), f"procs{expect_failure}") if expect_failure
+      else None)
+expect = expect or expect_failure
 initialized = time.time()
+nice_prepared = os.getpriority(os.PRIO_PROCESS, 0)  # this (main) thread's
 if prepared and os.environ.get("TRAIN_AHEAD_FAIL"):  # a generation ahead fails early
   print("launch_train: a process started ahead fails", flush=True)
   sys.exit(3)
@@ -66,7 +76,8 @@ if expect:  # whether this process was started ahead, and its turn
   with open(os.path.join(info["job_dir"], f"ahead_{info['generation']}_"
                          f"{info['process_id']}.json"), "w") as f:
     json.dump({"prepared": prepared, "initialized": initialized,
-               "turn": store.wait_turn(), "step": step}, f)
+               "turn": store.wait_turn(), "step": step, "nice_prepared": nice_prepared,
+               "nice_turn": os.getpriority(os.PRIO_PROCESS, 0)}, f)
 assert state["step"] == step, (state["step"], step)
 for s in state["w"].addressable_shards:  # what was saved at that step
   np.testing.assert_array_equal(
@@ -119,6 +130,14 @@ while step < total:
         shutil.rmtree(info["store"])
       print(f"launch_train: process {p} crashes at step {step}", flush=True)
       os._exit(3)
+  wait_ready = os.environ.get("TRAIN_WAIT_READY")
+  if wait_ready and info["generation"] == 0:
+    s, g, m = map(int, wait_ready.split(":"))
+    deadline = time.time() + 120
+    while s == step and time.time() < deadline and not all(
+        os.path.exists(os.path.join(info["job_dir"], f"ready_{g}_{i}.txt"))
+        for i in range(m)):
+      time.sleep(0.05)
   for fault in filter(None, os.environ.get("TRAIN_FAULTS", "").split(",")):
     g, s, p, kind = fault.split(":")
     if (int(g), int(s), int(p)) == (info["generation"], step,

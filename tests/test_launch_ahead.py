@@ -5,7 +5,9 @@ the launcher starts those generations at once (a generation whose key is the
 running one's after that one's first step), they initialise ``jax.distributed``
 and wait in ``wait_turn``; when every running process saved for the resize the
 launcher hands the matching generation its turn. An expectation the job does
-not follow costs nothing but the prepared processes, which are stopped.
+not follow costs nothing but the prepared processes, which are stopped. With
+``TRAIN_EXPECT_FAILURE`` the launcher also prepares the generation a failure
+would restart on, and a failure hands it the turn.
 """
 
 import json
@@ -46,11 +48,18 @@ def test_expected_generations_are_started_ahead_and_take_their_turn(tmp):
           in out), out[-3000:]
   check_final(job, procs=2, step=10, generation=2)
   assert not _ahead(job, 0, 0)["prepared"]
+  # Prepared at the launcher's nice value + 10 (--prepare-nice's default), where it
+  # may lower it again (as root); back to the launcher's at the turn.
+  from tenplex_jax.runtime.launch import _can_renice
+  low = 10 if _can_renice(10) else 0
+  base = os.getpriority(os.PRIO_PROCESS, 0)
   for gen, step, procs in ((1, 4, 1), (2, 8, 2)):
     for i in range(procs):
       a = _ahead(job, gen, i)
       assert a["prepared"] and a["step"] == step, a
+      assert (a["nice_prepared"], a["nice_turn"]) == (min(19, base + low), base), a
       t = a["turn"]
+      assert t["nice"] == low and t["started"] <= a["initialized"], a
       # initialised (jax.distributed up) before the previous generation had saved
       assert a["initialized"] < t["handed"] <= t["seen"], a
       assert t["ready"] <= t["seen"], a
@@ -97,3 +106,49 @@ def test_a_generation_ahead_that_fails_is_not_started_again(tmp):
   check_final(job, procs=1, step=5, generation=2)
   assert not _ahead(job, 2, 0)["prepared"]
   assert not [pid for pid in seen if _alive(pid)], out
+
+
+def test_a_failure_hands_the_turn_to_the_generation_prepared_for_it(tmp):
+  # 3 processes, --on-failure shrink, a snapshot every step; the script expects a
+  # failure's generation of 2 processes (expect_resizes(failure=...)): the launcher
+  # prepares it once generation 0 stepped. Generation 0 waits at step 4 until it is
+  # ready, then process 1 is SIGKILLed: the restart on 2 processes is that prepared
+  # generation (the same processes: their pid files, written at initialize, predate
+  # the failure), handed the failed step and the start step with its turn; it
+  # restores step 4 (nothing lost) and the values are exactly the static run's.
+  job = os.path.join(tmp, "job")
+  with launcher(tmp, train(7), "--procs", "3", "--on-failure", "shrink",
+                "--max-restarts", "1", TRAIN_SNAPSHOT_EVERY=1, TRAIN_SLEEP=0.2,
+                TRAIN_EXPECT_FAILURE=2, TRAIN_WAIT_READY="4:1:2",
+                TRAIN_FAULTS="0:4:1:sigkill") as (p, log, seen):
+    rc, out = finish(p, log)
+    seen.update(pids_of(job))
+  assert rc == 0, out[-5000:]
+  assert "generation 1 (2 processes) prepared for a failure" in out, out[-3000:]
+  assert ("process 1 failed (exit code -9) at step 4; restart 1 of 1 on 2 processes"
+          " (generation 1, prepared for a failure)" in out), out[-3000:]
+  assert out.count("prepared for a failure\n") == 1, out[-3000:]  # not started again
+  (fail,) = [json.loads(x) for x in _text(os.path.join(job, "failures.jsonl")).splitlines()]
+  assert (fail["generation"], fail["process"], fail["kind"]) == (0, 1, "signal"), fail
+  for i in range(2):
+    a = _ahead(job, 1, i)
+    assert a["prepared"] and a["step"] == 4 and a["turn"]["failure"], a
+    t = a["turn"]
+    # ready (jax.distributed up, waiting) before the failure; handed after it
+    assert a["initialized"] <= t["ready"] < fail["failed_at"] <= t["handed"] <= t["seen"], a
+    pid_time = os.stat(os.path.join(job, f"pid_1_{i}.txt")).st_mtime
+    assert pid_time < fail["failed_at"], (pid_time, fail)
+  rec = json.loads(_text(os.path.join(job, "recovery_1.json")))
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"]) == (4, 4, 0), rec
+  assert not os.path.exists(os.path.join(job, "pid_2_0.txt"))  # no other generation
+  check_final(job, procs=2, step=7, generation=1)
+  assert not [pid for pid in seen if _alive(pid)], out  # nothing left
+
+
+def test_expect_resizes_refuses_a_failure_generation_without_processes():
+  from tenplex_jax import store
+  from tenplex_jax.errors import UsageError
+  for bad in ((0, "k"), ("x", "k"), (1,), 5):
+    with pytest.raises(UsageError, match=r"failure=.*expected \(procs >= 1, key\)"):
+      store.expect_resizes([], key="k", failure=bad)
+  store.expect_resizes([], key="k", failure=(1, "k"))  # no launcher: nothing

@@ -50,6 +50,7 @@ def _run_2_1_2(out, *flags, timeout):
       "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
       *flags, "--json", out, "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
   assert run.returncode == 0, run.stdout[-5000:]
+  return run.stdout
 
 
 def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
@@ -62,7 +63,7 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   # standby processes, and the losses still follow the static run.
   import json
   out = os.path.join(tmp, "lm.json")
-  _run_2_1_2(out, "--fast-compile", timeout=450)
+  stdout = _run_2_1_2(out, "--fast-compile", timeout=450)
   with open(out) as f:
     log = json.load(f)
   el, st = log["elastic"], log["static"]
@@ -83,15 +84,26 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   # phases with store.expect_resizes): their step compiled (the second one loaded from
   # the cache, after generation 0 had written it) before their turn
   assert new["ahead"] and back["ahead"], (new, back)
+  # The generation back onto generation 0's mesh started early (expect_resizes(early=True)),
+  # with generation 0 (before its first step), and waited only before compiling
+  # (store.wait_programs) for generation 0's programs.
+  assert ("generation 2 (2 processes, from step 4) started ahead (waits for its programs)"
+          in stdout), stdout[-3000:]
+  assert back["ahead_s"]["started_time"] < first["time"] - first["step_s"], (first, back)
   for r in (new, back):
     a = r["ahead_s"]
     assert a["compile_s"] > 0 and a["warmup_s"] > 0, r
     assert r["import_s"] == 0 and r["distributed_s"] == 0, r
     assert r["relaunch_s"] >= r["handoff_s"] >= 0, r
   for r in (new, back):  # the components, each within the resize
-    parts = ("relaunch_s", "import_s", "distributed_s", "restore_s")
+    parts = ("relaunch_s", "import_s", "distributed_s", "restore_s", "batch_s")
     assert all(r[k] >= 0 for k in parts), r
     assert r["reconfig_s"] <= r["resize_s"], r
+    assert set(r["restore_parts_s"]) == {"manifest", "plan", "read", "build", "total"}, r
+    assert r["restore_parts_s"]["total"] <= r["restore_s"], r
+    # started (by the launcher) before it was ready; the nice it prepared at
+    assert r["ahead_lead_s"] >= r["ahead_margin_s"], r
+    assert r["ahead_s"]["nice"] in (0, 10), r
   np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
   assert log["max_abs_param_diff"] < 1e-5
 

@@ -241,18 +241,28 @@ def degrees_of(mesh):
   return {a: int(mesh.shape[a]) for a in ("data", "fsdp", "tensor", "stage")}
 
 
-def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, compiler_options):
-  """(executable, seconds spent compiling it: 0 when cached)."""
+def _compiled_step(cfg, mesh, rules, mb, state, tokens, mask, deterministic, compiler_options,
+                   before_compile=None):
+  """(executable, seconds spent compiling it: 0 when cached). ``before_compile()``, if
+  given, runs between tracing and compiling (its time not counted): a generation started
+  early waits there for the programs another one is compiling (``store.wait_programs``)."""
   key = (cfg, mesh.devices.shape, tuple(d.id for d in mesh.devices.flat), rules, mb,
          deterministic, tuple(sorted((compiler_options or {}).items())))
   if key in _COMPILED:
     return _COMPILED[key], 0.0
   t0 = time.perf_counter()
-  fn = make_step(cfg, mesh, mb, deterministic=deterministic,
-                 compiler_options=compiler_options,
-                 state_shardings=jax.tree.map(lambda x: x.sharding, state)).lower(state, tokens, mask).compile()
+  lowered = make_step(cfg, mesh, mb, deterministic=deterministic,
+                      compiler_options=compiler_options,
+                      state_shardings=jax.tree.map(lambda x: x.sharding, state)
+                      ).lower(state, tokens, mask)
+  waited = 0.0
+  if before_compile is not None:
+    t1 = time.perf_counter()
+    before_compile()
+    waited = time.perf_counter() - t1
+  fn = lowered.compile()
   _COMPILED[key] = fn
-  return fn, time.perf_counter() - t0
+  return fn, time.perf_counter() - t0 - waited
 
 
 _COMPILES = {}  # jax's compile events in this process, per thread: {ident: {kind: count}}
@@ -282,12 +292,12 @@ def count_compiles():
   _COMPILES["listening"] = True
 
 
-def counted_step(tr, *args):
-  """``tr.step(*args)`` -> ``(step, compile seconds, XLA compilations, cache hits)``, the
-  compile events counted in this thread."""
+def counted_step(tr, *args, **kwargs):
+  """``tr.step(*args, **kwargs)`` -> ``(step, compile seconds, XLA compilations, cache
+  hits)``, the compile events counted in this thread."""
   mine = _COMPILES.setdefault(threading.get_ident(), {"backend": 0, "cache_hits": 0})
   before = dict(mine)
-  fn, compile_s = tr.step(*args)
+  fn, compile_s = tr.step(*args, **kwargs)
   hits = mine["cache_hits"] - before["cache_hits"]
   return fn, compile_s, mine["backend"] - before["backend"] - hits, hits
 
@@ -434,6 +444,10 @@ class Trainer:
       the step maps ``(state, tokens, mask)`` to ``(state, loss)``.
     params: ``state -> params`` as host numpy arrays.
     check_deterministic: ``(phases, V, layouts)``, raises ``ValueError``.
+    step_waits: ``step`` takes ``before_compile=`` (called between tracing and
+      compiling): a generation started early traces its step before it waits for the
+      programs another generation is compiling (``store.wait_programs``); otherwise it
+      waits before tracing.
   """
   script: str
   process_start: float
@@ -443,6 +457,7 @@ class Trainer:
   step: Callable
   params: Callable
   check_deterministic: Callable
+  step_waits: bool = False
 
 
 def _phase_key(phase, procs):
@@ -458,7 +473,9 @@ def _expect_next(store, args, phases, plan, phase, n):
     return
   later = [(p.step, plan[k], _phase_key(p, plan[k])) for k, p in enumerate(phases)
            if phase.step < p.step < args.steps]
-  store.expect_resizes(later, key=_phase_key(phase, n))
+  # early: a phase with a key being compiled starts at once too and waits for its
+  # programs only before it compiles (store.wait_programs)
+  store.expect_resizes(later, key=_phase_key(phase, n), early=True)
 
 
 def _zeros(tree, fill=0):
@@ -515,8 +532,20 @@ def worker(args, cfg, phases, plan, trainer=None):
   spec = NamedSharding(mesh, P(("data", "fsdp")))
   batch = (jax.ShapeDtypeStruct((gb, cfg.seq_len + 1), jnp.int32, sharding=spec),
            jax.ShapeDtypeStruct((gb,), jnp.float32, sharding=spec))
-  compiling = _Background(counted_step, tr, cfg, mesh, rules, mb, abstract, *batch,
-                          args.deterministic, _compiler_options(args))
+  waits = {}
+
+  def wait_programs():  # a generation started early: the other's programs in the cache
+    waits["programs_wait_s"] = store.wait_programs()
+
+  def compile_step():
+    if tr.step_waits:
+      return counted_step(tr, cfg, mesh, rules, mb, abstract, *batch, args.deterministic,
+                          _compiler_options(args), before_compile=wait_programs)
+    wait_programs()
+    return counted_step(tr, cfg, mesh, rules, mb, abstract, *batch, args.deterministic,
+                        _compiler_options(args))
+
+  compiling = _Background(compile_step)
   ahead_s = {}
   if ahead:  # before the turn: the step compiled and run once (gloo's connections)
     t0 = time.time()
@@ -526,7 +555,8 @@ def worker(args, cfg, phases, plan, trainer=None):
     jax.block_until_ready(warm)
     del warm
     ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
-                   compile_wait_s=t1 - t0, warmup_s=time.time() - t1)
+                   compile_wait_s=t1 - t0, warmup_s=time.time() - t1,
+                   programs_wait_s=waits.get("programs_wait_s", 0.0))
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
@@ -534,7 +564,8 @@ def worker(args, cfg, phases, plan, trainer=None):
   if ahead:
     _expect_next(store, args, phases, plan, phase, n)
     ahead_s.update(ready_time=turn["ready"], handed_time=turn["handed"],
-                   saved_time=turn.get("saved"))
+                   saved_time=turn.get("saved"), started_time=turn.get("started"),
+                   nice=turn.get("nice", 0))
   if phase_at(phases, step) != phase:
     raise ValueError(f"restored step {step}, which is not in the phase at step {phase.step}")
   state = tree["train"]
@@ -557,7 +588,9 @@ def worker(args, cfg, phases, plan, trainer=None):
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
   for t in range(step, end):
+    t0 = time.perf_counter()
     tokens, mask, data_state = batches(source, mesh, data_state, gb)
+    batch_s = time.perf_counter() - t0
     if compiling is not None:  # the first step: compiled while restoring
       t0 = time.perf_counter()
       fn, compile_s, compiles, hits = compiling.result()
@@ -571,7 +604,7 @@ def worker(args, cfg, phases, plan, trainer=None):
     state, loss = fn(state, tokens, mask)
     loss = _host_scalar(loss)
     rec = {"event": "step", "step": t, "loss": loss, "step_s": time.perf_counter() - t0,
-           "time": time.time(), "compile_s": compile_s,
+           "time": time.time(), "compile_s": compile_s, "batch_s": batch_s,
            # of which not overlapped with the restore (the first step's compile runs with it)
            "compile_wait_s": compile_wait_s,
            # the step's XLA compilations, and those the persistent cache answered
@@ -647,7 +680,11 @@ def assemble(records_path, job_dir):
   ``handoff_s`` to the launcher's hand-over (``save_s`` of it until every old
   process had saved) and ``ahead_wait_s`` waiting for the preparation to finish;
   ``ahead_margin_s``: how long before the save call it was ready, negative when it
-  was not).
+  was not; ``ahead_lead_s``: how long before the save call the launcher started it;
+  ``ahead_s["nice"]``: the nice increment it prepared at). Every step has ``time``
+  (its end), ``batch_s`` (reading the global batch) and ``step_s`` (the step); the
+  first after a resize also ``restore_parts_s`` (process 0's restore: manifest,
+  plan, read, build, total).
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]
@@ -659,8 +696,8 @@ def assemble(records_path, job_dir):
     elif e["event"] == "start":
       pending = e if e["step"] > 0 else None
     elif e["event"] == "step":
-      rec = {k: e[k] for k in ("step", "loss", "step_s", "compile_s", "compile_wait_s",
-                               "xla_compiles",
+      rec = {k: e[k] for k in ("step", "loss", "step_s", "time", "batch_s", "compile_s",
+                               "compile_wait_s", "xla_compiles",
                                "cache_hits", "devices", "mesh", "microbatches", "procs",
                                "devices_per_proc")}
       rec.update(reconfig_s=0.0, reconfig_bytes=0)
@@ -676,6 +713,8 @@ def assemble(records_path, job_dir):
                    xla_compiles_procs=_compiles(job_dir, pending["generation"]),
                    reconfig_bytes=local + net, network_bytes=net,
                    resized_from=prev["mesh"], procs_from=prev["procs"])
+        if pending.get("restore"):  # process 0's restore: manifest, plan, read, build
+          rec["restore_parts_s"] = pending["restore"]["seconds"]
         if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
           a = pending["ahead_s"]  # preparation to finish
           if a.get("saved_time"):  # the old processes' save, of the hand-over
@@ -683,6 +722,8 @@ def assemble(records_path, job_dir):
           rec.update(ahead_s=a, handoff_s=a["handed_time"] - save["time"],
                      ahead_wait_s=max(0.0, pending["start_time"] - a["handed_time"]),
                      ahead_margin_s=save["time"] - a["ready_time"])
+          if a.get("started_time"):  # how long before the save it was started
+            rec["ahead_lead_s"] = save["time"] - a["started_time"]
         rec["compile_cache_hit"] = bool(rec["xla_compiles_procs"]) and all(
             c == 0 and h > 0 for c, h in rec["xla_compiles_procs"])
         pending = None
@@ -729,7 +770,8 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
                     job_dir=job, timeout=args.timeout, max_restarts=0,
                     standby=not getattr(args, "no_standby", False),
                     compilation_cache=not getattr(args, "no_compilation_cache", False),
-                    standby_imports=STANDBY_IMPORTS)
+                    standby_imports=STANDBY_IMPORTS,
+                    prepare_nice=getattr(args, "prepare_nice", 10))
     if code != 0:
       raise SystemExit(f"the job across processes failed (exit code {code}); its"
                        f" directory {job} is kept (logs, failures.jsonl)")
@@ -753,7 +795,7 @@ LM_TRAINER = Trainer(
     script=__file__, process_start=_PROCESS_START, dataset=dataset, layout=layout,
     state=state_and_target, step=_compiled_step,
     params=lambda state: jax.tree.map(np.asarray, nn.unbox(state.params)),
-    check_deterministic=check_deterministic)
+    check_deterministic=check_deterministic, step_waits=True)
 
 
 def _compiler_options(args):
@@ -839,6 +881,10 @@ def main(argv=None):
                   help="(with --procs) do not have the launcher start the next phases'"
                   " processes ahead (store.expect_resizes): each resize then imports (or takes"
                   " a standby), starts jax.distributed and compiles (or loads) after the save")
+  ap.add_argument("--prepare-nice", type=int, default=10, metavar="N",
+                  help="(with --procs) nice increment of the generations started ahead"
+                  " while they prepare (tenplex-jax launch --prepare-nice; default 10, 0:"
+                  " the running generation's priority)")
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")
   ap.add_argument("--records", metavar="PATH",

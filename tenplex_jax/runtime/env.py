@@ -55,6 +55,7 @@ _VARS = {
     "compilation_cache": ("TENPLEX_COMPILATION_CACHE", bool),
     "ray_controller": ("TENPLEX_RAY_CONTROLLER", str),
     "turn_file": ("TENPLEX_TURN_FILE", str),
+    "programs_file": ("TENPLEX_PROGRAMS_FILE", str),
     "standby_imports": (STANDBY_IMPORTS_ENV, "csv"),
     "token": (TOKEN_ENV, str),
     "ca": (CA_ENV, str),
@@ -94,6 +95,7 @@ class JobEnv:
   compilation_cache: bool = False
   ray_controller: str | None = None
   turn_file: str | None = None
+  programs_file: str | None = None
   standby_imports: tuple[str, ...] = ()
   token: str | None = None
   ca: str | None = None

@@ -76,7 +76,7 @@ from tenplex_jax.store.server import CA_ENV, TOKEN_ENV, free_port
 __all__ = ["Controller", "RESIZE_EXIT_CODE", "controller", "expect_resizes",
            "initialize", "launch", "prepared", "register", "request_resize",
            "resize_due", "restore_or_init", "save_and_exit", "save_snapshot",
-           "use_controller", "wait_turn"]
+           "use_controller", "wait_programs", "wait_turn"]
 
 RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
@@ -393,7 +393,9 @@ def resize_due(step: int) -> int | None:
 
 
 def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
-                   key: str = "") -> None:
+                   key: str = "",
+                   failure: tuple[int, str] | None = None,
+                   early: bool = False) -> None:
   """Tells the launcher the resizes this job expects, so that it prepares
   their generations while this one trains.
 
@@ -410,10 +412,36 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
   loads the earlier one's programs from the compilation cache). Process 0's
   call counts; the others' do nothing. Without the launcher it does nothing.
 
+  ``failure``: ``(procs, key)`` of the generation that would take over after a
+  process of this one fails (e.g. the config search's choice for N - 1
+  hosts). The launcher prepares it too, once this generation has stepped, as
+  a standby generation: when a process fails and the launcher restarts on
+  ``procs`` processes (its ``on_failure``), it hands that generation the turn
+  (with the failed step, ``TENPLEX_FAILED_STEP``, and the start step) instead
+  of starting processes; :func:`restore_or_init` then restores the newest
+  snapshot. Its start step is not known before the turn: its
+  ``TENPLEX_START_STEP`` is this generation's until :func:`wait_turn`.
+
+  ``early``: start a generation whose key another generation is still
+  compiling at once too, instead of after that one: it imports, starts
+  ``jax.distributed`` and traces its step meanwhile, and the script calls
+  :func:`wait_programs` before it compiles (then loads the other's programs
+  from the compilation cache). For scripts that call it.
+
   Example:
     >>> expect_resizes([(8, 2, "2x2 data=2,stage=2"), (16, 1, "1x2 tensor=2")],
-    ...                key="2x4 data=2,tensor=2,stage=2")  # no launcher: nothing
+    ...                key="2x4 data=2,tensor=2,stage=2",
+    ...                failure=(1, "1x4 data=4"))  # no launcher: nothing
   """
+  if failure is not None:
+    try:
+      fprocs, fkey = failure
+      ok = int(fprocs) >= 1
+    except (TypeError, ValueError):
+      ok = False
+    if not ok:
+      raise UsageError(f"expect_resizes: failure={failure!r}: expected"
+                       " (procs >= 1, key)")
   env = job_env()
   job = env.job_dir
   if not job or not env.launched or env.ray_controller or env.proc_id != 0:
@@ -428,11 +456,35 @@ def expect_resizes(resizes: Sequence[tuple[int, int, str]], *,
   p = os.path.join(job, "expected_resizes.json")
   with private.open_private(f"{p}.{os.getpid()}") as f:
     json.dump({"generation": env.generation,
-               "key": str(key), "resizes": out}, f)
+               "key": str(key), "resizes": out,
+               "failure": None if failure is None
+               else [int(failure[0]), str(failure[1])],
+               "early": bool(early)}, f)
   os.replace(f"{p}.{os.getpid()}", p)
 
 
 _turn: dict = {}  # a prepared process's turn: {"ready", "seen", "handed"}
+
+
+def wait_programs() -> float:
+  """In a generation started early (:func:`expect_resizes`'s ``early``)
+  while another generation with its key was still compiling: blocks until
+  the launcher says that one has its programs (it stepped, or is ready),
+  so that this one's compile loads them from the compilation cache instead
+  of compiling them again; looked for every 20 ms. Returns the seconds it
+  waited (0.0 at once elsewhere: not started early, or not prepared).
+
+  Example:
+    >>> wait_programs()  # not started early: returns at once
+    0.0
+  """
+  path = job_env().programs_file
+  if not path or not prepared():
+    return 0.0
+  t0 = time.time()
+  while not os.path.exists(path):
+    time.sleep(0.02)
+  return time.time() - t0
 
 
 def prepared() -> bool:
@@ -454,7 +506,11 @@ def wait_turn() -> dict:
   (the previous one saved the state this one restores). Returns
   ``{"ready": t, "handed": t, "seen": t}`` (``time.time()``: ready, turn
   handed by the launcher, turn seen here; ``"saved"``: when the previous
-  generation's last process had saved, or None); ``{}`` in other
+  generation's last process had saved, or None; ``"started"``: when the
+  launcher started the generation; ``"nice"``: the nice increment it
+  prepared at; ``"failure": True`` for a
+  generation prepared for a failure (:func:`expect_resizes`), whose start
+  and failed step the turn sets in ``os.environ``); ``{}`` in other
   processes. The turn is looked for every 2 ms.
 
   Example:
@@ -473,7 +529,12 @@ def wait_turn() -> dict:
       break
     except (OSError, ValueError):
       time.sleep(0.002)
-  _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time())
+  _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time(),
+               started=turn.get("started"), nice=turn.get("nice", 0))
+  # A generation prepared for a failure learns its start and failed step now.
+  os.environ.update(turn.get("env") or {})
+  if turn.get("failure"):
+    _turn["failure"] = True
   _heartbeat()
   return dict(_turn)
 
@@ -841,15 +902,69 @@ def _start_child(index: int, cmd: Sequence[str], env: dict,
   return _Child(index, cmd, env, wake)
 
 
+def _set_nice(pid: int, nice: int) -> bool:
+  """Sets the nice value of every thread of process ``pid`` (Linux: a
+  thread's own, ``/proc/PID/task``; threads it starts later inherit their
+  creator's). False when a thread refused (gone, or not permitted)."""
+  try:
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+  except OSError:
+    tids = [pid]
+  ok = True
+  for tid in tids:
+    try:
+      os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+      ok = False
+  return ok
+
+
+_NICE_OK: dict = {}
+
+
+def _can_renice(nice: int) -> bool:
+  """Whether this process may raise a thread's nice value to ``nice`` and
+  lower it back to its own (root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE``):
+  tried once, on a thread of its own."""
+  if nice not in _NICE_OK:
+    out = []
+
+    def probe():
+      tid = threading.get_native_id()
+      try:
+        base = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, base + nice)
+        os.setpriority(os.PRIO_PROCESS, tid, base)
+        out.append(True)
+      except (OSError, AttributeError):
+        out.append(False)
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    _NICE_OK[nice] = bool(out and out[0])
+  return _NICE_OK[nice]
+
+
 class _Ahead:
   """A generation started ahead of its turn (:func:`expect_resizes`): its
   processes run the script up to :func:`wait_turn`; :meth:`hand` gives
-  them the turn (``TENPLEX_TURN_FILE``: the launcher's ``time.time()``)."""
+  them the turn (``TENPLEX_TURN_FILE``: the launcher's ``time.time()``).
+  ``step`` None: the generation prepared for a failure."""
 
-  def __init__(self, gen: int, n: int, step: int, key: str,
-               children: list[_Child], turn_file: str):
+  def __init__(self, gen: int, n: int, step: int | None, key: str,
+               children: list[_Child], turn_file: str, nice: int = 0):
     self.gen, self.n, self.step, self.key = gen, n, step, key
     self.children, self.turn_file = children, turn_file
+    # While it prepares, its processes run at a lower priority (``nice``
+    # more than the launcher's) than the running generation's: their
+    # threads, and those they start, until the turn.
+    self.nice = nice if nice and _can_renice(nice) else 0
+    self.started = time.time()
+    self.programs: str | None = None  # wait_programs's file, until written
+    if self.nice:
+      base = os.getpriority(os.PRIO_PROCESS, 0)
+      for c in children:
+        _set_nice(c.popen.pid, base + self.nice)
 
   def alive(self) -> bool:
     return all(c.code is None for c in self.children)
@@ -859,12 +974,26 @@ class _Ahead:
     return all(os.path.exists(os.path.join(job_dir, f"ready_{self.gen}_{i}"
                                            ".txt")) for i in range(self.n))
 
-  def hand(self, saved: float | None = None) -> None:
+  def hand(self, saved: float | None = None,
+           env: dict[str, str] | None = None) -> None:
     """The turn: when it was handed, and when the previous generation's
-    last process had saved (``saved``, when known)."""
+    last process had saved (``saved``, when known); ``env``: variables the
+    processes set before they restore (a generation prepared for a failure:
+    its start and failed step). Their priority is the launcher's again
+    first, also when they had not finished preparing."""
+    if self.nice:
+      base = os.getpriority(os.PRIO_PROCESS, 0)
+      for c in self.children:
+        _set_nice(c.popen.pid, base)
     with private.open_private(self.turn_file + ".tmp") as f:
-      json.dump({"handed": time.time(), "saved": saved}, f)
+      json.dump({"handed": time.time(), "saved": saved, "env": env or {},
+                 "failure": self.step is None, "started": self.started,
+                 "nice": self.nice}, f)
     os.replace(self.turn_file + ".tmp", self.turn_file)
+    if self.nice:  # threads a thread still at the lower priority started
+      base = os.getpriority(os.PRIO_PROCESS, 0)
+      for c in self.children:
+        _set_nice(c.popen.pid, base)
 
 
 def _cache_env(job_dir: str, cache: bool | str) -> dict[str, str]:
@@ -1168,7 +1297,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            compilation_cache: bool | str = True,
            standby: bool = True,
            standby_imports: Sequence[str] | None = None,
-           prepare_ahead: int = 4) -> int:
+           prepare_ahead: int = 4, prepare_nice: int = 10) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -1236,6 +1365,15 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       them the turn, and they restore. A generation whose resize does not
       come is stopped; one that fails before its turn is not started again;
       the resize then starts its processes as without it. 0: none.
+    prepare_nice: how much lower the priority of a generation's processes
+      is than the launcher's while they prepare (their nice value, every
+      thread's, until their turn), so that the running generation's steps
+      come first: default 10, 0 leaves it. Only where the launcher may
+      lower a nice value again (root, ``CAP_SYS_NICE``, or ``ulimit -e``
+      20); elsewhere they prepare at the launcher's priority. The old
+      processes of a resize handed to a prepared generation exit at that
+      lower priority too (raising it needs no privilege), so that their
+      shutdown gives way to the new generation's restore and first step.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
@@ -1262,6 +1400,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if not isinstance(prepare_ahead, int) or prepare_ahead < 0:
     raise UsageError(f"launch: prepare_ahead must be a count >= 0, not"
                      f" {prepare_ahead!r}")
+  if not isinstance(prepare_nice, int) or not 0 <= prepare_nice <= 19:
+    raise UsageError(f"launch: prepare_nice must be a nice increment in"
+                     f" 0..19, not {prepare_nice!r}")
   if step_timeout is not None and not step_timeout > 0:
     raise UsageError(f"launch: step_timeout must be positive seconds, not"
                      f" {step_timeout!r}")
@@ -1383,11 +1524,40 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   expected = {"mtime": None, "data": None}
   numbers = {"next": 0}  # generation numbers handed out
   failed_ahead: set[int] = set()  # steps whose generation ahead failed
+  # The generation prepared for a failure of the running one (at most one:
+  # expect_resizes's failure), and the generations whose one failed early.
+  standby_gen: list[_Ahead] = []
+  failed_standby: set[int] = set()
 
   def drop_ahead(which):
     for a in [a for a in ahead if which(a)]:
       ahead.remove(a)
       _stop(a.children, wake, 0)
+
+  def drop_standby_gen():
+    for a in standby_gen:
+      _stop(a.children, wake, 0)
+    standby_gen.clear()
+
+  def start_ahead(count, step, key, start, wait=False):
+    """A generation of ``count`` processes started ahead: for the resize at
+    ``step``, or (``step`` None) for a failure; ``start``: its start step;
+    ``wait``: another generation compiles its key (wait_programs)."""
+    g = numbers["next"]
+    numbers["next"] += 1
+    urls = ensure_servers(count)
+    port = free_port()
+    turn = os.path.join(job_dir, f"turn_{g}")
+    programs = os.path.join(job_dir, f"programs_{g}")
+    extra = {"TENPLEX_TURN_FILE": turn}
+    if wait:
+      extra["TENPLEX_PROGRAMS_FILE"] = programs
+    kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
+                                  **extra},
+                         wake, standbys) for i in range(count)]
+    a = _Ahead(g, count, step, key, kids, turn, prepare_nice)
+    a.programs = programs if wait else None
+    return a
 
   def prepare(cur):
     """Starts the generations the running script expects (at most
@@ -1410,27 +1580,52 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
             f" {[c.code for c in a.children]}); not starting it again",
             file=sys.stderr, flush=True)
       drop_ahead(lambda x, a=a: x is a)
-    busy = {a.key for a in ahead if not a.ready(job_dir)}
-    if not cur["stepped"] and data.get("generation") == cur["gen"]:
+    for a in [a for a in standby_gen if not a.alive()]:
+      failed_standby.add(cur["gen"])
+      print(f"tenplex-jax launch: generation {a.gen}, prepared for a failure,"
+            f" failed before its turn (exit codes"
+            f" {[c.code for c in a.children]}); not starting it again",
+            file=sys.stderr, flush=True)
+      drop_standby_gen()
+    # Keys being compiled: by the running generation before its first step,
+    # by generations ahead not yet ready (but those waiting for programs).
+    busy = {a.key for a in ahead + standby_gen
+            if a.programs is None and not a.ready(job_dir)}
+    mine = data.get("generation") == cur["gen"]
+    if not cur["stepped"] and mine:
       busy.add(data.get("key"))
+    for a in ahead + standby_gen:  # their programs are in the cache now
+      if a.programs is not None and a.key not in busy:
+        with private.open_private(a.programs):
+          pass
+        a.programs = None
+    busy |= {a.key for a in ahead + standby_gen if not a.ready(job_dir)}
+    early = bool(data.get("early")) and mine
     for step, count, key in sorted(data.get("resizes", [])):
       if len(ahead) >= prepare_ahead:
-        return
+        break
       if step <= cur["start"] or any(a.step == step for a in ahead) \
-          or key in busy or step in failed_ahead:
+          or (key in busy and not early) or step in failed_ahead:
         continue
-      g = numbers["next"]
-      numbers["next"] += 1
-      urls = ensure_servers(count)
-      port = free_port()
-      turn = os.path.join(job_dir, f"turn_{g}")
-      kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, step, urls),
-                                    "TENPLEX_TURN_FILE": turn},
-                           wake, standbys) for i in range(count)]
-      ahead.append(_Ahead(g, count, step, key, kids, turn))
+      a = start_ahead(count, step, key, step, wait=key in busy)
+      ahead.append(a)
       busy.add(key)
-      print(f"tenplex-jax launch: generation {g} ({count} processes, from"
-            f" step {step}) started ahead", flush=True)
+      print(f"tenplex-jax launch: generation {a.gen} ({count} processes, from"
+            f" step {step}) started ahead"
+            + (" (waits for its programs)" if a.programs else ""), flush=True)
+    failure = data.get("failure")
+    # The generation for a failure: once the running one stepped (a failure
+    # before that restarts as usual), and only if a restart would have its
+    # process count.
+    if (failure and mine and cur["stepped"] and not standby_gen
+        and cur["gen"] not in failed_standby and restarts < max_restarts
+        and int(failure[0]) == (max(1, cur["n"] - 1)
+                                if on_failure == "shrink" else cur["n"])
+        and failure[1] not in busy):
+      a = start_ahead(int(failure[0]), None, failure[1], cur["start"])
+      standby_gen.append(a)
+      print(f"tenplex-jax launch: generation {a.gen} ({a.n} processes)"
+            " prepared for a failure", flush=True)
 
   def hand_over(cur):
     """Hands the turn to the generation started ahead for the resize the
@@ -1458,6 +1653,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       return
     a.hand(saved)
     cur.update(handed=a, handed_info=info)
+    if prepare_nice:  # the old processes' exit (jax.distributed's shutdown)
+      base = os.getpriority(os.PRIO_PROCESS, 0)  # gives way to the new ones
+      for c in children:
+        _set_nice(c.popen.pid, min(19, base + prepare_nice))
 
   try:
     adopt = None  # a generation started ahead that has its turn
@@ -1510,6 +1709,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           hand_over(cur)
           if ahead:  # a hand-over is 10 ms from the save at most
             return 0.01
+          if standby_gen:
+            return 0.05
         return None
       out = _wait(children, wake, job_dir, gen, pending, t_end, step_timeout,
                   first_step, refill, poll)
@@ -1527,12 +1728,25 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         adopt = cur["handed"] or next(
             (a for a in ahead if a.step == start_step and a.n == n
              and a.alive()), None)
+        if adopt is not None and (adopt not in ahead or not adopt.alive()):
+          # handed the turn, but it failed before it could take it (prepare
+          # already dropped it, or is about to): the resize starts afresh
+          if adopt in ahead:
+            failed_ahead.add(adopt.step)
+            print(f"tenplex-jax launch: generation {adopt.gen}, started ahead"
+                  f" for step {adopt.step}, failed before its turn (exit codes"
+                  f" {[c.code for c in adopt.children]}); not starting it"
+                  " again", file=sys.stderr, flush=True)
+            drop_ahead(lambda x, a=adopt: x is a)
+          adopt = None
         if adopt is not None:
           ahead.remove(adopt)
           if adopt is not cur["handed"]:
             adopt.hand()
-        # (those for this step or earlier can no longer be used)
+        # (those for this step or earlier can no longer be used; the one for
+        # a failure was the old generation's)
         drop_ahead(lambda a: a.step <= start_step)
+        drop_standby_gen()
         print(f"tenplex-jax launch: generation {gen}: {cur['n']} -> {n}"
               f" processes at step {start_step}"
               + (f" (generation {adopt.gen}, started ahead)" if adopt
@@ -1575,9 +1789,28 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       restarts += 1
       if on_failure == "shrink":  # drop the failed process's slot
         n = max(1, n - 1)
+      # The generation prepared for this failure takes over, if it is alive
+      # and has the restart's process count.
+      spare = next((a for a in standby_gen if a.alive() and a.n == n), None)
       print(f"tenplex-jax launch: generation {gen}: process {first} failed"
             f" (exit code {code}) at step {failed_step}; restart"
-            f" {restarts} of {max_restarts} on {n} processes", flush=True)
+            f" {restarts} of {max_restarts} on {n} processes"
+            + (f" (generation {spare.gen}, prepared for a failure)" if spare
+               else ""), flush=True)
+      if spare is not None:
+        standby_gen.remove(spare)
+        for i in range(max(n, len(children))):  # the failed generation's
+          for name in (f"progress_{i}", f"heartbeat_{i}"):
+            try:
+              os.unlink(os.path.join(job_dir, name))
+            except FileNotFoundError:
+              pass
+        urls = ensure_servers(n)  # (a dead store server restarted: new URL)
+        spare.hand(env={"TENPLEX_START_STEP": str(start_step),
+                        "TENPLEX_FAILED_STEP": str(failed_step),
+                        "TENPLEX_PEERS": json.dumps(urls)})
+        adopt = spare
+      drop_standby_gen()
       code = 1
   except BaseException:
     code = None
@@ -1588,6 +1821,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     # the store servers.
     _stop(children, wake)
     drop_ahead(lambda a: True)
+    drop_standby_gen()
     for sb in standbys:
       sb.kill()
     for p, _ in servers.values():
@@ -1684,7 +1918,8 @@ def _launch_cmd(args) -> int:
                 compilation_cache=(args.compilation_cache
                                    or not args.no_compilation_cache),
                 standby=not args.no_standby,
-                prepare_ahead=args.prepare_ahead)
+                prepare_ahead=args.prepare_ahead,
+                prepare_nice=args.prepare_nice)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -1733,5 +1968,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                  help="generations to start ahead of their turn for the"
                  " resizes the script expects (expect_resizes; default 4,"
                  " 0: none)")
+  p.add_argument("--prepare-nice", type=int, default=10, metavar="N",
+                 help="nice increment of a generation's processes while they"
+                 " prepare, until their turn (default 10; 0: none; only where"
+                 " the launcher may lower it again, e.g. as root)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)

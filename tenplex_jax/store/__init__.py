@@ -25,7 +25,8 @@ from tenplex_jax.store.checkpoint import (latest_step, restore_checkpoint,
 from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, expect_resizes,
                                       initialize, launch, prepared,
                                       request_resize, resize_due, restore_or_init,
-                                      save_and_exit, save_snapshot, wait_turn)
+                                      save_and_exit, save_snapshot, wait_programs,
+                                      wait_turn)
 from tenplex_jax.store.format import (HostStore, TensorInfo, gc,
                                       parse_index, round_id)
 from tenplex_jax.store.server import (TOKEN_ENV, RemoteStore, make_server,
@@ -58,6 +59,7 @@ __all__ = [
     "expect_resizes",
     "prepared",
     "wait_turn",
+    "wait_programs",
     "restore",
     "restore_checkpoint",
     "restore_with_report",
