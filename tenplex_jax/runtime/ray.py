@@ -410,7 +410,7 @@ class Job:
                env: Mapping[str, str] | None = None,
                on_progress: Callable[[Job, int], None] | None = None,
                tls_cert: str | None = None, tls_key: str | None = None,
-               tls_ca: str | None = None, standby: bool = True,
+               tls_ca: str | None = None, standby: bool | int = True,
                standby_imports: Sequence[str] | None = None,
                compilation_cache: bool | str = True):
     if not _ray.is_initialized():
@@ -459,7 +459,7 @@ class Job:
     # Standby workers: per node, [(actor, its prepare() ref, created)].
     # Only for workers that ask Ray for CPUs alone (a standby holds no Ray
     # resources, so Ray would give it no GPU).
-    self.standby = bool(standby)
+    self.standby = standby
     self.standby_imports = tuple(STANDBY_IMPORTS if standby_imports is None
                                  else standby_imports)
     self._standbys: dict[str, list[tuple[Any, Any, float]]] = {}
@@ -530,7 +530,7 @@ class Job:
         self._fill_standbys()  # on a node that joined, say
 
   def _standby_ok(self) -> bool:
-    return self.standby and set(self.worker_resources) == {"CPU"}
+    return bool(self.standby) and set(self.worker_resources) == {"CPU"}
 
   def _worker_env(self) -> dict[str, str]:
     """A worker actor's process environment (Ray's ``runtime_env``): the
@@ -567,7 +567,8 @@ class Job:
             pass  # it died: replaced below
         _ray.kill(a, no_restart=True)
       self._standbys[node] = keep
-    want = max(self._most, self._target() if self.auto else 0)
+    want = max(self._most, self._target() if self.auto else 0,
+               0 if isinstance(self.standby, bool) else int(self.standby))
     nodes = sorted(room)
     slots = [x for r in range(max(room.values(), default=0))
              for x in nodes if room[x] > r][:want]
