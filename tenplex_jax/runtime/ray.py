@@ -15,8 +15,18 @@ What :func:`run` does on a Ray cluster:
   found by name by the next one and is removed at the end of the run
   (``keep_stores=False``);
 * a worker group of N Ray actors (one CPU each, spread round robin over the
-  alive nodes), fresh processes for every group, running
+  alive nodes), new processes for every group, running
   ``jax.distributed`` on gloo (the coordinator on worker 0's node);
+* **standby workers**: the next group's actors are started ahead (0 CPUs,
+  pinned to nodes with room, as many as the largest group), with jax,
+  flax, optax and Orbax imported, waiting before ``jax.distributed``; a
+  resize or a recovery hands them their rank and the new process count
+  (:meth:`_Worker.run`) instead of starting actors. The driver starts the
+  replacements after the new group's first step, and drops the dead ones
+  and those on nodes that left or drain; an unused standby costs only
+  memory. jax's persistent compilation cache sits beside each node's
+  store (``<store_root>/tenplex-ray-<job>/xla``), so a group on a mesh the
+  job ran before loads its step instead of compiling it;
 * a resize is decided by the driver through a controller actor that every
   worker's :func:`resize_due` asks each step, so all workers stop at the
   same step: with ``num_workers=(min, max)`` (like Ray Train's
@@ -121,10 +131,10 @@ from tenplex_jax.runtime.launch import (
 )
 from tenplex_jax.store.server import make_server
 
-__all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
-           "drain_node", "draining_nodes", "initialize", "resize_due",
-           "restore_or_init", "run", "save_and_exit", "save_snapshot",
-           "stop_store", "store_actor_name"]
+__all__ = ["Job", "ResizeExit", "STANDBY_IMPORTS", "checkpoint_dir",
+           "cleanup_stores", "drain_node", "draining_nodes", "initialize",
+           "resize_due", "restore_or_init", "run", "save_and_exit",
+           "save_snapshot", "stop_store", "store_actor_name"]
 
 NAMESPACE = "tenplex"
 _MARGIN = 3  # steps ahead of the furthest worker for a request
@@ -957,7 +967,19 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       node's address, at the same path on every node: they then serve
       HTTPS only), ``tls_ca`` (the CA file the workers verify them
       against, at the same path on every node; default the driver's
-      ``$TENPLEX_JAX_STORE_CA``).
+      ``$TENPLEX_JAX_STORE_CA``), ``standby`` (``True``: keep standby
+      workers for the next group, as many as the largest group so far, the
+      schedule's or the auto-resize's target; an int: at least that many;
+      ``False``: start every group's actors on the resize's path; only for
+      workers asking Ray for CPUs alone, since a standby holds no Ray
+      resources; the driver may change ``job.standby`` for the next
+      group), ``standby_imports`` (the modules a standby imports,
+      :data:`STANDBY_IMPORTS` by default), ``compilation_cache``
+      (``True``: jax's persistent compilation cache in ``xla`` beside each
+      node's store directory, removed with the stores; a path: that
+      directory on every node, e.g. a shared file system, since in a
+      multi-process group jax writes entries from process 0 only;
+      ``False``: none; the driver may change ``job.compilation_cache``).
 
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,
@@ -967,6 +989,10 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
     ``steps_lost``; also for a group that failed after its first step),
     ``auto_request`` (the ``workers`` and ``step`` of a resize it chose
     from the node table),
+    ``standby`` (how many of its workers were standbys),
+    ``standby_ready_s`` (per worker, when its standby's imports were done,
+    seconds from the group's start: < 0 before the resize began; ``None``
+    for a fresh actor), ``pids``,
     and seconds: ``started_s`` (actors up), ``first_step_s`` (to the first
     :func:`resize_due`), ``end_s``, ``teardown_s``.
 
