@@ -475,6 +475,7 @@ class Job:
     self._standbys: dict[str, list[tuple[Any, Any, float]]] = {}
     # standbys to keep: the largest group so far (or scheduled)
     self._most = max([self.n, *map(int, self.schedule.values())])
+    self._store_nodes: set[str] = set()  # whose store answered last
     self.compilation_cache = compilation_cache
 
   def request_resize(self, procs: int) -> int:
@@ -553,16 +554,18 @@ class Job:
   def _fill_standbys(self) -> None:
     """Keeps standby workers started (0 CPUs: they cost memory only),
     ``max(largest group so far, the auto-resize's target)`` of them, round
-    robin over the alive nodes with room (one per worker slot at most),
-    none on draining or lost nodes; drops the dead ones and those on nodes
-    that left. Does not wait for them."""
+    robin over the alive nodes with room whose store answered (one per
+    worker slot at most), none on draining or lost nodes; drops the dead
+    ones and those on nodes that left. Does not wait for them."""
     if not self._standby_ok():
       self.drop_standbys()
       return
     room = {x["NodeID"]: self.slots(x["Resources"]) for x in _ray.nodes()
             if x["Alive"] and x["NodeID"] not in self.excluded
             and x["NodeID"] not in self.draining}
-    room = {k: v for k, v in room.items() if v > 0}
+    # Only on nodes whose store actor has answered: on a node that has just
+    # joined, a standby's imports would hold up its store's start.
+    room = {k: v for k, v in room.items() if v > 0 and k in self._store_nodes}
     for node in list(self._standbys):
       keep = []
       for a, ref, t in self._standbys[node]:
@@ -662,6 +665,7 @@ class Job:
         infos[node] = _ray.get(actor.info.remote(), timeout=30)
       except (_ray.exceptions.RayError, TimeoutError):
         continue  # its node is going away: the restore skips it
+    self._store_nodes = set(infos)
     return infos
 
   def _generation(self, n: int, start: int, failed: int | None) -> dict:
