@@ -48,7 +48,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_ray_train.py")
-PHASES = ("save", "start", "restore", "compile", "step")
+PHASES = ("save", "relaunch", "imports", "distributed", "setup", "restore",
+          "compile", "step")
 MODES = ("tenplex", "ray", "ray", "tenplex")
 
 
@@ -71,6 +72,9 @@ def transitions(rows: list[dict]) -> list[dict]:
       continue
     signal_t = min(r["t_signal"] for r in save)
     saved = max(r["t_saved"] for r in save)
+    t_start = max(r["t_start"] for r in new)
+    t_imp = max(r["t_imported"] for r in new)
+    t_init = max(r["t_init"] for r in new)
     r0 = max(r["t_restore0"] for r in new)
     r1 = max(r["t_restored"] for r in new)
     c1 = max(r["t_compiled"] for r in new)
@@ -80,7 +84,11 @@ def transitions(rows: list[dict]) -> list[dict]:
     out.append({
         "mode": save[0]["mode"], "from": save[0]["procs"],
         "to": new[0]["procs"], "at_step": save[0]["step"],
-        "save": saved - signal_t, "start": r0 - saved, "restore": r1 - r0,
+        "save": saved - signal_t, "start": r0 - saved,
+        "relaunch": t_start - saved, "imports": t_imp - t_start,
+        "distributed": t_init - t_imp, "setup": r0 - t_init,
+        "standby": all(r["standby"] for r in new),
+        "cache": all(r["cache"] for r in new), "restore": r1 - r0,
         "compile": c1 - r1, "step": f1 - c1, "total": f1 - signal_t,
         "steady_step_s": max(r["step_s"] for r in save),
         "local_bytes": sum(x["local_bytes"] for x in rep) if rep else None,
@@ -103,10 +111,7 @@ def run(args) -> dict:
   os.makedirs(ckpt)
   out_dir = os.path.join(tmp, "times")
   os.makedirs(out_dir)
-  k = 3  # steps per generation
-  schedule = {k * (i + 1): 2 if i % 2 == 0 else 1
-              for i in range(args.resizes)}
-  total = k * (args.resizes + 1)
+  k = 3  # steps per generation before the driver asks for the resize
   node = {"num_cpus": 1, "object_store_memory": 256 * 2**20}
   # Loopback only: the head on 127.0.0.2 (Ray turns 127.0.0.1 into the
   # machine's outward address), the other node on 127.0.0.3.
@@ -119,20 +124,48 @@ def run(args) -> dict:
     pids += _pids(cluster)
     ray.init(address=cluster.address, _node_ip_address="127.0.0.2",
              log_to_driver=False)
+    asked: dict = {}
     with Progress() as bar:
-      task = bar.add_task("steps", total=total)
+      task = bar.add_task("resizes", total=args.resizes)
+
+      def driver(j, step):
+        """Resizes group g (1 <-> 2 workers) once it has run k steps and,
+        when the resize is tenplex's, the next group's standby workers
+        have their imports done. Ray Train's restart starts a fresh worker
+        group (new actors, imports, no compilation cache): the tenplex
+        job's standbys and cache are off for it."""
+        gen = len(j.generations)
+        bar.update(task, completed=gen)
+        if gen >= args.resizes or gen in asked:
+          return
+        if step < j.current.get("start_step", 0) + k:
+          return
+        m = 2 if j.current["workers"] == 1 else 1
+        tenplex = MODES[gen % len(MODES)] == "tenplex"
+        if tenplex and args.standby and sum(
+            s["ready"] is not None for s in j.standbys()) < m:
+          return
+        j.standby = 2 if tenplex and args.standby else False
+        j.compilation_cache = tenplex and args.cache
+        asked[gen] = j.request_resize(m)
+
       result = tray.run(
-          SCRIPT, [], num_workers=1, schedule=schedule, job=job, max_restarts=0,
-          on_progress=lambda j, step: bar.update(task, completed=step),
+          SCRIPT, [], num_workers=1, job=job, max_restarts=0,
+          on_progress=driver, standby=2 if args.standby else False,
+          compilation_cache=args.cache, standby_imports=(
+              *tray.STANDBY_IMPORTS, "ray.train", "jax.sharding",
+              "tenplex_jax.store.checkpoint"),
           env={"BENCH_MODES": ",".join(MODES), "BENCH_OUT": out_dir,
-               "BENCH_CKPT": ckpt, "BENCH_STEPS": str(total),
+               "BENCH_CKPT": ckpt, "BENCH_RESIZES": str(args.resizes),
+               "BENCH_K": str(k),
                "BENCH_LAYERS": str(args.layers), "BENCH_DIM": str(args.dim),
                "PYTHONPATH": ROOT})
-      bar.update(task, completed=total)
+      bar.update(task, completed=args.resizes)
     with open(os.path.join(out_dir, "times.jsonl")) as f:
       rows = [json.loads(x) for x in f]
     gens = [{k: g.get(k) for k in ("generation", "workers", "started_s",
-                                   "teardown_s", "outcome")}
+                                   "teardown_s", "outcome", "standby",
+                                   "standby_ready_s", "pids")}
             for g in result["generations"]]
     return {"transitions": transitions(rows), "generations": gens}
   finally:
@@ -173,6 +206,10 @@ def main() -> None:
   ap.add_argument("--layers", type=int, default=6)
   ap.add_argument("--dim", type=int, default=4096)
   ap.add_argument("--out", default=None)
+  ap.add_argument("--no-standby", dest="standby", action="store_false",
+                  help="tenplex resizes start fresh worker actors too")
+  ap.add_argument("--no-cache", dest="cache", action="store_false",
+                  help="no jax persistent compilation cache")
   args = ap.parse_args()
   state_gib = 3 * args.layers * args.dim**2 * 4 / 2**30
   with open("/proc/meminfo") as f:
@@ -188,23 +225,27 @@ def main() -> None:
   for mode in ("tenplex", "ray"):
     rs = [r for r in rows if r["mode"] == mode]
     summary[mode] = {k: statistics.median(r[k] for r in rs)
-                     for k in (*PHASES, "total")}
+                     for k in (*PHASES, "start", "total")}
     summary[mode]["save_restore"] = statistics.median(
         r["save"] + r["restore"] for r in rs)
     summary[mode]["n"] = len(rs)
   t, r = summary["tenplex"], summary["ray"]
   ratios = {"save_restore": r["save_restore"] / t["save_restore"],
+            "start": r["start"] / t["start"],
             "total": r["total"] / t["total"]}
+  names = [p[:8] for p in (*PHASES, "total")]
   print(f"{'mode':8s} {'from':>4s} {'to':>3s} " +
-        " ".join(f"{p:>8s}" for p in (*PHASES, "total")))
+        " ".join(f"{p:>8s}" for p in names) + " standby cache")
   for x in rows:
     print(f"{x['mode']:8s} {x['from']:4d} {x['to']:3d} " +
-          " ".join(f"{x[p]:8.2f}" for p in (*PHASES, "total")))
+          " ".join(f"{x[p]:8.2f}" for p in (*PHASES, "total")) +
+          f" {x['standby']!s:7s} {x['cache']!s:5s}")
   for mode, s in summary.items():
     print(f"median {mode:8s}: (a) start {s['start']:.2f} s, (b) save +"
           f" restore {s['save_restore']:.2f} s, (c) compile"
           f" {s['compile']:.2f} s, total {s['total']:.2f} s (n={s['n']})")
   print(f"ray / tenplex: save + restore {ratios['save_restore']:.2f}x,"
+        f" start {ratios['start']:.2f}x,"
         f" total {ratios['total']:.2f}x; load {os.getloadavg()[0]:.1f};"
         f" wall {time.time() - t0:.0f} s")
   if args.out:

@@ -15,7 +15,10 @@ state travels to the next worker group:
   group opens it as a ``ray.train.Checkpoint`` and restores it with Orbax.
 
 Each process appends its timestamps to ``BENCH_OUT/times.jsonl``: the
-signal, the save, the restore, the compilation and the first step.
+signal, the save, the script's start, its imports, ``jax.distributed``, the
+restore, the compilation and the first step. The driver (``bench_ray.py``)
+resizes the group (``request_resize``) while it runs; group ``BENCH_RESIZES``
+(the last) stops after ``BENCH_K`` steps.
 """
 
 import importlib
@@ -25,25 +28,28 @@ import time
 
 T_START = time.time()
 
-from tenplex_jax import store  # noqa: E402
-
-info = store.initialize()
-import jax  # noqa: E402
+import jax  # noqa: E402  (imports first: none starts jax's backends)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402  (both modes pay the import)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from ray.train import Checkpoint  # noqa: E402
 
+from tenplex_jax import store  # noqa: E402
 from tenplex_jax.ray import ResizeExit  # noqa: E402
 from tenplex_jax.store.checkpoint import save_checkpoint  # noqa: E402
+
+T_IMPORTED = time.time()
+info = store.initialize()  # jax.distributed
+T_INIT = time.time()
 
 LAYERS = int(os.environ.get("BENCH_LAYERS", "6"))
 D = int(os.environ.get("BENCH_DIM", "4096"))
 BATCH, LR = 8, 1e-4
 MODES = os.environ["BENCH_MODES"].split(",")
 OUT, CKPT = os.environ["BENCH_OUT"], os.environ["BENCH_CKPT"]
-TOTAL = int(os.environ["BENCH_STEPS"])
+RESIZES = int(os.environ["BENCH_RESIZES"])
+K = int(os.environ.get("BENCH_K", "3"))  # the last group's steps
 gen, proc = info["generation"], info["process_id"]
 
 mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -116,8 +122,11 @@ state, loss = compiled(state, x)
 loss = float(loss)  # a global result: every worker has finished the step
 step += 1
 t_first = time.time()
+first = step - 1
 record(kind="start", mode=mode_in, step=step - 1, t_start=T_START,
-       t_restore0=t_restore0, t_restored=t_restored, t_compiled=t_compiled,
+       t_imported=T_IMPORTED, t_init=T_INIT, t_restore0=t_restore0,
+       standby="TENPLEX_STANDBY_READY" in os.environ,
+       cache=bool(jax.config.jax_compilation_cache_dir), t_restored=t_restored, t_compiled=t_compiled,
        t_first=t_first, restored=importlib.import_module(
            "tenplex_jax.store.launch").last_restore.get("report"))
 if mode_in == "ray" and proc == 0:  # the consumed checkpoint (not timed)
@@ -137,7 +146,7 @@ while True:
     record(kind="save", mode=mode_out, step=step, t_signal=t_signal,
            t_saved=time.time(), step_s=step_s)
     raise ResizeExit(m, step)  # what save_and_exit raises after its save
-  if step >= TOTAL:
+  if gen >= RESIZES and step >= first + K:
     break
   x = batch(step)
   state, loss = compiled(state, x)

@@ -21,7 +21,10 @@ each group wait after its first step (once it has asked ``resize_due``)
 until ``DIR/go_<generation>`` exists, and at each step of
 ``TRAIN_HOLD_STEPS`` (``7,9``) until ``DIR/go_<generation>_<step>``
 exists: a test's driver acts at a known step however slowly the machine
-runs.
+runs. Process ``p`` of group ``g`` writes to ``LOG_DIR/compiles_<g>_<p>.json``
+how many programs XLA compiled for the group's first step, after the
+restore (jax's backend compile requests less the persistent compilation
+cache's hits).
 """
 
 import json
@@ -38,6 +41,23 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tenplex_jax.data.order import global_batch_ids  # noqa: E402
+
+compiles = [0]  # XLA compilations in this process: jax's backend compile
+# requests less those its persistent compilation cache answered (hits)
+
+
+def on_duration(event, secs, **_):
+  if event == "/jax/core/compile/backend_compile_duration":
+    compiles[0] += 1
+
+
+def on_event(event, **_):
+  if event == "/jax/compilation_cache/cache_hits":
+    compiles[0] -= 1
+
+
+jax.monitoring.register_event_duration_secs_listener(on_duration)
+jax.monitoring.register_event_listener(on_event)
 
 N, B, SEED, n = 48, 12, 0, 12
 mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -113,6 +133,7 @@ def hold_at(step):
 
 add = jax.jit(lambda w, x: w + x, out_shardings=sh)
 total_sum = jax.jit(jnp.sum)  # an all-reduce: the processes in lockstep
+before_first = compiles[0]
 while step < total:
   d = state["data"]
   ids = global_batch_ids(SEED, d["epoch"], d["index"], N, B)
@@ -126,6 +147,9 @@ while step < total:
   w = add(state["w"], x)
   total_sum(w).block_until_ready()
   step += 1
+  if step == first:
+    with open(os.path.join(log_dir, f"compiles_{gen}_{proc}.json"), "w") as f:
+      json.dump({"first_step": compiles[0] - before_first}, f)
   time.sleep(float(os.environ.get("TRAIN_SLEEP", "0")))
   nxt = d["index"] + 1
   state = {"w": w, "step": step,

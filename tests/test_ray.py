@@ -105,6 +105,14 @@ def _nodes(c, k):
     time.sleep(0.2)
 
 
+def _alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
 def _read_ids(log_dir):
   seen = {}
   for path in sorted(glob.glob(os.path.join(log_dir, "ids_*.jsonl"))):
@@ -357,3 +365,96 @@ def test_tls_store_actors_serve_https_to_the_next_group(cluster, tmp_path):
       assert json.load(f)["step"] == 6
   finally:
     shutil.rmtree("/dev/shm/tenplex-ray-test-tls", ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
+  """A 1 -> 2 -> 1 -> 2-worker job on 2 nodes (``schedule``): each group
+  holds after its first step until the driver sees the next group's
+  standby workers started with their imports done; every later group is
+  those standbys (their pids, started before the resize: no actor starts
+  on the resize's path), restores the step the previous one saved bitwise
+  (the script checks every shard against a static run) with each step's
+  batch read exactly once, and a group on a mesh the job ran before (the
+  second 1- and 2-worker groups) compiles nothing for its first step (jax's
+  persistent compilation cache beside the stores). The standbys left at
+  the end are gone with the job."""
+  _nodes(cluster, 2)
+  total, job_name = 12, "test-standby"
+  shm = f"/dev/shm/tenplex-ray-{job_name}"
+  log_dir = str(tmp_path / "logs")
+  hold = str(tmp_path / "hold")
+  os.makedirs(log_dir)
+  os.makedirs(hold)
+  sizes = [1, 2, 1, 2]
+  seen_ready = {}  # generation: pids of the standbys ready while it held
+  jobs = []
+  try:
+    def driver(job, step):
+      jobs[:1] = [job]
+      gen = len(job.generations)
+      if gen in seen_ready or gen + 1 >= len(sizes):
+        if gen + 1 >= len(sizes):
+          open(os.path.join(hold, f"go_{gen}"), "w").close()
+        return
+      if step < job.current["start_step"] + 1:
+        return
+      ready = [s for s in job.standbys() if s["ready"] is not None]
+      if len(ready) >= sizes[gen + 1]:  # the next group's, imports done
+        seen_ready[gen] = {s["pid"] for s in ready}
+        open(os.path.join(hold, f"go_{gen}"), "w").close()
+
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=1,
+                      schedule={3: 2, 6: 1, 9: 2}, job=job_name,
+                      on_progress=driver,
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_HOLD": hold})
+    gens = result["generations"]
+    assert [(g["workers"], g["start_step"], g["outcome"]) for g in gens] == [
+        (1, 0, "resize"), (2, 3, "resize"), (1, 6, "resize"),
+        (2, 9, "done")], gens
+    for g in gens[1:]:
+      k = g["generation"]
+      # Every worker was a standby whose imports were done before the
+      # resize began, and is one the driver saw ready while the previous
+      # group held: no process started on the resize's path.
+      assert g["standby"] == g["workers"], g
+      assert all(r < 0 for r in g["standby_ready_s"]), g
+      assert set(g["pids"]) <= seen_ready[k - 1], (g["pids"], seen_ready)
+      assert not set(g["pids"]) & set(gens[k - 1]["pids"])
+      assert all(r["standby"] for r in g["results"])
+      assert g["restored"]["step"] == g["start_step"]
+      assert g["restored"]["source"] == "stores"
+      assert g["restored"]["report"]["steps_lost"] == 0
+
+    def first_step_compiles(k):
+      out = []
+      for p in range(sizes[k]):
+        with open(os.path.join(log_dir, f"compiles_{k}_{p}.json")) as f:
+          out.append(json.load(f)["first_step"])
+      return out
+    # (a process may find a program its peer compiled moments before)
+    assert sum(first_step_compiles(0)) > 0 and sum(first_step_compiles(1)) > 0
+    assert first_step_compiles(2) == [0]  # group 0's mesh: from the cache
+    assert first_step_compiles(3) == [0, 0]  # group 1's
+    with open(os.path.join(log_dir, "final.json")) as f:
+      final = json.load(f)
+    assert final["step"] == total and final["procs"] == 2
+    seen = _read_ids(log_dir)
+    assert sorted(seen) == list(range(total))
+    for step, pieces in seen.items():  # each sample of the batch exactly once
+      got = np.full(B, -2)
+      for lo, ids in pieces:
+        assert (got[lo:lo + len(ids)] == -2).all(), (step, pieces)
+        got[lo:lo + len(ids)] = ids
+      np.testing.assert_array_equal(
+          got, global_batch_ids(0, step * B // N, step % (N // B), N, B))
+    # The unused standbys went with the job: every process it started
+    # (Ray ends a killed actor's process within moments).
+    assert jobs and jobs[0].standbys() == []
+    pids = set().union(*seen_ready.values(), *(g["pids"] for g in gens))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+      time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)], pids
+  finally:
+    shutil.rmtree(shm, ignore_errors=True)

@@ -15,8 +15,18 @@ What :func:`run` does on a Ray cluster:
   found by name by the next one and is removed at the end of the run
   (``keep_stores=False``);
 * a worker group of N Ray actors (one CPU each, spread round robin over the
-  alive nodes), fresh processes for every group, running
+  alive nodes), new processes for every group, running
   ``jax.distributed`` on gloo (the coordinator on worker 0's node);
+* **standby workers**: the next group's actors are started ahead (0 CPUs,
+  pinned to nodes with room, as many as the largest group), with jax,
+  flax, optax and Orbax imported, waiting before ``jax.distributed``; a
+  resize or a recovery hands them their rank and the new process count
+  (:meth:`_Worker.run`) instead of starting actors. The driver starts the
+  replacements after the new group's first step, and drops the dead ones
+  and those on nodes that left or drain; an unused standby costs only
+  memory. jax's persistent compilation cache sits beside each node's
+  store (``<store_root>/tenplex-ray-<job>/xla``), so a group on a mesh the
+  job ran before loads its step instead of compiling it;
 * a resize is decided by the driver through a controller actor that every
   worker's :func:`resize_due` asks each step, so all workers stop at the
   same step: with ``num_workers=(min, max)`` (like Ray Train's
@@ -80,6 +90,7 @@ checkpoints in its Ray storage; ``train.py`` is a script written for
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -103,7 +114,8 @@ except ImportError as e:  # pragma: no cover - the optional extra is missing
 from tenplex_jax.errors import StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.runtime import launch as _launch
-from tenplex_jax.runtime.env import job_env
+from tenplex_jax.runtime.env import (STANDBY_ASSIGNED_ENV, STANDBY_READY_ENV,
+                                     job_env)
 from tenplex_jax.store import private
 from tenplex_jax.runtime.launch import (
     CA_ENV,
@@ -119,13 +131,19 @@ from tenplex_jax.runtime.launch import (
 )
 from tenplex_jax.store.server import make_server
 
-__all__ = ["Job", "ResizeExit", "checkpoint_dir", "cleanup_stores",
-           "drain_node", "draining_nodes", "initialize", "resize_due",
-           "restore_or_init", "run", "save_and_exit", "save_snapshot",
-           "stop_store", "store_actor_name"]
+__all__ = ["Job", "ResizeExit", "STANDBY_IMPORTS", "checkpoint_dir",
+           "cleanup_stores", "drain_node", "draining_nodes", "initialize",
+           "resize_due", "restore_or_init", "run", "save_and_exit",
+           "save_snapshot", "stop_store", "store_actor_name"]
 
 NAMESPACE = "tenplex"
 _MARGIN = 3  # steps ahead of the furthest worker for a request
+# The job's jax persistent compilation cache on a node, beside its store
+# directories: <store_root>/tenplex-ray-<job>/xla.
+_CACHE_DIR = "xla"
+# What a standby worker imports ahead of its rank (the launcher's list, and
+# the Orbax checkpointer the persistent checkpoint uses).
+STANDBY_IMPORTS = (*_launch._STANDBY_IMPORTS, "orbax.checkpoint")
 
 
 # ------------------------------------------------------------ worker side
@@ -192,8 +210,11 @@ class _StoreActor:
     self.srv.shutdown()
     self.srv.server_close()
     shutil.rmtree(self.root, ignore_errors=True)
+    parent = os.path.dirname(self.root)
     try:  # the job's directory on this node, once its last store is gone
-      os.rmdir(os.path.dirname(self.root))
+      if os.listdir(parent) == [_CACHE_DIR]:  # and the compilation cache
+        shutil.rmtree(os.path.join(parent, _CACHE_DIR), ignore_errors=True)
+      os.rmdir(parent)
     except OSError:
       pass
 
@@ -239,9 +260,41 @@ class _Controller:
             "request": self.request, "restored": self.restored.get(0)}
 
 
+def _use_compilation_cache(env: Mapping[str, str]) -> None:
+  """Points jax's persistent compilation cache at ``env``'s
+  ``JAX_COMPILATION_CACHE_DIR`` (made ``0700``), or turns it off without
+  one. A fresh worker's jax reads the variables when the script imports
+  it; a standby imported jax before it had them, so this also sets them in
+  jax's config (nothing has compiled in it yet)."""
+  path = env.get("JAX_COMPILATION_CACHE_DIR")
+  if path:
+    private.makedirs(path)
+  jax = sys.modules.get("jax")
+  if jax is None:
+    return
+  jax.config.update("jax_compilation_cache_dir", path or None)
+  if path:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 @_ray.remote(num_cpus=1)
 class _Worker:
-  """One process of a worker group (a fresh process per group)."""
+  """One process of a worker group (a new process per group: a fresh actor,
+  or a standby started ahead with :meth:`prepare`)."""
+
+  def prepare(self, imports: Sequence[str]) -> dict:
+    """A standby's start: imports ``imports`` (jax, flax, optax, ...; a
+    module that fails is left to the script's own import), nothing that
+    starts jax's backends or ``jax.distributed``; then it waits for
+    :meth:`run` to hand it its rank."""
+    for name in imports:
+      try:
+        importlib.import_module(name)
+      except Exception:  # noqa: BLE001 - the script's import reports it
+        pass
+    self.ready = time.time()
+    return {"pid": os.getpid(), "ready": self.ready}
 
   def address(self) -> tuple[str, int, str]:
     with socket.socket() as s:
@@ -253,8 +306,12 @@ class _Worker:
   def run(self, train: str | Callable, args: Sequence[str],
           env: Mapping[str, str]) -> dict:
     os.environ.update(env)
+    out: dict = {"pid": os.getpid(), "standby": hasattr(self, "ready")}
+    if out["standby"]:  # as the launcher's standby processes report it
+      os.environ[STANDBY_READY_ENV] = repr(self.ready)
+      os.environ[STANDBY_ASSIGNED_ENV] = repr(time.time())
+    _use_compilation_cache(env)
     use_controller(_WorkerController())  # the driver decides resizes
-    out: dict = {"pid": os.getpid()}
     try:
       if callable(train):
         train(*args)
@@ -363,7 +420,9 @@ class Job:
                env: Mapping[str, str] | None = None,
                on_progress: Callable[[Job, int], None] | None = None,
                tls_cert: str | None = None, tls_key: str | None = None,
-               tls_ca: str | None = None):
+               tls_ca: str | None = None, standby: bool | int = True,
+               standby_imports: Sequence[str] | None = None,
+               compilation_cache: bool | str = True):
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
@@ -407,6 +466,17 @@ class Job:
     self.current: dict = {}  # the running group's record (its "nodes")
     self.excluded: set[str] = set()  # nodes that stopped answering
     self.draining: dict[str, int] = {}  # node: deadline (ms), from Ray
+    # Standby workers: per node, [(actor, its prepare() ref, created)].
+    # Only for workers that ask Ray for CPUs alone (a standby holds no Ray
+    # resources, so Ray would give it no GPU).
+    self.standby = standby
+    self.standby_imports = tuple(STANDBY_IMPORTS if standby_imports is None
+                                 else standby_imports)
+    self._standbys: dict[str, list[tuple[Any, Any, float]]] = {}
+    # standbys to keep: the largest group so far (or scheduled)
+    self._most = max([self.n, *map(int, self.schedule.values())])
+    self._store_nodes: set[str] = set()  # whose store answered last
+    self.compilation_cache = compilation_cache
 
   def request_resize(self, procs: int) -> int:
     """Asks the running group to resize to ``procs`` workers; returns the
@@ -415,7 +485,11 @@ class Job:
     job no longer grows past it with the cluster)."""
     if self.auto:
       self.bounds = (min(self.bounds[0], int(procs)), int(procs))
-    return _ray.get(self.ctrl.request_resize.remote(int(procs)))
+    at = _ray.get(self.ctrl.request_resize.remote(int(procs)))
+    self._most = max(self._most, int(procs))
+    if self._standby_ok():
+      self._fill_standbys()  # the next group's, if it is larger
+    return at
 
   def slots(self, resources: Mapping[str, float]) -> int:
     """Workers a node with ``resources`` (Ray's totals) holds: its count of
@@ -452,6 +526,8 @@ class Job:
           "nodes": drained, "workers": max(1, m), "step": at,
           "seen": time.time(),
           "deadline_ms": max(self.draining[x] for x in drained)}
+      if self._standby_ok():
+        self._fill_standbys()  # none on the draining nodes
       return
     if not self.auto or self.current.get("auto_request") or self.current.get(
         "drain"):
@@ -461,6 +537,107 @@ class Job:
     if m != n and st["request"] is None and st["progress"]:
       at = _ray.get(self.ctrl.request_resize.remote(m))
       self.current["auto_request"] = {"workers": m, "step": at}
+      if self._standby_ok():
+        self._fill_standbys()  # on a node that joined, say
+
+  def _standby_ok(self) -> bool:
+    return bool(self.standby) and set(self.worker_resources) == {"CPU"}
+
+  def _worker_env(self) -> dict[str, str]:
+    """A worker actor's process environment (Ray's ``runtime_env``): the
+    token, no inherited ``XLA_FLAGS``, and the job's ``JAX_*`` variables,
+    which jax reads when it is imported (a standby imports it before
+    :meth:`_Worker.run` hands it the rest of the environment)."""
+    return {TOKEN_ENV: self.token, "XLA_FLAGS": "",
+            **{k: v for k, v in self.env.items() if k.startswith("JAX_")}}
+
+  def _fill_standbys(self) -> None:
+    """Keeps standby workers started (0 CPUs: they cost memory only),
+    ``max(largest group so far, the auto-resize's target)`` of them, round
+    robin over the alive nodes with room whose store answered (one per
+    worker slot at most), none on draining or lost nodes; drops the dead
+    ones and those on nodes that left. Does not wait for them."""
+    if not self._standby_ok():
+      self.drop_standbys()
+      return
+    room = {x["NodeID"]: self.slots(x["Resources"]) for x in _ray.nodes()
+            if x["Alive"] and x["NodeID"] not in self.excluded
+            and x["NodeID"] not in self.draining}
+    # Only on nodes whose store actor has answered: on a node that has just
+    # joined, a standby's imports would hold up its store's start.
+    room = {k: v for k, v in room.items() if v > 0 and k in self._store_nodes}
+    for node in list(self._standbys):
+      keep = []
+      for a, ref, t in self._standbys[node]:
+        if node in room:
+          done, _ = _ray.wait([ref], timeout=0)
+          try:
+            if done:
+              _ray.get(done[0])
+            keep.append((a, ref, t))
+            continue
+          except _ray.exceptions.RayError:
+            pass  # it died: replaced below
+        _ray.kill(a, no_restart=True)
+      self._standbys[node] = keep
+    want = max(self._most, self._target() if self.auto else 0,
+               0 if isinstance(self.standby, bool) else int(self.standby))
+    nodes = sorted(room)
+    slots = [x for r in range(max(room.values(), default=0))
+             for x in nodes if room[x] > r][:want]
+    for node in nodes:
+      have = self._standbys.setdefault(node, [])
+      for _ in range(slots.count(node) - len(have)):
+        a = _Worker.options(
+            num_cpus=0, runtime_env={"env_vars": self._worker_env()},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node, soft=False)).remote()
+        have.append((a, a.prepare.remote(self.standby_imports), time.time()))
+
+  def standbys(self) -> list[dict]:
+    """The standby workers kept now: per worker its ``node`` and, once its
+    imports are done, its ``pid`` and ``ready`` (seconds since the epoch;
+    ``None`` while it imports)."""
+    out = []
+    for node, lst in self._standbys.items():
+      for _, ref, _ in lst:
+        info = {"node": node, "pid": None, "ready": None}
+        if _ray.wait([ref], timeout=0)[0]:
+          try:
+            info.update(_ray.get(ref))
+          except _ray.exceptions.RayError:
+            continue  # dead: replaced at the next fill
+        out.append(info)
+    return out
+
+  def drop_standbys(self) -> None:
+    """Ends every standby worker (the job's end, or ``standby`` off)."""
+    for lst in self._standbys.values():
+      for a, _, _ in lst:
+        _ray.kill(a, no_restart=True)
+    self._standbys.clear()
+
+  def _fresh_worker(self, node: str):
+    ask = dict(self.worker_resources)
+    ask_cpu, ask_gpu = ask.pop("CPU"), ask.pop("GPU", 0)
+    return _Worker.options(
+        num_cpus=ask_cpu, num_gpus=ask_gpu, resources=ask or None,
+        runtime_env={"env_vars": self._worker_env()},
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+    ).remote()
+
+  def _cache_env(self, store_dir: str) -> dict[str, str]:
+    """A worker's jax persistent compilation cache: ``compilation_cache``
+    (a directory) or, with ``True``, ``xla`` beside its node's store
+    directory; nothing with ``False``."""
+    if not self.compilation_cache:
+      return {}
+    path = (self.compilation_cache if isinstance(self.compilation_cache, str)
+            else os.path.join(os.path.dirname(store_dir), _CACHE_DIR))
+    return {"JAX_COMPILATION_CACHE_DIR": path,
+            # every executable, however fast it compiled or small it is
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
   def _stores(self) -> dict[str, dict]:
     """One store actor per alive node (existing ones found by name)."""
@@ -488,6 +665,7 @@ class Job:
         infos[node] = _ray.get(actor.info.remote(), timeout=30)
       except (_ray.exceptions.RayError, TimeoutError):
         continue  # its node is going away: the restore skips it
+    self._store_nodes = set(infos)
     return infos
 
   def _generation(self, n: int, start: int, failed: int | None) -> dict:
@@ -522,19 +700,46 @@ class Job:
     slots = [x for r in range(max(room.get(x, 1) for x in nodes))
              for x in nodes if room.get(x, 1) > r]  # round robin
     placement = [slots[i % len(slots)] for i in range(n)]
-    ask = dict(self.worker_resources)
-    ask_cpu, ask_gpu = ask.pop("CPU"), ask.pop("GPU", 0)
-    workers = [_Worker.options(
-        num_cpus=ask_cpu, num_gpus=ask_gpu, resources=ask or None,
-        runtime_env={"env_vars": {TOKEN_ENV: self.token, "XLA_FLAGS": ""}},
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-    ).remote() for node in placement]
+    # Standby workers where there are (started ahead, imports done), fresh
+    # actors elsewhere.
+    self._most = max(self._most, n)
+    if self._standby_ok():
+      self._fill_standbys()
+    workers, kinds, ready = [], [], []
+    for node in placement:
+      pool = self._standbys.get(node) if self._standby_ok() else None
+      if pool:
+        a, ref, _ = pool.pop(0)
+        workers.append(a)
+        kinds.append("standby")
+        ready.append(ref)
+      else:
+        workers.append(self._fresh_worker(node))
+        kinds.append("fresh")
+        ready.append(None)
     rec = {"generation": gen, "workers": n, "start_step": start,
            "failed_step": failed, "nodes": placement, "t0": t0}
     self.current = rec
     try:
-      addrs = _ray.get([w.address.remote() for w in workers],
-                       timeout=self.start_timeout)
+      refs = [w.address.remote() for w in workers]
+      addrs = []
+      for i, ref in enumerate(refs):
+        try:
+          addrs.append(_ray.get(ref, timeout=self.start_timeout))
+        except (_ray.exceptions.RayError, TimeoutError):
+          if kinds[i] != "standby":
+            raise
+          # A standby that died (its node, or a crash): a fresh one.
+          _ray.kill(workers[i], no_restart=True)
+          workers[i] = self._fresh_worker(placement[i])
+          kinds[i], ready[i] = "fresh", None
+          addrs.append(_ray.get(workers[i].address.remote(),
+                                timeout=self.start_timeout))
+      rec["standby"] = kinds.count("standby")
+      # When each standby's imports were done (s since t0; < 0: before the
+      # resize began).
+      rec["standby_ready_s"] = [
+          None if r is None else _ray.get(r)["ready"] - t0 for r in ready]
       _ray.get(self.ctrl.new_generation.remote(n, start, self.schedule))
       urls = [stores[a[2]]["url"] for a in addrs]
       peers = sorted({s["url"] for s in stores.values()})
@@ -555,16 +760,26 @@ class Job:
         base["TENPLEX_CHECKPOINT"] = self.checkpoint
       if failed is not None:
         base["TENPLEX_FAILED_STEP"] = str(failed)
+      if self.compilation_cache:
+        base["TENPLEX_COMPILATION_CACHE"] = "1"
       rec["started_s"] = time.time() - t0
       refs = [w.run.remote(self.train, self.args, {
           **base, "TENPLEX_PROC_ID": str(i),
-          "TENPLEX_STORE": stores[addrs[i][2]]["dir"]})
+          "TENPLEX_STORE": stores[addrs[i][2]]["dir"],
+          **self._cache_env(stores[addrs[i][2]]["dir"])})
           for i, w in enumerate(workers)]
       results, error = [None] * n, None
       pending = list(refs)
+      refilled = False
       while pending:
         done, pending = _ray.wait(pending, num_returns=1, timeout=0.5)
         if not done:
+          if not refilled and self._standby_ok() and _ray.get(
+              self.ctrl.state.remote())["first_poll"] is not None:
+            # The group has run its first step: start the standbys of the
+            # next one now (not during this group's start on its cores).
+            self._fill_standbys()
+            refilled = True
           self._autoscale(n)
           if self.on_progress is not None:
             st = _ray.get(self.ctrl.state.remote())
@@ -577,6 +792,7 @@ class Job:
           error = e
           break
       st = _ray.get(self.ctrl.state.remote())
+      rec["pids"] = [r["pid"] for r in results if r is not None]
       rec["first_step_s"] = (st["first_poll"] - t0 if st["first_poll"]
                              else None)
       rec["progress"] = max(st["progress"].values(), default=start)
@@ -636,6 +852,7 @@ class Job:
              min(n, len(set(_alive_cpu_nodes()) - self.excluded)) or 1)
       return {"job": self.job, "generations": self.generations}
     finally:
+      self.drop_standbys()
       _ray.kill(self.ctrl)
       if not self.keep_stores:
         cleanup_stores(self.job)
@@ -754,7 +971,19 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       node's address, at the same path on every node: they then serve
       HTTPS only), ``tls_ca`` (the CA file the workers verify them
       against, at the same path on every node; default the driver's
-      ``$TENPLEX_JAX_STORE_CA``).
+      ``$TENPLEX_JAX_STORE_CA``), ``standby`` (``True``: keep standby
+      workers for the next group, as many as the largest group so far, the
+      schedule's or the auto-resize's target; an int: at least that many;
+      ``False``: start every group's actors on the resize's path; only for
+      workers asking Ray for CPUs alone, since a standby holds no Ray
+      resources; the driver may change ``job.standby`` for the next
+      group), ``standby_imports`` (the modules a standby imports,
+      :data:`STANDBY_IMPORTS` by default), ``compilation_cache``
+      (``True``: jax's persistent compilation cache in ``xla`` beside each
+      node's store directory, removed with the stores; a path: that
+      directory on every node, e.g. a shared file system, since in a
+      multi-process group jax writes entries from process 0 only;
+      ``False``: none; the driver may change ``job.compilation_cache``).
 
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,
@@ -764,6 +993,10 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
     ``steps_lost``; also for a group that failed after its first step),
     ``auto_request`` (the ``workers`` and ``step`` of a resize it chose
     from the node table),
+    ``standby`` (how many of its workers were standbys),
+    ``standby_ready_s`` (per worker, when its standby's imports were done,
+    seconds from the group's start: < 0 before the resize began; ``None``
+    for a fresh actor), ``pids``,
     and seconds: ``started_s`` (actors up), ``first_step_s`` (to the first
     :func:`resize_due`), ``end_s``, ``teardown_s``.
 
