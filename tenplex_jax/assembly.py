@@ -573,8 +573,9 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   bufs: dict[tuple[str, Box], np.ndarray] = {}
 
   def alloc(nb: NewBox) -> np.ndarray:
-    buf = bufs[(nb.path, nb.box)] = host_empty(nb.shape,
-                                               phys[nb.path].dtype)
+    # Every byte is written next (the pieces tile the box): populated.
+    buf = bufs[(nb.path, nb.box)] = host_empty(
+        nb.shape, phys[nb.path].dtype, populate=True)
     return buf
 
   mine = {d.id for d in jax.local_devices()}
