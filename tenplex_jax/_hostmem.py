@@ -18,6 +18,12 @@ as the copy itself, so large buffers are
   which serves them from memory the process freed and that is still
   resident where it can, so that they cost no page faults at all, as XLA's
   own allocations (``jax.device_put``'s) do; under 16 KiB from numpy;
+* populated at map time when the caller writes every byte next
+  (``host_empty(..., populate=True)``: a restore's new shards): a new block
+  of 1 MiB or more is then its own mapping created with ``MAP_POPULATE``,
+  one system call instead of a fault per 4 KiB page (the restore core's CPU
+  rose by about a quarter when its buffers came from the C heap, faulted
+  page by page, instead of populated mappings);
 * recycled from 16 KiB up: when jax frees a device buffer built on one, the
   block (pages already faulted in) goes back to a free list that the next
   reshard reuses (:func:`collect_dropped_buffers` makes jax let go of it
