@@ -22,12 +22,16 @@ set-up and the server are common to all):
   (what a store restore from S3 costs beyond the transfer).
 * ``orbax_s3_unstaged`` (with ``--unstaged``): ``orbax_s3`` without
   staging, one ranged request per chunk (the read path before it).
+* ``orbax_s3_serial`` (with ``--serial``): ``orbax_s3`` with every staged
+  byte fetched before the first read (no overlap of the transfer and the
+  decoding: the staged path before the overlap).
 * ``transfer``: the transfer itself: every chunk object of the store read
   whole from the server through tensorstore's s3 kvstore, 32 in flight (as
   a store restore from a bucket), the bytes dropped.
 
 ``orbax_s3`` stages the OCDBT checkpoint's needed byte ranges locally with a
-few large requests, then reads it as a local checkpoint
+few large requests (streamed in the background, up to 4 at once) and reads
+it as a local checkpoint as the bytes arrive
 (:meth:`tenplex_jax.orbax.OrbaxSource.stage`); the bytes it and ``store_s3``
 fetch are reported against the state's.
 
@@ -201,6 +205,22 @@ def worker(method, work):
   elif method == "orbax_s3_unstaged":  # the read path before staging
     _read.OrbaxSource.stage = lambda self, needs: 0
     out = tjo.restore("s3://bench/orbax", target)
+  elif method == "orbax_s3_serial":  # staged whole, then read (before)
+    from tenplex_jax.sources import Source
+    stage = _read.OrbaxSource.stage
+
+    def serial(self, needs):
+      n = stage(self, needs)
+      run = self._run
+      if run is not None and run.pool is not None:
+        run.pool.shutdown(wait=True)  # every byte here before any read
+        if run.error is not None:
+          raise run.error
+      return n
+
+    _read.OrbaxSource.stage = serial
+    _read.OrbaxSource.read_order = Source.read_order
+    out = tjo.restore("s3://bench/orbax", target)
   elif method == "orbax_s3":
     stage = _read.OrbaxSource.stage
     got = []
@@ -249,6 +269,9 @@ def main():
   p.add_argument("--unstaged", action="store_true", help="also time"
                  " tenplex_jax.orbax.restore from S3 without staging (one"
                  " ranged request per chunk: minutes at 1 GiB on moto)")
+  p.add_argument("--serial", action="store_true", help="also time"
+                 " orbax_s3 with the staging finished before the reads"
+                 " start (no overlap: the path before it)")
   args = p.parse_args()
   if args.worker:
     worker(args.worker, args.work)
@@ -281,7 +304,8 @@ def main():
     env["BENCH_CRC"] = json.dumps(info["crc32c"])
     runs = {m: [] for m in METHODS}
     fetched = {}
-    methods = METHODS + (("orbax_s3_unstaged",) if args.unstaged else ())
+    methods = METHODS + (("orbax_s3_unstaged",) if args.unstaged else ()) \
+        + (("orbax_s3_serial",) if args.serial else ())
     runs = {m: [] for m in methods}
     for r in range(args.repeat):
       order = methods[r % len(methods):] + methods[:r % len(methods)]
@@ -315,6 +339,9 @@ def main():
       "orbax_s3_vs_orbax_local": med["orbax_s3"] / med["orbax_local"],
       **({"orbax_s3_unstaged_vs_staged":
           med["orbax_s3_unstaged"] / med["orbax_s3"]} if args.unstaged
+         else {}),
+      **({"orbax_s3_serial_vs_overlapped":
+          med["orbax_s3_serial"] / med["orbax_s3"]} if args.serial
          else {}),
       "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"],
       # <= 1: a store restore from S3 costs no more than a local one plus

@@ -80,18 +80,36 @@ class NewBox:
 
 
 def new_boxes(the_plan: Plan, dst: PTC,
-              devices: Collection[int] | None = None) -> Iterator[NewBox]:
+              devices: Collection[int] | None = None,
+              order: Callable[[str, int], float] | None = None
+              ) -> Iterator[NewBox]:
   """The distinct new boxes of ``dst`` that ``devices`` hold (every box
   when ``None``), tensor by tensor in ``dst``'s order, each once however
-  many of the devices hold it."""
-  for t in dst:
+  many of the devices hold it.
+
+  With ``order`` (:meth:`Source.read_order`: when a source box can be
+  read), tensors come by when the last source box they need can be read,
+  and each new box's pieces by when theirs can (a source still fetching
+  its boxes is read as they arrive).
+  """
+  tensors = list(dst)
+  if order is not None:
+    def ready(t) -> float:
+      tpl, _ = the_plan.template(t.path)
+      return max((order(t.path, si) for m in tpl.merges for _, si in m),
+                 default=0.0)
+    tensors.sort(key=ready)
+  for t in tensors:
     tpl, _ = the_plan.template(t.path)
     for i, (box, hs) in enumerate(zip(t.placement.boxes,
                                       t.placement.holders)):
       sel = tuple(sorted(hs if devices is None else
                          (h for h in hs if h in devices)))
       if sel:
-        yield NewBox(t.path, box, i, sel, tpl.merges[i])
+        pieces = tpl.merges[i]
+        if order is not None:
+          pieces = tuple(sorted(pieces, key=lambda p: order(t.path, p[1])))
+        yield NewBox(t.path, box, i, sel, pieces)
 
 
 # A filled new box: (box, its buffer, [(piece, source box index, view)]).
@@ -574,12 +592,15 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   bufs: dict[tuple[str, Box], np.ndarray] = {}
 
   def alloc(nb: NewBox) -> np.ndarray:
-    buf = bufs[(nb.path, nb.box)] = host_empty(nb.shape,
-                                               phys[nb.path].dtype)
+    # Every byte is written next (the pieces tile the box): populated.
+    buf = bufs[(nb.path, nb.box)] = host_empty(
+        nb.shape, phys[nb.path].dtype, populate=True)
     return buf
 
   mine = {d.id for d in jax.local_devices()}
-  st = read_source(source, fill(new_boxes(the_plan, dst, mine), alloc),
+  ordered = type(source).read_order is not Source.read_order
+  st = read_source(source, fill(new_boxes(
+      the_plan, dst, mine, source.read_order if ordered else None), alloc),
                    inflight_bytes=inflight_bytes)
   new_bytes = sum(b.nbytes for b in bufs.values())
   t2 = time.perf_counter()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -255,24 +256,43 @@ class Listing:
     return data
 
 
-def download(url: str, local: str) -> int:
+def download(url: str, local: str,
+             progress: Callable[[], None] | None = None) -> int:
   """Copies object ``url`` whole into local file ``local``, streamed in one
-  request (memory stays at the library's read size, not the object's);
-  returns the bytes written.
+  request and written in order from its start (memory stays at the
+  library's read size, not the object's); returns the bytes written.
+
+  ``progress``, when given, is called (with no arguments) each time more
+  bytes reached the file: the bytes ``[0, os.stat(local).st_size)`` are
+  then in it, so a reader may use that prefix while the rest streams.
 
   Raises:
     LocationError: the request failed (one line).
   """
   scheme, _, _ = split_url(url)
   fs = filesystem(scheme)
-  # s3fs would cut a large object into concurrent ranged requests, each
-  # buffered whole in memory; one streamed request keeps memory flat.
-  kw = {"max_concurrency": 1} if scheme == "s3" else {}
+  # s3fs and gcsfs would cut a large object into concurrent ranged
+  # requests, each buffered whole in memory (and written out of order);
+  # one streamed request keeps memory flat and the file a growing prefix.
+  kw = {"max_concurrency": 1} if scheme == "s3" else {"concurrency": 1}
+  if progress is not None:
+    kw["callback"] = _Progress(progress)
   try:
     fs.get_file(fs_path(url), local, **kw)
   except Exception as e:
     raise location_error(url, e, "reading") from e
   return os.path.getsize(local)
+
+
+class _Progress(fsspec.callbacks.Callback):
+  """An fsspec callback that calls ``fn()`` as bytes reach the file."""
+
+  def __init__(self, fn: Callable[[], None]):
+    super().__init__()
+    self._fn = fn
+
+  def call(self, *args, **kwargs):
+    self._fn()
 
 
 #: Files that mark a checkpoint or snapshot complete: uploaded last.

@@ -176,8 +176,9 @@ def _assemble_store(d, target):
 
 def test_every_restore_takes_its_buffers_from_the_one_allocator(tmp_path):
   """assemble (Orbax and store sources) and the store restore allocate their
-  new shards through tenplex_jax._hostmem.host_empty: its counters move by
-  one take per distinct new box of 16 KiB or more."""
+  new shards through tenplex_jax._hostmem.host_empty, asking for populated
+  pages: its counters move by one take per distinct new box of 16 KiB or
+  more."""
   from tenplex_jax._hostmem import host_pool_stats
   mesh = _mesh((8,), ("d",))
   x = jax.device_put(np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024),
@@ -189,15 +190,29 @@ def test_every_restore_takes_its_buffers_from_the_one_allocator(tmp_path):
   target = {"x": jax.ShapeDtypeStruct(
       (64, 1024), jnp.float32, sharding=NamedSharding(tmesh, P("t")))}
   # 2 distinct new boxes of 128 KiB, each held by 2 devices.
+  from tenplex_jax import _hostmem
+  from tenplex_jax.store import api
+  asked = []
+
+  def spy(shape, dtype, **kw):
+    asked.append(kw.get("populate"))
+    return _hostmem.host_empty(shape, dtype, **kw)
+
   for restore in (lambda: store.restore([d], target),
                   lambda: tor.restore(str(tmp_path / "ck"), target),
                   lambda: _assemble_store(d, target)):
     before = host_pool_stats()
-    out = restore()
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(assembly, "host_empty", spy)
+      mp.setattr(api, "host_empty", spy)
+      asked.clear()
+      out = restore()
     after = host_pool_stats()
     takes = (after["mapped"] + after["reused"]) - (before["mapped"]
                                                     + before["reused"])
     assert takes == 2
+    # Every byte of a new shard is written next: fresh pages populated.
+    assert asked == [True, True], asked
     assert np.asarray(out["x"]).tobytes() == np.asarray(x).tobytes()
 
 

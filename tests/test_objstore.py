@@ -4,10 +4,12 @@ and the location registry (an unknown scheme is an error, never a path)."""
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import tempfile
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -449,7 +451,7 @@ def test_orbax_ocdbt_on_s3_is_staged_in_few_requests(s3, monkeypatch):
   got_whole = []
   whole = _read.download
   monkeypatch.setattr(_read, "download",
-                      lambda u, p: got_whole.append(u) or whole(u, p))
+                      lambda u, p, *a: got_whole.append(u) or whole(u, p, *a))
   out = tjo.restore(url, target)
   np.testing.assert_array_equal(np.asarray(out["w"]), w)
   np.testing.assert_array_equal(np.asarray(out["v"]), v)
@@ -481,6 +483,99 @@ def test_orbax_ocdbt_on_s3_is_staged_in_few_requests(s3, monkeypatch):
     np.testing.assert_array_equal(got, w[64:128])
   assert not os.path.exists(staged_dir)
   assert snapshot_objects("s3", s3) == before  # reading wrote nothing
+
+
+def _slow_download(real, events, block=4 << 10, pause=0.002):
+  """``download`` that streams the object into place slowly, ``block`` bytes
+  at a time (as a slow link would), calling ``progress`` after each."""
+
+  def slow(url, local, progress=None):
+    tmp = local + ".whole"
+    n = real(url, tmp)
+    with open(tmp, "rb") as f, open(local, "wb") as out:
+      while True:
+        data = f.read(block)
+        if not data:
+          break
+        out.write(data)
+        out.flush()
+        if progress is not None:
+          progress()
+          time.sleep(pause)
+    os.remove(tmp)
+    events.append(("end", url, time.monotonic()))
+    return n
+
+  return slow
+
+
+def test_orbax_staging_overlaps_the_reads(s3, monkeypatch):
+  """The data files of an OCDBT checkpoint on a bucket stream into the
+  local copy in the background while the restore reads: stage() returns
+  before they are there, reads of a chunk wait for its bytes (the values
+  come out bitwise, never zeros of a sparse file), chunks are read in the
+  order they arrive, some before the last file is complete, and closing a
+  source mid-stream stops the streams and removes the copy."""
+  from tenplex_jax.orbax import _read
+  from tenplex_jax.orbax._read import OrbaxSource
+  rng = np.random.default_rng(5)
+  state = {f"t{i}": rng.standard_normal((64, 256)).astype(np.float32)
+           for i in range(3)}
+  m = _mesh((8,), ("x",))
+  d = tempfile.mkdtemp(prefix="tenplex-test-orbax-")
+  try:
+    with ocp.CheckpointManager(d) as mgr:
+      mgr.save(1, args=ocp.args.StandardSave(
+          {k: jax.device_put(v, NamedSharding(m, P("x")))
+           for k, v in state.items()}))
+    upload_dir(d, "s3", s3, "ck")
+  finally:
+    import shutil
+    shutil.rmtree(d)
+  url = f"s3://{s3}/ck"
+  events = []
+  monkeypatch.setattr(_read, "download",
+                      _slow_download(_read.download, events))
+  reads = []
+  real_view = OrbaxSource._view
+
+  def view(self, path, box, dtype):
+    v = real_view(self, path, box, dtype)  # after the wait for its bytes
+    reads.append((path, box, time.monotonic(), self.read_order(
+        path, self.tensors()[path].boxes.index(
+            tuple((a, a + 8) for a, _ in box[:1]) + box[1:]))))
+    return v
+
+  monkeypatch.setattr(OrbaxSource, "_view", view)
+  stage = OrbaxSource.stage
+  staged_at = []
+  monkeypatch.setattr(OrbaxSource, "stage", lambda self, needs: (
+      stage(self, needs), staged_at.append(time.monotonic()))[0])
+  t = NamedSharding(_mesh((2, 4)), P(None, ("a", "b")))  # columns
+  target = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32, sharding=t)
+            for k, v in state.items()}
+  out = tjo.restore(url, target)
+  for k, v in state.items():
+    np.testing.assert_array_equal(np.asarray(out[k]), v)
+  data_ends = [e[2] for e in events if "ocdbt.process_0/d/" in e[1]]
+  assert data_ends and staged_at[0] < max(data_ends)  # streamed after
+  assert min(r[2] for r in reads) < max(data_ends)  # read while streaming
+  # Tensor by tensor, by when the last chunk is expected; within one, the
+  # chunks by when each is.
+  by_tensor = [[r[3] for r in g] for _, g in itertools.groupby(
+      reads, key=lambda r: r[0])]
+  assert len(by_tensor) == len(state), [r[0] for r in reads]
+  assert all(g == sorted(g) for g in by_tensor), by_tensor
+  last = [g[-1] for g in by_tensor]
+  assert last == sorted(last) and last[0] > 0, by_tensor
+  # Closed mid-stream: the streams stop, the local copy goes.
+  events.clear()
+  with OrbaxSource(url) as src:
+    src.stage({k: [((0, 64), (0, 256))] for k in state})
+    stage_dir = src._stage_dir
+    run = src._run
+  assert run.pool is None and not os.path.exists(stage_dir)
+  assert not [e for e in events if "ocdbt.process_0/d/" in e[1]]  # stopped
 
 
 def test_persistent_checkpoint_on_s3(s3):

@@ -27,6 +27,7 @@ when the checkpoint uses it).
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
 import dataclasses
 import itertools
 import json
@@ -35,6 +36,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +60,7 @@ _REMOTE_CACHE = 512 << 20  # decoded chunks kept when reading from a bucket
 _MERGE_GAP = 1 << 20  # byte ranges of one object closer than this: one read
 _WHOLE = 1 / 1.1  # an object whose needed part is at least this: read whole
 _PART = 32 << 20  # a ranged read of a bucket object, at most
-_PARTS_IN_FLIGHT = 4
+_STREAMS = 4  # objects (or ranged reads) fetched at once while staging
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +316,7 @@ class OrbaxSource(Source):
     self._stores: dict[str, Any] = {}
     self._staged: dict[str, tuple[Any, frozenset]] = {}
     self._stage_dir: str | None = None
+    self._run: _Staging | None = None
     self.staged_bytes = 0
     self._tensors: dict[str, SourceTensor] | None = None
     self._zarr3 = zarr3
@@ -443,17 +446,25 @@ class OrbaxSource(Source):
     chunk's byte range; the ranges of one data file are merged across gaps
     under 1 MiB; a file of which at least 1/1.1 is needed is streamed whole
     in one request, any other gets one ranged request per merged range
-    (cut at 32 MiB, 4 in flight); the b-tree nodes and manifests come too.
-    The local copy holds the fetched ranges at their offsets (sparse
-    files), so tensorstore reads it as a local checkpoint; it is removed by
+    (cut at 32 MiB); the b-tree nodes and manifests come too. The local
+    copy holds the fetched ranges at their offsets (sparse files), so
+    tensorstore reads it as a local checkpoint; it is removed by
     :meth:`close`. A read of a chunk that was not staged goes to the
     bucket. Nothing is written to the bucket.
 
+    The manifests and the files holding b-tree nodes are fetched before
+    this returns; the chunks' bytes stream in the background, up to
+    ``_STREAMS`` requests at once, while the restore reads: a read of a
+    staged chunk waits until its bytes are in the local copy (a streamed
+    file fills from its start), and :meth:`read_order` gives when each
+    chunk is expected, so that :func:`tenplex_jax.assembly.assemble` reads
+    chunks as they arrive (the transfer and the decoding overlap).
+
     Returns:
-      The bytes fetched (also ``staged_bytes``); 0 when there is nothing to
-      stage (a local or non-OCDBT checkpoint, or no boxes).
+      The bytes it fetches (also ``staged_bytes``), some of them after it
+      returns; 0 when there is nothing to stage (a local or non-OCDBT
+      checkpoint, or no boxes).
     """
-    import tensorstore as ts
     if not self.remote or not self.ocdbt or self._stage_dir is not None:
       return 0
     tensors = self.tensors()
@@ -477,7 +488,7 @@ class OrbaxSource(Source):
       return 0
     d = self.location.item
     try:
-      ranges, staged = self._chunk_ranges(d, want)
+      ranges, staged, where, node_files = self._chunk_ranges(d, want)
     except StoreError:
       raise
     except Exception as e:  # noqa: BLE001 - one line naming the location
@@ -494,56 +505,62 @@ class OrbaxSource(Source):
         local = os.path.join(root_dir, rel[len(pre):])
         os.makedirs(os.path.dirname(local), exist_ok=True)
         fetched += download(os.path.join(d, rel[len(pre):]), local)
-    parts = []
+    # Jobs: ("whole", key, local, 0, size) streams an object;
+    # ("part", key, local, lo, hi) is one ranged request.
+    now: list[tuple] = []  # before the b-tree is opened: the nodes' files
+    later: list[tuple] = []  # in the background
     for key, rs in sorted(ranges.items()):
       local = os.path.join(root_dir, key)
       os.makedirs(os.path.dirname(local), exist_ok=True)
       size = listing.sizes.get(pre + key)
       merged = _merge(rs, _MERGE_GAP)
       need = sum(b - a for a, b in merged)
+      jobs = now if key in node_files else later
       if size is not None and need >= size * _WHOLE:
-        fetched += download(os.path.join(d, key), local)
+        jobs.append(("whole", key, local, 0, size))
         continue
       with open(local, "wb") as f:
         if size is not None:
           f.truncate(size)
       for a, b in merged:
         for lo in range(a, b, _PART):
-          parts.append((key, local, lo, min(b, lo + _PART)))
-    pending: list = []
-
-    def finish(job) -> int:
-      (key, local, lo, hi), fut = job
-      r = fut.result()
-      if r.state != "value" or len(r.value) != hi - lo:
-        raise StoreError(f"{d}/{key}: bytes {lo}-{hi} of the checkpoint's"
-                         f" data file could not be read ({r.state},"
-                         f" {len(r.value)} bytes)")
-      fd = os.open(local, os.O_WRONLY)
-      try:
-        os.pwrite(fd, r.value, lo)
-      finally:
-        os.close(fd)
-      return hi - lo
-
+          jobs.append(("part", key, local, lo, min(b, lo + _PART)))
+    # Whole files first, the largest first (they take longest), then the
+    # ranged parts in order.
+    later.sort(key=lambda j: (j[0] != "whole", -(j[4] - j[3])))
+    run = _Staging(d, base, later)
     try:
-      for job in parts:
-        while len(pending) >= _PARTS_IN_FLIGHT:
-          fetched += finish(pending.pop(0))
-        pending.append((job, base.read(job[0], byte_range=slice(job[2],
-                                                               job[3]))))
-      while pending:
-        fetched += finish(pending.pop(0))
-    except Exception as e:
-      if isinstance(e, StoreError):
-        raise
-      raise location_error(d, e, "reading") from e
-    finally:
-      for _, fut in pending:
-        try:
-          fut.result()
-        except Exception:  # noqa: BLE001 - the first error is raised
-          pass
+      for job in now:
+        fetched += run.fetch(job)
+    except BaseException:
+      run.close()
+      raise
+    fetched += sum(hi - lo for _, _, _, lo, hi in later)
+    # When each staged chunk is expected: the jobs run _STREAMS at a time in
+    # order at equal rates; a streamed file's byte arrives at its offset.
+    free = [0.0] * _STREAMS
+    at: dict[str, list[tuple[int, int, float, int]]] = {}
+    for i, (kind, key, _, lo, hi) in enumerate(later):
+      w = free.index(min(free))
+      start = free[w]
+      free[w] += hi - lo
+      at.setdefault(key, []).append((lo, hi, start, i))
+    for name, chunks in where.items():
+      marks = {}
+      for idx, (key, lo, hi) in chunks.items():
+        jobs = [(i, start, jlo, jhi) for jlo, jhi, start, i in at.get(key, ())
+                if jlo < hi and lo < jhi]
+        if not jobs:
+          continue
+        if later[jobs[0][0]][0] == "whole":  # a streamed file: its prefix
+          i, start, _, _ = jobs[0]
+          marks[idx] = ((i,), later[i][2], hi, start + hi)
+        else:  # ranged parts: all of those it spans
+          marks[idx] = (tuple(j[0] for j in jobs), None, hi,
+                        max(start + jhi - jlo for _, start, jlo, jhi in jobs))
+      run.marks[name] = marks
+    self._run = run
+    run.start()
     kv = {"driver": "ocdbt", "base": f"file://{root_dir}/"}
     futs = {}
     for param, (name, _, ids) in want.items():
@@ -558,30 +575,50 @@ class OrbaxSource(Source):
     self.staged_bytes = fetched
     return fetched
 
-  def _chunk_ranges(self, d: str, want: Mapping) -> tuple[dict, dict]:
+  def read_order(self, path: str, index: int) -> float:
+    """When box ``index`` of ``path`` is expected in the local copy while
+    :meth:`stage` still fetches it (bytes fetched before it, as the jobs
+    run); 0 for a box read from elsewhere."""
+    run = self._run
+    if run is None or path not in run.marks:
+      return 0.0
+    t = self.tensors()[path]
+    chunk = tuple(b - a for a, b in t.boxes[0])
+    idx = tuple(a // c for (a, _), c in zip(t.boxes[index], chunk))
+    m = run.marks[path].get(idx)
+    return 0.0 if m is None else m[3]
+
+  def _chunk_ranges(self, d: str, want: Mapping
+                    ) -> tuple[dict, dict, dict, set]:
     """Walks the OCDBT b-tree of item ``d`` once: the byte ranges (per
     object, relative to ``d``) of the b-tree nodes and of the chunks
-    ``want`` names, and per tensor the chunk indices found."""
-    import tensorstore as ts
+    ``want`` names; per tensor the chunk indices found; per tensor and
+    chunk index its (object, start, end); the objects holding b-tree
+    nodes."""
     base = ts.KvStore.open(kvstore_spec(d), context=self._ctx).result()
     ranges: dict[str, list[tuple[int, int]]] = {}
+    nodes: set[str] = set()
 
-    def add(loc: str) -> None:  # "<kind>:<base path>:<file>:<offset>:<length>"
+    def add(loc: str) -> tuple[str, int, int]:
+      # "<kind>:<base path>:<file>:<offset>:<length>"
       head, off, n = loc.rsplit(":", 2)
       _, prefix, f = head.split(":", 2)
-      ranges.setdefault(prefix + f, []).append((int(off), int(off) + int(n)))
+      r = (int(off), int(off) + int(n))
+      ranges.setdefault(prefix + f, []).append(r)
+      return prefix + f, r[0], r[1]
 
     manifest = ts.ocdbt.dump(base).result()
     for v in manifest.get("version_tree_nodes") or []:
       loc = v.get("location") if isinstance(v, dict) else None
       if loc:
-        add(loc)
+        nodes.add(add(loc)[0])
     root = (manifest.get("versions") or [{}])[-1].get("root") or {}
     todo = [root["location"]] if root.get("location") else []
     staged: dict[str, set] = {name: set() for name, _, _ in want.values()}
+    where: dict[str, dict] = {name: {} for name, _, _ in want.values()}
     while todo:
       loc = todo.pop()
-      add(loc)
+      nodes.add(add(loc)[0])
       node = ts.ocdbt.dump(base, loc).result()
       prefix = node.get("key_prefix", b"")
       prefix = prefix.decode() if isinstance(prefix, bytes) else str(prefix)
@@ -606,8 +643,10 @@ class OrbaxSource(Source):
             continue
           staged[name].add(idx[:rank])
         if ref:
-          add(ref)
-    return ranges, staged
+          loc = add(ref)
+          if idx is not None and len(idx) >= rank:
+            where[name][idx[:rank]] = loc
+    return ranges, staged, where, nodes
 
   def _stage_ctx(self):
     import tensorstore as ts
@@ -627,11 +666,14 @@ class OrbaxSource(Source):
     if local is not None and box and local[1] is not None:
       t = self._tensors[path]
       chunk = tuple(b - a for a, b in t.boxes[0])
-      if all(i in local[1] for i in itertools.product(
+      ids = list(itertools.product(
           *[range(a // c, -(-b // c))
-            for (a, b), c in zip(box[:len(chunk)], chunk)])):
+            for (a, b), c in zip(box[:len(chunk)], chunk)]))
+      if all(i in local[1] for i in ids):
+        self._run.wait(path, ids)
         store = local[0]
     elif local is not None:
+      self._run.wait(path, [()])
       store = local[0]
     if box:
       store = store[tuple(slice(a, b) for a, b in box)]
@@ -661,6 +703,9 @@ class OrbaxSource(Source):
     self.read_async(path, box, out).result()
 
   def close(self) -> None:
+    if self._run is not None:
+      self._run.close()
+      self._run = None
     self._stores.clear()
     self._staged.clear()
     self._tensors = None
@@ -698,6 +743,117 @@ class OrbaxSource(Source):
     if not out:
       return None
     return PTC(tuple(out), tuple((d, 0) for d in sorted(devices)))
+
+
+class _Cancelled(Exception):
+  """Internal: the staging was closed while a file still streamed."""
+
+
+class _Staging:
+  """The background fetches of :meth:`OrbaxSource.stage`: runs the jobs
+  ``_STREAMS`` at a time, and tells a read when its chunks are there.
+
+  ``marks[tensor][chunk index]`` is ``(jobs, streamed file or None, end,
+  expected)``: the chunk is there once the jobs ``jobs`` ended, or, for a
+  streamed file, once the file holds its first ``end`` bytes.
+  """
+
+  def __init__(self, item: str, base, jobs: list[tuple]):
+    self.item = item
+    self.base = base
+    self.jobs = jobs
+    self.marks: dict[str, dict] = {}
+    self.done: set[int] = set()
+    self.error: BaseException | None = None
+    self.cond = threading.Condition()
+    self.closed = False
+    self.pool: cf.ThreadPoolExecutor | None = None
+    self.futures: list = []
+
+  def start(self) -> None:
+    if not self.jobs:
+      return
+    self.pool = cf.ThreadPoolExecutor(min(_STREAMS, len(self.jobs)),
+                                      thread_name_prefix="tenplex-stage")
+    self.futures = [self.pool.submit(self._run, i)
+                    for i in range(len(self.jobs))]
+
+  def _progress(self) -> None:
+    if self.closed:
+      raise _Cancelled()
+    with self.cond:
+      self.cond.notify_all()
+
+  def fetch(self, job: tuple, progress=None) -> int:
+    """Fetches one job now; the bytes fetched."""
+    kind, key, local, lo, hi = job
+    url = os.path.join(self.item, key)
+    if kind == "whole":
+      return download(url, local, progress)
+    try:
+      r = self.base.read(key, byte_range=slice(lo, hi)).result()
+    except Exception as e:  # noqa: BLE001 - one line naming the object
+      raise location_error(url, e, "reading") from e
+    if r.state != "value" or len(r.value) != hi - lo:
+      raise StoreError(f"{url}: bytes {lo}-{hi} of the checkpoint's"
+                       f" data file could not be read ({r.state},"
+                       f" {len(r.value)} bytes)")
+    fd = os.open(local, os.O_WRONLY)
+    try:
+      os.pwrite(fd, r.value, lo)
+    finally:
+      os.close(fd)
+    return hi - lo
+
+  def _run(self, i: int) -> None:
+    try:
+      if self.closed or self.error is not None:
+        return
+      self.fetch(self.jobs[i], self._progress)
+      with self.cond:
+        self.done.add(i)
+        self.cond.notify_all()
+    except BaseException as e:  # noqa: BLE001 - handed to the reader
+      with self.cond:
+        if self.error is None and not self.closed:
+          self.error = e
+        self.cond.notify_all()
+
+  def wait(self, path: str, ids) -> None:
+    """Waits until the chunks ``ids`` of tensor ``path`` are there."""
+    marks = self.marks.get(path)
+    if not marks:
+      return
+    with self.cond:
+      for idx in ids:
+        m = marks.get(idx)
+        if m is None:
+          continue
+        jobs, streamed, end, _ = m
+        while not self.done.issuperset(jobs):
+          if self.error is not None:
+            raise StoreError(f"{self.item}: staging the checkpoint"
+                             f" failed: {self.error}") from self.error
+          if streamed is not None and _size(streamed) >= end:
+            break
+          self.cond.wait(1.0)
+
+  def close(self) -> None:
+    """Stops the fetches (a streamed file at its next block) and waits
+    for them."""
+    self.closed = True
+    if self.pool is not None:
+      for f in self.futures:
+        f.cancel()
+      self.pool.shutdown(wait=True)
+      self.pool = None
+
+
+def _size(path: str) -> int:
+  try:
+    return os.stat(path).st_size
+  except FileNotFoundError:
+    return 0
 
 
 def _chunk_index(suffix: str) -> tuple[int, ...] | None:

@@ -932,8 +932,10 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
 
   def alloc(nb: NewBox) -> np.ndarray:
     info = tinfo[nb.path]
+    # Every byte is written next (the pieces tile the box): populated.
     buf = bufs[(nb.path, nb.box)] = host_empty(
-        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
+        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]),
+        populate=True)
     return buf
 
   filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
