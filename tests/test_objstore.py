@@ -541,9 +541,11 @@ def test_orbax_staging_overlaps_the_reads(s3, monkeypatch):
 
   def view(self, path, box, dtype):
     v = real_view(self, path, box, dtype)  # after the wait for its bytes
-    reads.append((path, box, time.monotonic(), self.read_order(
-        path, self.tensors()[path].boxes.index(
-            tuple((a, a + 8) for a, _ in box[:1]) + box[1:]))))
+    held = self.tensors()[path].boxes  # the chunk this box (or part) is of
+    index = next(i for i, h in enumerate(held)
+                 if all(a0 <= a and b <= b0
+                        for (a, b), (a0, b0) in zip(box, h)))
+    reads.append((path, box, time.monotonic(), self.read_order(path, index)))
     return v
 
   monkeypatch.setattr(OrbaxSource, "_view", view)
