@@ -5,6 +5,7 @@ One command (simulated CPU devices):
   PYTHONPATH=. python3 benchmarks/bench_determinism.py [--sizes 100m]
       [--dtypes float32,bfloat16] [--layouts dp,fsdp] [--devices 2]
       [--ratios 1,2,4,8] [--rows 8] [--seq 1] [--reps 3] [--profile]
+      [--profile-ratios 1,8] [--lock /work/.bench.lock]
 
 For each model size, dtype, layout (DP: params replicated; FSDP / ZeRO-3:
 every matrix split over ``data``) and ratio ``k = V/n`` of virtual workers to
@@ -30,13 +31,14 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
 
 and reports medians and minima, ratios to ``plain``, XLA's per-device buffer
 sizes (``memory_analysis``) of each program, the process's peak RSS and the
-load. Before running a cell it compiles every program and skips the cell
+load. It compiles every cell's programs first, then (holding ``--lock``, the
+machine's benchmark lock, if given) runs the cells; it skips a cell
 (saying why) if 1.3 x (the devices' arguments, outputs and temp buffers of the
 largest program) + 1 GiB would not fit in ``MemAvailable``. With ``--profile``
 it also traces each program of the cells whose ``V/n`` is in
 ``--profile-ratios`` and adds up XLA's per-op times by kind: where the time
-goes. Results go to stdout as JSON lines
-and to ``--out``.
+goes. Results go to stdout as JSON lines and to ``--out`` (rewritten after
+every cell, ``"complete": true`` at the end).
 
 The ``100m`` model is 12 blocks of 1024 x 4096 (2 matrices each, residual
 tanh MLP): 100.7M parameters.

@@ -486,10 +486,11 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       for ``f`` called inside the caller's ``jit``, where the params'
       shardings are not known while tracing (outside ``jit`` ``f`` reads
       them from the arrays). With them FSDP params enter the workers as
-      shards, gathered inside each worker, and the gradients of params split
-      over the batch axes come out split the same way (a reduce-scatter's
-      layout, no all-gather); without them every gradient comes out
-      gathered. A leaf's sharding must be the one it has in the step.
+      shards and are gathered inside each worker (with one worker per
+      device, inside its branch: the plain step's memory) instead of before
+      the workers' ``shard_map``. The gradients still come out gathered
+      inside ``jit`` (see ``on_shards``). A leaf's sharding must be the one
+      it has in the step.
 
   Returns:
     ``f(params, batch, *args) -> (loss, grads)``, usable inside or outside
@@ -707,8 +708,6 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # Inside the caller's jit the update consumes the gradients; handing
     # it gathered arrays (an all-gather on every mesh, 1 device included)
     # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
-    # Leaves sharded like their FSDP params (``param_shardings``) are left
-    # as they are: the update reads its local shard, plain, on every mesh.
     out = [lax.all_gather(o, axes, axis=0 if a is None else a, tiled=True)
            if g else o for o, a, g in zip(out, dims, gather)]
     out = [o if a is not None or not g else jnp.reshape(o[:x.size], x.shape)
@@ -796,8 +795,11 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       leaves, treedef = jax.tree_util.tree_flatten(params)
       specs = treedef.flatten_up_to(param_shardings)
       dims, shard_in = _dims((treedef, tuple(specs)))
+      # The gradients still come out gathered: with them split like the
+      # params (a reduce-scatter's layout) the ZeRO-3 adamw run of
+      # tests/test_determinism.py differed from the static run's update.
       return run(params, batch, *args, dims=dims, shard_in=shard_in,
-                 gather=tuple(a is None for a in dims))
+                 gather=(True,) * len(dims))
     # Outside jit: grads get each param's sharding when it lives on this
     # mesh's devices; otherwise (e.g. an uncommitted array on one device)
     # they come back replicated over the mesh.

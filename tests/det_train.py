@@ -82,8 +82,7 @@ def shardings(state, mesh, fsdp):
 
 def make_step(mesh, v, param_shardings=None):
   """The train step on ``mesh`` with ``v`` virtual workers (``param_shardings``:
-  passed to ``value_and_grad``, so FSDP params enter the workers as shards
-  and their gradients leave them split like the params)."""
+  passed to ``value_and_grad``, so FSDP params enter the workers as shards)."""
   grad = det.value_and_grad(net_loss, virtual_workers=v, mesh=mesh,
                             rng_argnums=(0,), param_shardings=param_shardings)
 

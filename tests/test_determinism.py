@@ -131,7 +131,7 @@ def test_inside_jit_matches_outside():
 def test_inside_jit_with_param_shardings_matches_outside():
   # FSDP params passed as shards (gathered inside each worker: V/n = 1 on 8
   # devices, once before the workers' loop for V/n = 4 on 2) and DP params:
-  # the bits of the 1-device run, the gradients sharded like the params.
+  # the bits of the 1-device run.
   params, batch = mlp_data(16)
   mesh1 = mesh1d(1)
   ref = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh1)(
@@ -219,7 +219,7 @@ def train(schedule, v, *, fsdp=False, store_dir=None, shards_in=False):
   ``fsdp``: params and adamw moments ZeRO-3 sharded over ``data`` (their
   shard shapes change with every resize), else replicated. ``shards_in``:
   the step passes the params' shardings to ``value_and_grad`` (params enter
-  the workers as shards, gradients leave them split like the params)."""
+  the workers as shards)."""
   x, y = det_train.dataset(2 * v)
   state = det_train.init_state()
   starts = dict(schedule)
@@ -270,8 +270,8 @@ def test_d0_d1_training_v8_resizes_8_4_2_8(tmp_path):
   assert_bitwise(static, train(((0, 8), (5, 4), (10, 2), (15, 8)), 8,
                                fsdp=True))
   # The same with the params' shardings passed to value_and_grad: the
-  # params are gathered inside each worker and the update reads gradient
-  # shards laid out like its params (no all-gather of the gradients).
+  # params enter the workers as shards and are gathered inside each worker
+  # (inside its branch on 8 devices, before the workers' loop on 4 and 2).
   assert_bitwise(static, train(((0, 8), (5, 4), (10, 2), (15, 8)), 8,
                                fsdp=True, shards_in=True))
 
