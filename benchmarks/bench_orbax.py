@@ -37,7 +37,11 @@ per leaf rows, columns, 2-D blocks or replicated). Methods: ``tenplex``
 (``tenplex_jax.orbax.restore``), ``per-piece`` (the same with
 ``assembly._GROUP_READS = False``: a tensorstore read per piece, which
 decodes a chunk once per new box that takes a part of it; the code before
-reads were grouped by chunk) and ``orbax`` (Orbax's own restore). Reports
+reads were grouped by chunk), ``scratch`` (the same with
+``OrbaxSource.shared_reads = False``: a chunk that feeds several pieces is
+read into a scratch buffer and its pieces copied into place on the Python
+thread; the code before a chunk's pieces were read straight into place in
+one tensorstore batch) and ``orbax`` (Orbax's own restore). Reports
 wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
 restore in the saved layout, and the worst and median ratio to Orbax over
 the random layouts. Writes benchmarks/bench_orbax_layouts_result.json
@@ -365,7 +369,10 @@ def _layout_restore(args) -> None:
     with ocp.CheckpointManager(args.dir) as m:
       out = m.restore(1, args=ocp.args.StandardRestore(target))
   else:
-    assembly._GROUP_READS = args.method == "tenplex"
+    assembly._GROUP_READS = args.method != "per-piece"
+    if args.method == "scratch":
+      from tenplex_jax.orbax._read import OrbaxSource
+      OrbaxSource.shared_reads = False
     out = tor.restore(args.dir, target)
   jax.block_until_ready(out)
   secs = time.perf_counter() - t0
@@ -418,12 +425,13 @@ def layouts_main(args) -> None:
     res = results["restore"]
     own = res["saved"]["tenplex"]
     print(f"load {os.getloadavg()}")
-    print("layout     | tenplex s (CPU) | per-piece s (CPU) | orbax s (CPU) |"
+    alt = next((m for m in methods if m not in ("tenplex", "orbax")),
+               "per-piece")
+    print(f"layout     | tenplex s (CPU) | {alt} s (CPU) | orbax s (CPU) |"
           " orbax/tenplex | tenplex/own saved | RSS rise x")
     for kind, r in res.items():
       t, o = r["tenplex"], r["orbax"]
-      p = r.get("per-piece", {"seconds": float("nan"),
-                              "cpu_seconds": float("nan")})
+      p = r.get(alt, {"seconds": float("nan"), "cpu_seconds": float("nan")})
       r["speedup_vs_orbax"] = o["seconds"] / t["seconds"]
       r["cpu_speedup_vs_orbax"] = o["cpu_seconds"] / t["cpu_seconds"]
       r["vs_own_saved"] = t["seconds"] / own["seconds"]
