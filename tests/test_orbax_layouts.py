@@ -130,9 +130,10 @@ def test_per_piece_path_reads_each_piece(rows_ckpt, monkeypatch):
 
 def _file_reads() -> int:
   import tensorstore as ts
-  return sum(v.get("value", 0) for m in ts.experimental_collect_matching_metrics(
-      "/tensorstore/kvstore/file/read") if m["name"].endswith("/read")
-             for v in m["values"])
+  metrics = ts.experimental_collect_matching_metrics(
+      "/tensorstore/kvstore/file/read")
+  return sum(v.get("value", 0) for m in metrics
+             if m["name"].endswith("/read") for v in m["values"])
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "scratch"])
