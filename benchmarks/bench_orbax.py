@@ -37,7 +37,14 @@ per leaf rows, columns, 2-D blocks or replicated). Methods: ``tenplex``
 (``tenplex_jax.orbax.restore``), ``per-piece`` (the same with
 ``assembly._GROUP_READS = False``: a tensorstore read per piece, which
 decodes a chunk once per new box that takes a part of it; the code before
-reads were grouped by chunk) and ``orbax`` (Orbax's own restore). Reports
+reads were grouped by chunk), ``scratch`` (the same with
+``OrbaxSource.shared_reads = False``: a chunk that feeds several pieces is
+read into a scratch buffer and its pieces copied into place on the Python
+thread; the code before a chunk's pieces were read straight into place in
+one tensorstore batch), ``own`` (``tenplex`` into the saved layout, in the
+same round as the layout's other methods: the ratio to it, ``vs_own_adjacent``,
+compares runs minutes apart on a loaded machine less than the ratio to the
+``saved`` row does) and ``orbax`` (Orbax's own restore). Reports
 wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
 restore in the saved layout, and the worst and median ratio to Orbax over
 the random layouts. Writes benchmarks/bench_orbax_layouts_result.json
@@ -345,7 +352,8 @@ def _layout_restore(args) -> None:
   from tenplex_jax import assembly
   from tenplex_jax.layout import PTC
   info = tor.inspect(args.dir)["tensors"]
-  flat = _layout_target(jax, args.kind, {
+  kind = "saved" if args.method == "own" else args.kind
+  flat = _layout_target(jax, kind, {
       k: (tuple(t["shape"]), jnp.dtype(t["dtype"])) for k, t in info.items()})
   target: dict = {}
   for k, v in flat.items():
@@ -365,7 +373,10 @@ def _layout_restore(args) -> None:
     with ocp.CheckpointManager(args.dir) as m:
       out = m.restore(1, args=ocp.args.StandardRestore(target))
   else:
-    assembly._GROUP_READS = args.method == "tenplex"
+    assembly._GROUP_READS = args.method != "per-piece"
+    if args.method == "scratch":
+      from tenplex_jax.orbax._read import OrbaxSource
+      OrbaxSource.shared_reads = False
     out = tor.restore(args.dir, target)
   jax.block_until_ready(out)
   secs = time.perf_counter() - t0
@@ -418,16 +429,20 @@ def layouts_main(args) -> None:
     res = results["restore"]
     own = res["saved"]["tenplex"]
     print(f"load {os.getloadavg()}")
-    print("layout     | tenplex s (CPU) | per-piece s (CPU) | orbax s (CPU) |"
+    alt = next((m for m in methods if m not in ("tenplex", "orbax")),
+               "per-piece")
+    print(f"layout     | tenplex s (CPU) | {alt} s (CPU) | orbax s (CPU) |"
           " orbax/tenplex | tenplex/own saved | RSS rise x")
     for kind, r in res.items():
       t, o = r["tenplex"], r["orbax"]
-      p = r.get("per-piece", {"seconds": float("nan"),
-                              "cpu_seconds": float("nan")})
+      p = r.get(alt, {"seconds": float("nan"), "cpu_seconds": float("nan")})
       r["speedup_vs_orbax"] = o["seconds"] / t["seconds"]
       r["cpu_speedup_vs_orbax"] = o["cpu_seconds"] / t["cpu_seconds"]
       r["vs_own_saved"] = t["seconds"] / own["seconds"]
       r["cpu_vs_own_saved"] = t["cpu_seconds"] / own["cpu_seconds"]
+      if "own" in r:
+        r["vs_own_adjacent"] = t["seconds"] / r["own"]["seconds"]
+        r["cpu_vs_own_adjacent"] = t["cpu_seconds"] / r["own"]["cpu_seconds"]
       print(f"{kind:10s} | {t['seconds']:.2f} ({t['cpu_seconds']:.2f}) |"
             f" {p['seconds']:.2f} ({p['cpu_seconds']:.2f}) |"
             f" {o['seconds']:.2f} ({o['cpu_seconds']:.2f}) |"
@@ -435,8 +450,12 @@ def layouts_main(args) -> None:
             f" {r['cpu_speedup_vs_orbax']:.2f}x) | {r['vs_own_saved']:.2f}x"
             f" (CPU {r['cpu_vs_own_saved']:.2f}x) | {t['ratio']:.2f}"
             f" (orbax {o['ratio']:.2f})")
-    for key, pick in (("vs_own_saved", max), ("speedup_vs_orbax", min)):
-      v = [r[key] for r in res.values()]
+    for key, pick in (("vs_own_saved", max), ("speedup_vs_orbax", min),
+                      ("vs_own_adjacent", max),
+                      ("cpu_vs_own_adjacent", max)):
+      v = [r[key] for r in res.values() if key in r]
+      if not v:
+        continue
       results[f"all_{key}"] = {"worst": pick(v),
                                "median": statistics.median(v)}
     results["rss_ratio_worst"] = max(r["tenplex"]["ratio"]
@@ -447,6 +466,11 @@ def layouts_main(args) -> None:
           f" saved worst {results['all_vs_own_saved']['worst']:.2f}x median"
           f" {results['all_vs_own_saved']['median']:.2f}x; peak RSS rise"
           f" worst {results['rss_ratio_worst']:.2f}x the new shards")
+    if "all_vs_own_adjacent" in results:
+      a, c = results["all_vs_own_adjacent"], results["all_cpu_vs_own_adjacent"]
+      print(f"tenplex / own saved layout in the same round: wall worst"
+            f" {a['worst']:.2f}x median {a['median']:.2f}x; CPU worst"
+            f" {c['worst']:.2f}x median {c['median']:.2f}x")
     rand = [r for k, r in res.items() if k.startswith("random:")]
     if rand:
       v = [r["vs_own_saved"] for r in rand]
