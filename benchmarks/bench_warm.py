@@ -14,7 +14,9 @@ Sources (``--sources``):
   keeps the host copy it gathers of an array (``Array._npy_value``) for as
   long as the array lives, so its calls after the first hand out views of
   that copy and copy nothing (a cache hit; its page faults and CPU seconds
-  show it);
+  show it). ``tj.reshard`` adopts the buffers of its previous result of the
+  same arrays while that result lives (``alive``), and copies again once it
+  was dropped (it keeps no second copy of the state);
 * ``fresh``: before each call (outside the timed region) the source is
   replaced by a fresh copy of itself, as a training step replaces a job's
   state between two reshards: nothing is cached for any method.

@@ -685,10 +685,14 @@ _glue = jax.jit(_glue_impl, static_argnums=0)
 # compile time (19.7 s -> 2.9 s for one program of 256 slices here). On CPU
 # devices XLA's MLIR fusion emitters took 3.5-4x the compile CPU time of its
 # classic emitters for them (40 slices: 0.38 -> 0.10 s; 40 joins: 0.51 ->
-# 0.12 s; results bitwise equal), so they are off for these programs.
+# 0.12 s; results bitwise equal), so they are off for these programs. Nor
+# is their code split into parts generated in parallel: the split cost more
+# than it saved on these small modules (lm1b SMALL's 10 group programs: 0.86
+# -> 0.53-0.63 s of compile CPU).
 _FAST_COMPILE = {"xla_backend_optimization_level": 0,
                  "xla_llvm_disable_expensive_passes": True}
-_FAST_COMPILE_CPU = {**_FAST_COMPILE, "xla_cpu_use_fusion_emitters": False}
+_FAST_COMPILE_CPU = {**_FAST_COMPILE, "xla_cpu_use_fusion_emitters": False,
+                     "xla_cpu_parallel_codegen_split_count": 1}
 _programs: collections.OrderedDict = collections.OrderedDict()
 _PLAIN_JIT = object()
 _PROGRAMS_MAX = 256
