@@ -239,9 +239,9 @@ def plot(rows, import_s, path):
       for r in rows], fontsize=8)
   ax.set_ylabel("seconds (save call -> new step done)")
   ax.set_title("LM trainer, resizes across processes: cold (hatched), warm (standby processes"
-               " + compilation cache), ahead (+ next generations started and compiled"
-               " ahead at nice +10, dotted; ahead_nice0: at the running one's priority,"
-               " crossed)", fontsize=8)
+               " + compilation cache),\nahead (+ next generations started and compiled"
+               " ahead at nice +10, dotted), ahead_nice0 (the same at the running one's"
+               " priority, crossed)", fontsize=8)
   ax.legend(fontsize=7, loc="upper right")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
