@@ -1,37 +1,43 @@
-"""Resizing an elastic JAX job on Ray: tenplex stores against Ray Train's checkpoint path.
+"""Resizing an elastic JAX job on Ray: tenplex against Ray Train's restart from a checkpoint.
 
 One local Ray cluster (``ray.cluster_utils.Cluster``: 2 nodes, 1 CPU each)
 runs one ``tenplex_jax.ray`` job of ``bench_ray_train.py`` (a 1.13 GiB
 state: a 6 x 4096^2 float32 MLP with Adam's two moments, rows sharded over
-the workers) that resizes every 3 steps between 1 and 2 workers, 8 times.
-The state crosses each resize one of two ways, interleaved in the same job
-(``tenplex, ray, ray, tenplex, ...``, so each way does 2 grows and 2
+the workers) that resizes between 1 and 2 workers, 8 times: the driver
+asks for each resize (``request_resize``) once the group has run 3 steps
+and, before a tenplex resize, once the next group's standby workers have
+their imports done. The resizes alternate between two ways, in the same
+job (``tenplex, ray, ray, tenplex, ...``, so each way does 2 grows and 2
 shrinks):
 
 * **tenplex**: every worker saves its shards to its node's tenplex store
-  (a detached store actor's ``/dev/shm`` directory) and the new group
-  restores from the stores (own node first, then the peers' servers);
-* **ray** (Ray Train's own path): every worker writes its shards into one
-  Orbax checkpoint in the run's storage (``RunConfig(storage_path=...,
-  name=...)``, a local disk directory here, as Ray's default
-  ``~/ray_results``), and the new group opens it as a
+  (a detached store actor's ``/dev/shm`` directory); the new group is the
+  job's standby workers (started ahead with the imports done), handed
+  their ranks, which restore from the stores (own node first, then the
+  peers' servers) and load the step from jax's persistent compilation
+  cache when the job ran that mesh before;
+* **ray** (Ray Train's restart from a checkpoint): every worker writes its
+  shards into one Orbax checkpoint in the run's storage
+  (``RunConfig(storage_path=..., name=...)``, a local disk directory here,
+  as Ray's default ``~/ray_results``); a new worker group of fresh actors
+  starts (imports included) without a compilation cache, opens it as a
   ``ray.train.Checkpoint`` and restores it with Orbax's
   ``StandardCheckpointer`` onto its shardings. (``JaxTrainer`` does not
   initialise ``jax.distributed`` on CPU workers in Ray 2.60, see
-  docs/ray.md; the worker groups are the same actors in both modes.)
+  docs/ray.md.)
 
 Per resize, from the signal (``resize_due`` returns the new size) to the
 first step of the new group, split at the slowest worker's timestamps:
-``save`` (signal -> saved), ``start`` (saved -> the new workers begin their
-restore: Ray tears the old group down and starts the new one, imports,
-``jax.distributed``), ``restore``, ``compile`` (the step's AOT
-compilation) and ``step`` (the first step). (a) = start, (b) = save +
-restore, (c) = compile. Prints per mode the medians and the ratios and
-writes the rows, medians, the load and the machine's memory to ``--out``
-(and a bar chart beside it).
+``save`` (signal -> saved), ``relaunch`` (saved -> the script starts in
+the new workers), ``imports``, ``distributed`` (``jax.distributed``),
+``setup`` (mesh, target), ``restore``, ``compile`` (the step's AOT
+compilation) and ``step`` (the first step); ``start`` = relaunch through
+setup. (a) = start, (b) = save + restore, (c) = compile. Prints per mode
+the medians and the ratios and writes the rows, medians, the load and the
+machine's memory to ``--out`` (and a bar chart beside it).
 
 Usage: python benchmarks/bench_ray.py [--resizes 8] [--layers 6] [--dim 4096]
-          [--out benchmarks/bench_ray_result.json]
+          [--no-standby] [--no-cache] [--out benchmarks/bench_ray_result.json]
 """
 
 from __future__ import annotations

@@ -292,6 +292,9 @@ def test_nodes_killed_recover_from_replicas_then_checkpoint(cluster, tmp_path):
         for g in gens[1:]])
     assert [(g["workers"], g["outcome"]) for g in gens] == [
         (3, "failed"), (2, "failed"), (1, "done")], gens
+    # Each recovery handed its ranks to the standby workers kept on the
+    # nodes left (the killed node's standby went with it).
+    assert [g["standby"] for g in gens] == [3, 2, 1], gens
     for g, k, source, every in ((gens[1], killed[0], "stores", 2),
                                 (gens[2], killed[1], "checkpoint", 4)):
       failed, restored = g["failed_step"], g["restored"]

@@ -515,7 +515,8 @@ def drive(args: argparse.Namespace) -> int:
       print(f"group {g['generation']}: {g['workers']} workers, steps"
             f" {g['start_step']}..{g.get('step', g['progress'])}, {how};"
             + (f" first step {first:.1f} s after the group's start"
-               if first is not None else " no step"))
+               if first is not None else " no step")
+            + f"; {g.get('standby', 0)} of its workers were standbys")
     gens = result["generations"]
     if cluster is not None:
       asked = [k for k, at in (("grow", args.grow_at), ("shrink",

@@ -557,9 +557,6 @@ class Job:
     robin over the alive nodes with room whose store answered (one per
     worker slot at most), none on draining or lost nodes; drops the dead
     ones and those on nodes that left. Does not wait for them."""
-    if not self._standby_ok():
-      self.drop_standbys()
-      return
     room = {x["NodeID"]: self.slots(x["Resources"]) for x in _ray.nodes()
             if x["Alive"] and x["NodeID"] not in self.excluded
             and x["NodeID"] not in self.draining}
@@ -611,7 +608,8 @@ class Job:
     return out
 
   def drop_standbys(self) -> None:
-    """Ends every standby worker (the job's end, or ``standby`` off)."""
+    """Ends every standby worker (at the job's end; with ``standby`` off
+    the ones kept stay for a later group that turns it on again)."""
     for lst in self._standbys.values():
       for a, _, _ in lst:
         _ray.kill(a, no_restart=True)
