@@ -201,18 +201,31 @@ def test_store_on_object_storage_restores_onto_a_new_mesh(scheme, request,
   assert snap.startswith(url + "/procs/0/snap-")
   before = snapshot_objects(scheme, bucket)
   assert any(k.endswith("/manifest.json") for k in before)
-  fetched = []
+  fetched, events = [], []
   load = ObjectStore._load_chunk
+  prefetch = ObjectStore.prefetch
 
   def counting(self, *a):
+    events.append(("load", len(self._prefetched)))
     data = load(self, *a)
     fetched.append(data.nbytes + 4)
     return data
 
+  def spy(self, *a, **kw):
+    prefetch(self, *a, **kw)
+    events.append(("prefetch", len(self._prefetched)))
+
   monkeypatch.setattr(ObjectStore, "_load_chunk", counting)
+  monkeypatch.setattr(ObjectStore, "prefetch", spy)
   target = _target()
   out, rep = tj.store.restore_with_report([url], target)
   _check(out, want, target)
+  # Every chunk object was requested before the first read of one (the
+  # transfer runs ahead of the copies), and each read took its request.
+  kinds = [k for k, _ in events]
+  first = kinds.index("load")
+  assert "prefetch" not in kinds[first:]
+  assert events[first][1] == len(fetched) > 1, events
   # Only the boxes' chunks, each once: the plan's bytes (the whole state,
   # one process), plus the 4-byte checksum trailers.
   assert rep.state_bytes == want["w"].nbytes + want["b"].nbytes

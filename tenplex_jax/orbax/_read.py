@@ -766,6 +766,7 @@ class _Staging:
     self.done: set[int] = set()
     self.error: BaseException | None = None
     self.cond = threading.Condition()
+    self.waiting: dict[str, int] = {}  # streamed file -> bytes a read needs
     self.closed = False
     self.pool: cf.ThreadPoolExecutor | None = None
     self.futures: list = []
@@ -778,11 +779,19 @@ class _Staging:
     self.futures = [self.pool.submit(self._run, i)
                     for i in range(len(self.jobs))]
 
-  def _progress(self) -> None:
-    if self.closed:
-      raise _Cancelled()
-    with self.cond:
-      self.cond.notify_all()
+  def _progress_of(self, local: str):
+    """The progress callback of the stream into ``local``: wakes a reader
+    only once the bytes it waits for are there (not at every block)."""
+
+    def progress() -> None:
+      if self.closed:
+        raise _Cancelled()
+      need = self.waiting.get(local)
+      if need is not None and _size(local) >= need:
+        with self.cond:
+          self.cond.notify_all()
+
+    return progress
 
   def fetch(self, job: tuple, progress=None) -> int:
     """Fetches one job now; the bytes fetched."""
@@ -809,7 +818,7 @@ class _Staging:
     try:
       if self.closed or self.error is not None:
         return
-      self.fetch(self.jobs[i], self._progress)
+      self.fetch(self.jobs[i], self._progress_of(self.jobs[i][2]))
       with self.cond:
         self.done.add(i)
         self.cond.notify_all()
@@ -834,9 +843,13 @@ class _Staging:
           if self.error is not None:
             raise StoreError(f"{self.item}: staging the checkpoint"
                              f" failed: {self.error}") from self.error
-          if streamed is not None and _size(streamed) >= end:
-            break
-          self.cond.wait(1.0)
+          if streamed is not None:
+            if _size(streamed) >= end:
+              break
+            self.waiting[streamed] = end
+          self.cond.wait(0.05)
+        if streamed is not None:
+          self.waiting.pop(streamed, None)
 
   def close(self) -> None:
     """Stops the fetches (a streamed file at its next block) and waits

@@ -944,11 +944,21 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
       filled, the_plan, dst_ptc, saved, rid, my_host, maps)
   per_source = collections.Counter()
   counts = {"local": 0, "net": 0}
-  if any(isinstance(s.handle, HostStore) and s.handle.remote
-         for s in sources):
+  buckets = [s.handle for s in sources
+             if isinstance(s.handle, HostStore) and s.handle.remote]
+  if buckets:
     # Reads from a bucket wait on the network, not on this host: more in
-    # flight (tensorstore bounds its own requests per server).
+    # flight (tensorstore bounds its own requests per server), and every
+    # chunk object the first-choice copies need is requested up front, in
+    # the order the pieces are read, so that the transfer runs ahead of
+    # the copies and checks instead of 32 pieces' worth at a time (pieces
+    # of one chunk wait on one request).
     workers = max(workers, _OBJECT_WORKERS)
+    for path, box, _, cands, _ in jobs:
+      if cands and cands[0].name not in dead:
+        pre = getattr(cands[0], "prefetch", None)
+        if pre is not None:
+          pre(path, box)
   try:
     served, errs = fetch_pieces(jobs, workers=workers, dead=dead,
                                 batch_bytes=_BATCH_BYTES,
@@ -960,6 +970,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
                     sorted(dead), cause=e) from e
   finally:
     maps.close()
+    for h in buckets:
+      h.drop_prefetched()
   fallbacks.extend(errs)
   for src, job in served:
     nb = job[2].nbytes

@@ -74,6 +74,7 @@ class ObjectStore(HostStore):
     self._arrays: dict[str, Any] = {}
     self._lock = threading.Lock()
     self._kv = None
+    self._prefetched: dict[str, Any] = {}  # object key -> read started
     self.bytes_fetched = 0
     self._tree = Listing(self.root)
 
@@ -156,8 +157,12 @@ class ObjectStore(HostStore):
     """Fetches chunk object ``fname`` whole and checks it (size, crc32c
     trailer, the manifest's crc32c)."""
     key = self._rel(fname)
+    with self._lock:
+      fut = self._prefetched.pop(key, None)
     try:
-      r = self._kvstore().read(key).result(timeout=_TIMEOUT_S)
+      if fut is None:
+        fut = self._kvstore().read(key)
+      r = fut.result(timeout=_TIMEOUT_S)
     except Exception as e:
       raise location_error(fname, e, f"reading {what}") from e
     if r.state != "value":
@@ -175,6 +180,32 @@ class ObjectStore(HostStore):
         or got != crc:
       raise ChecksumError(f"{what}: chunk checksum mismatch (crc32c)")
     return payload
+
+  def prefetch(self, path, box, *, proc=None, step=None, round=None
+               ) -> None:
+    """Starts fetching the chunk objects a :meth:`read_into` of the same
+    box will need, each once (tensorstore bounds the requests in flight);
+    that read then takes its bytes from these requests, and any error
+    surfaces there. A restore calls it for every piece before reading, so
+    that the transfer runs ahead of the copies and checks."""
+    try:
+      proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    except StoreError:  # read_into raises it with its context
+      return
+    if "chunk_rows" not in b:
+      return
+    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
+    kv = self._kvstore()
+    with self._lock:
+      for c in w.chunks:
+        key = self._rel(snap + c.fname[len(_KEYROOT):])
+        if key not in self._prefetched:
+          self._prefetched[key] = kv.read(key)
+
+  def drop_prefetched(self) -> None:
+    """Forgets the fetches :meth:`prefetch` started that no read took."""
+    with self._lock:
+      self._prefetched.clear()
 
   def read_into(self, path, box, dest, *, proc=None, maps=None, step=None,
                 round=None) -> int:

@@ -230,6 +230,13 @@ class StoreCopy(Source):
     else:
       self.read_batch([(path, box, out)])
 
+  def prefetch(self, path: str, box: Box) -> None:
+    """Starts fetching what :meth:`read_into` of ``box`` will need, where
+    the handle can (a bucket); nothing otherwise."""
+    pre = getattr(self.handle, "prefetch", None) if self.direct else None
+    if pre is not None:
+      pre(path, box, proc=self.proc, round=self.round)
+
   def read_batch(self, items) -> None:
     """Reads ``[(path, box, out), ...]``: one request to a peer."""
     if self.direct:
