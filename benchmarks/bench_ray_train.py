@@ -126,7 +126,8 @@ first = step - 1
 record(kind="start", mode=mode_in, step=step - 1, t_start=T_START,
        t_imported=T_IMPORTED, t_init=T_INIT, t_restore0=t_restore0,
        standby="TENPLEX_STANDBY_READY" in os.environ,
-       cache=bool(jax.config.jax_compilation_cache_dir), t_restored=t_restored, t_compiled=t_compiled,
+       cache=bool(jax.config.jax_compilation_cache_dir),
+       t_restored=t_restored, t_compiled=t_compiled,
        t_first=t_first, restored=importlib.import_module(
            "tenplex_jax.store.launch").last_restore.get("report"))
 if mode_in == "ray" and proc == 0:  # the consumed checkpoint (not timed)
