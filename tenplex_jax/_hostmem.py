@@ -18,12 +18,14 @@ as the copy itself, so large buffers are
   which serves them from memory the process freed and that is still
   resident where it can, so that they cost no page faults at all, as XLA's
   own allocations (``jax.device_put``'s) do; under 16 KiB from numpy;
-* populated at map time when the caller writes every byte next
-  (``host_empty(..., populate=True)``: a restore's new shards): a new block
-  of 1 MiB or more is then its own mapping created with ``MAP_POPULATE``,
-  one system call instead of a fault per 4 KiB page (the restore core's CPU
-  rose by about a quarter when its buffers came from the C heap, faulted
-  page by page, instead of populated mappings);
+* populated in one system call when the caller writes every byte next
+  (``host_empty(..., populate=True)``: a restore's new shards), instead of
+  a fault per 4 KiB page (the restore core's CPU rose by about a quarter
+  when its buffers came from the C heap, faulted page by page, instead of
+  ``MAP_POPULATE`` mappings): a heap block's pages that are not resident
+  yet with ``MADV_POPULATE_WRITE`` (Linux 5.14+; memory the heap reuses is
+  resident already, so the peak stays that of the heap), a mapping with
+  ``MAP_POPULATE``;
 * recycled from 16 KiB up: when jax frees a device buffer built on one, the
   block (pages already faulted in) goes back to a free list that the next
   reshard reuses (:func:`collect_dropped_buffers` makes jax let go of it
@@ -57,7 +59,7 @@ _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
 _PAGE = mmap.PAGESIZE  # mappings are rounded up to whole (small) pages
 _MIN_POOLED = 16 << 10  # smaller buffers come from numpy's allocator
 _MIN_MAPPED = 32 << 20  # glibc's largest threshold for serving from its heap
-_MIN_POPULATED = 1 << 20  # host_empty(populate=True) maps and populates
+_MIN_POPULATED = 1 << 20  # host_empty(populate=True) populates from here
 _HUGE = os.environ.get("TENPLEX_JAX_HUGEPAGES", "0") == "1"
 
 
@@ -89,6 +91,14 @@ try:
 except (OSError, AttributeError):  # pragma: no cover - no C heap to call
   _libc = None
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels answer EINVAL
+try:
+  _madvise = _libc.madvise
+  _madvise.restype = ctypes.c_int
+  _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+except AttributeError:  # pragma: no cover - no madvise to call
+  _madvise = None
+
 
 class _HeapBlock:
   """``size`` bytes from the C heap (``malloc``), 64-byte aligned, in
@@ -106,6 +116,16 @@ class _HeapBlock:
 
   def __len__(self) -> int:
     return self._size
+
+  def populate(self) -> None:
+    """Faults in the whole pages of the block that are not resident yet,
+    in one system call (``MADV_POPULATE_WRITE``; pages the C heap reuses
+    are already there); nothing where the kernel has no such advice."""
+    start = ctypes.addressof(self.buf)
+    lo = -(-start // _PAGE) * _PAGE
+    hi = (start + self._size) // _PAGE * _PAGE
+    if hi > lo and _madvise is not None:
+      _madvise(lo, hi - lo, _MADV_POPULATE_WRITE)
 
   def close(self) -> None:
     raw, self.raw = self.raw, 0
@@ -138,9 +158,8 @@ class _Pool:
 
   def take(self, size: int, populate: bool = False):
     """A free block of ``size`` bytes, else a new one: from the C heap
-    under ``_MIN_MAPPED`` (where the C library has a heap) unless
-    ``populate``, else mapped (with ``populate``, its pages populated at
-    map time)."""
+    under ``_MIN_MAPPED`` (where the C library has a heap), else mapped;
+    with ``populate``, a new block's pages made resident at once."""
     cap = _cap_bytes()
     with self._lock:
       self._drain(cap)
@@ -150,8 +169,11 @@ class _Pool:
         self.reused += 1
         return free.pop()
       self.mapped += 1
-    if size < _MIN_MAPPED and _libc is not None and not populate:
-      return _HeapBlock(size)
+    if size < _MIN_MAPPED and _libc is not None:
+      block = _HeapBlock(size)
+      if populate:
+        block.populate()
+      return block
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if populate:
       flags |= getattr(mmap, "MAP_POPULATE", 0)
@@ -204,11 +226,11 @@ def host_empty(shape: tuple[int, ...], dtype, *,
     shape: the array's shape.
     dtype: any numpy dtype (``ml_dtypes`` ones included).
     populate: the caller writes every byte of it next (a restore's new
-      shards): a new block of ``_MIN_POPULATED`` (1 MiB) or more is then
-      its own mapping with its pages populated at map time
-      (``MAP_POPULATE``: one system call instead of a page fault per 4 KiB
-      page; the pages are resident when it returns, as they would be
-      after the write); a recycled block is already populated.
+      shards): the pages of a new block of ``_MIN_POPULATED`` (1 MiB) or
+      more are then made resident in one system call instead of a page
+      fault per 4 KiB page (a heap block's with ``MADV_POPULATE_WRITE``,
+      a mapping's with ``MAP_POPULATE``; as they would be after the
+      write); a recycled block is already populated.
 
   Returns:
     A writable array. At 16 KiB and above it lives in its own block (mapped

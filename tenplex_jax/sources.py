@@ -112,14 +112,6 @@ class Source(abc.ABC):
     default reads each part on its own."""
     return [self.read_async(path, box, out) for box, out in parts]
 
-  def read_order(self, path: str, index: int) -> float:
-    """When held box ``index`` of tensor ``path`` can be read, relative to
-    the other boxes (lower: sooner; e.g. the estimated arrival of its bytes
-    while the source still fetches them). :func:`assemble` reads in this
-    order when a source overrides it; the default keeps the target's
-    order."""
-    return 0.0
-
   def close(self) -> None:
     """Releases open handles; the default holds none."""
 
@@ -128,6 +120,14 @@ class Source(abc.ABC):
 
   def __exit__(self, *exc):
     self.close()
+
+  def read_order(self, path: str, index: int) -> float:
+    """When held box ``index`` of tensor ``path`` can be read, relative to
+    the other boxes (lower: sooner; e.g. the estimated arrival of its bytes
+    while the source still fetches them). :func:`assemble` reads in this
+    order when a source overrides it; the default keeps the target's
+    order."""
+    return 0.0
 
 
 class _Done:

@@ -343,7 +343,7 @@ def test_server_killed_mid_read(monkeypatch, tmp_path, gs):
   snap = tj.store.save(state, local, step=7)
   gurl = f"gs://{gs}/replica"
   tj.store.replicate(snap, 0, gurl)
-  load = ObjectStore._load_chunk
+  prefetch = ObjectStore.prefetch
   for with_replica in (False, True):
     with moto_server() as srv:
       s3_env(monkeypatch, srv.endpoint)
@@ -351,14 +351,18 @@ def test_server_killed_mid_read(monkeypatch, tmp_path, gs):
       tj.store.replicate(snap, 0, url)
       calls = []
 
-      def dying(self, *a):
+      def dying(self, *a, **kw):
+        # The restore requests its chunks up front: the server dies once
+        # the first piece's chunks arrived, before the others are asked.
+        prefetch(self, *a, **kw)
         if self.scheme == "s3":
           calls.append(1)
-          if len(calls) == 2:
+          if len(calls) == 1:
+            for f in list(self._prefetched.values()):
+              f.result()
             srv.stop()
-        return load(self, *a)
 
-      monkeypatch.setattr(ObjectStore, "_load_chunk", dying)
+      monkeypatch.setattr(ObjectStore, "prefetch", dying)
       target = _target()
       if not with_replica:
         with pytest.raises(StoreError) as e:
@@ -369,7 +373,7 @@ def test_server_killed_mid_read(monkeypatch, tmp_path, gs):
         out, rep = tj.store.restore_with_report([url, gurl], target)
         _check(out, want, target)
         assert rep.fallbacks
-      monkeypatch.setattr(ObjectStore, "_load_chunk", load)
+      monkeypatch.setattr(ObjectStore, "prefetch", prefetch)
 
 
 # ---------------------------------------------------------- Orbax checkpoints
