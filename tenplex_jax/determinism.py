@@ -87,7 +87,6 @@ COMPILER_OPTIONS = (("xla_disable_hlo_passes", "spmd-cleanup"),
                     ("xla_cpu_use_fusion_emitters", False))
 
 
-
 def _compiler_options(platform: str | None = None) -> dict[str, Any]:
   """:data:`COMPILER_OPTIONS` for ``platform`` (default: the default backend).
 
