@@ -86,6 +86,18 @@ __all__ = ["COMPILER_OPTIONS", "GPU_DETERMINISM_FLAGS", "DeterminismReport",
 COMPILER_OPTIONS = (("xla_disable_hlo_passes", "spmd-cleanup"),
                     ("xla_cpu_use_fusion_emitters", False))
 
+
+def _compiler_options(platform: str | None = None) -> dict[str, Any]:
+  """:data:`COMPILER_OPTIONS` for ``platform`` (default: the default backend).
+
+  XLA:GPU rejects the ``xla_cpu_*`` options ("No such compile option",
+  jax 0.11.2 on an H100), so they are passed on CPU only.
+  """
+  platform = jax.default_backend() if platform is None else platform
+  return {k: v for k, v in COMPILER_OPTIONS
+          if platform == "cpu" or not k.startswith("xla_cpu_")}
+
+
 GPU_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops=true",
                          "--xla_gpu_exclude_nondeterministic_ops=true")
 
@@ -781,7 +793,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
           NamedSharding(mesh, P()), jax.tree_util.tree_unflatten(*shardings))
       dims, shard_in = _dims(shardings)
       fn = jax.jit(lambda *a: run(*a, dims=dims, shard_in=shard_in),
-                   out_shardings=out, compiler_options=dict(COMPILER_OPTIONS))
+                   out_shardings=out, compiler_options=_compiler_options())
       cache[shardings] = fn
     return fn
 
@@ -907,7 +919,7 @@ def jit(fun: Callable, **kwargs) -> Callable:
     >>> int(step(3))
     6
   """
-  options = dict(COMPILER_OPTIONS)
+  options = _compiler_options()
   options.update(kwargs.pop("compiler_options", None) or {})
   return jax.jit(fun, compiler_options=options, **kwargs)
 

@@ -374,6 +374,13 @@ def test_check_environment_reports_gpu_flags():
   assert r.matmul_precision == "highest" and "'highest'" in r.problems[0]
 
 
+def test_compiler_options_per_platform():
+  # XLA:GPU rejects xla_cpu_* compile options; CPU gets all of them.
+  assert det._compiler_options("cpu") == dict(det.COMPILER_OPTIONS)
+  gpu = det._compiler_options("gpu")
+  assert gpu == {"xla_disable_hlo_passes": "spmd-cleanup"}
+
+
 def test_partial_gradient_bytes():
   params, _ = mlp_data(8)
   n_params = 16 * 48 + 48 + 48 * 4
