@@ -390,7 +390,7 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
   os.makedirs(log_dir)
   os.makedirs(hold)
   sizes = [1, 2, 1, 2]
-  seen_ready = {}  # generation: pids of the standbys ready while it held
+  seen_ready = {}  # generation: pids of the standbys kept when it was let go
   jobs = []
   try:
     def driver(job, step):
@@ -402,9 +402,12 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
         return
       if step < job.current["start_step"] + 1:
         return
-      ready = [s for s in job.standbys() if s["ready"] is not None]
-      if len(ready) >= sizes[gen + 1]:  # the next group's, imports done
-        seen_ready[gen] = {s["pid"] for s in ready}
+      kept = job.standbys()
+      ready = [s for s in kept if s["ready"] is not None]
+      # The next group's standbys with their imports done, and every other
+      # one kept ready too (its pid known): the group may take any of them.
+      if len(ready) >= sizes[gen + 1] and len(ready) == len(kept):
+        seen_ready[gen] = {s["pid"] for s in kept}
         open(os.path.join(hold, f"go_{gen}"), "w").close()
 
     result = tray.run(SCRIPT, [str(total), log_dir], num_workers=1,
@@ -418,7 +421,7 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
     for g in gens[1:]:
       k = g["generation"]
       # Every worker was a standby whose imports were done before the
-      # resize began, and is one the driver saw ready while the previous
+      # resize began, and one the driver saw ready while the previous
       # group held: no process started on the resize's path.
       assert g["standby"] == g["workers"], g
       assert all(r < 0 for r in g["standby_ready_s"]), g
