@@ -123,6 +123,19 @@ def _read_ids(log_dir):
   return seen
 
 
+def _assert_each_sample_once(seen, total):
+  """Every step 0..total-1 was logged, and its pieces tile the global batch
+  with each sample exactly once (``seen``: :func:`_read_ids`'s form)."""
+  assert sorted(seen) == list(range(total))
+  for step, pieces in seen.items():
+    got = np.full(B, -2)
+    for lo, ids in pieces:
+      assert (got[lo:lo + len(ids)] == -2).all(), (step, pieces)
+      got[lo:lo + len(ids)] = ids
+    np.testing.assert_array_equal(
+        got, global_batch_ids(0, step * B // N, step % (N // B), N, B))
+
+
 @pytest.mark.slow
 def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
   """A (1, 3)-worker job starts 2 workers on 2 one-CPU nodes; a third node
@@ -211,15 +224,7 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
       final = json.load(f)
     assert final["step"] == total and final["procs"] == 1
     assert final["data"] == {"epoch": total * B // N, "index": total % (N // B)}
-    seen = _read_ids(log_dir)
-    assert sorted(seen) == list(range(total))
-    for step, pieces in seen.items():  # each sample of the batch exactly once
-      got = np.full(B, -2)
-      for lo, ids in pieces:
-        assert (got[lo:lo + len(ids)] == -2).all(), (step, pieces)
-        got[lo:lo + len(ids)] = ids
-      want = global_batch_ids(0, step * B // N, step % (N // B), N, B)
-      np.testing.assert_array_equal(got, want)
+    _assert_each_sample_once(_read_ids(log_dir), total)
     # The store actors' directories go as the actors stop; under load a
     # stop can outlast the driver's wait for it, so allow it a minute.
     deadline = time.time() + 60
@@ -319,15 +324,7 @@ def test_nodes_killed_recover_from_replicas_then_checkpoint(cluster, tmp_path):
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
     assert final["step"] == total and final["procs"] == 1
-    seen = _final_trajectory(log_dir)
-    assert sorted(seen) == list(range(total))
-    for step, pieces in seen.items():
-      got = np.full(B, -2)
-      for lo, ids in pieces:
-        assert (got[lo:lo + len(ids)] == -2).all(), (step, pieces)
-        got[lo:lo + len(ids)] = ids
-      np.testing.assert_array_equal(
-          got, global_batch_ids(0, step * B // N, step % (N // B), N, B))
+    _assert_each_sample_once(_final_trajectory(log_dir), total)
   finally:
     shutil.rmtree("/dev/shm/tenplex-ray-test-kill", ignore_errors=True)
 
@@ -445,15 +442,7 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
     assert final["step"] == total and final["procs"] == 2
-    seen = _read_ids(log_dir)
-    assert sorted(seen) == list(range(total))
-    for step, pieces in seen.items():  # each sample of the batch exactly once
-      got = np.full(B, -2)
-      for lo, ids in pieces:
-        assert (got[lo:lo + len(ids)] == -2).all(), (step, pieces)
-        got[lo:lo + len(ids)] = ids
-      np.testing.assert_array_equal(
-          got, global_batch_ids(0, step * B // N, step % (N // B), N, B))
+    _assert_each_sample_once(_read_ids(log_dir), total)
     # The unused standbys went with the job: every process it started
     # (Ray ends a killed actor's process within moments).
     assert jobs and jobs[0].standbys() == []
