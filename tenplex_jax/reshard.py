@@ -352,9 +352,13 @@ def _copy_all(copies) -> None:
 # -- building new arrays -------------------------------------------------------
 
 try:  # one C++ call per array: reuses same-device shards, adopts host views
+  from jax._src import array as _jarray
   from jax._src import core as _jcore
   from jax._src.interpreters import pxla as _pxla
+  from jax._src.lib import _jax as _xc
   _batched = _pxla.batched_device_put
+  _batched_xc = _xc.batched_device_put  # what _batched calls, minus checks
+  _ArrayImpl = _jarray.ArrayImpl
   _aval = lambda shape, dtype, s: _jcore.update_aval_with_sharding(
       _jcore.ShapedArray(shape, dtype), s)
 except (ImportError, AttributeError):  # pragma: no cover - older/newer jax
@@ -378,20 +382,30 @@ def _aval_of(shape: tuple, dtype, s: Sharding):
 
 
 def _make_array(shape: tuple, dtype, sharding: Sharding, xs: list,
-                devices: list) -> jax.Array:
+                devices, kept: bool = False) -> jax.Array:
   """One array on ``sharding`` from its per-device shards.
 
   ``xs[i]`` is the shard of ``devices[i]``: a ``jax.Array`` on that device
   (adopted as it is) or a host ``ndarray`` (adopted without a copy on CPU
   devices where it is 64-byte aligned and contiguous, else copied).
+  ``kept``: every ``xs[i]`` is a single-device ``jax.Array`` on
+  ``devices[i]`` (the caller took it from that device), so the array is
+  made of them directly.
   ``jax.make_array_from_single_device_arrays`` plus a ``jax.device_put`` per
   host buffer does the same through about ten Python frames per shard; this
   is jax's own batched path (``pxla.batched_device_put``, what
-  ``jax.device_put`` uses to place a sharded array).
+  ``jax.device_put`` uses to place a sharded array), without the checks
+  that it repeats per shard for what the caller knows (a warm reshard of
+  many small arrays calls it per array).
   """
   if _batched is not None and sharding.is_fully_addressable:
-    return _batched(_aval_of(tuple(shape), dtype, sharding), sharding, xs,
-                    devices)
+    aval = _aval_of(tuple(shape), dtype, sharding)
+    if kept:
+      return _ArrayImpl(aval, sharding, list(xs), committed=True,
+                        _skip_checks=True)
+    if not any(isinstance(x, jax.Array) for x in xs):
+      return _batched_xc(aval, sharding, xs, list(devices), True)
+    return _batched(aval, sharding, xs, devices)
   arrs = [x if isinstance(x, jax.Array) else
           jax.device_put(x, d, may_alias=True) for x, d in zip(xs, devices)]
   return jax.make_array_from_single_device_arrays(shape, sharding, arrs)
@@ -643,7 +657,12 @@ def _remember_boxes(prog: _LeafProgram, x: jax.Array, made: list) -> None:
     base = buf.base
     if not isinstance(base, np.ndarray):
       return  # not a view of an array, as host_empty hands out
-    refs.append((k, weakref.ref(base), buf.ctypes.data - base.ctypes.data))
+    # A contiguous view as long as its (contiguous) base starts where the
+    # base does; only then is ``.ctypes`` (1.5 us a call) skipped.
+    off = (0 if base.nbytes == buf.nbytes and base.flags.c_contiguous
+           and buf.flags.c_contiguous
+           else buf.ctypes.data - base.ctypes.data)
+    refs.append((k, weakref.ref(base), off))
   if len(_FILLED) >= _FILLED_MAX:
     for key in [k for k, v in _FILLED.items() if v[0]() is None]:
       del _FILLED[key]
@@ -1274,7 +1293,7 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
     shards = _shards_of(leaf)
     try:
       new = _make_array(leaf.shape, leaf.dtype, s,
-                        [shards[d.id] for d in devices], list(devices))
+                        [shards[d.id] for d in devices], devices, kept=True)
     except Exception as e:
       raise ReshardError(f"{name}: resharding failed: {e}") from e
     if donate and impl is None and id(orig) not in shared:
@@ -1329,21 +1348,24 @@ def _build_cpu(batch: list, phys: list, tr) -> tuple[dict, tuple]:
   except Exception as e:
     raise ReshardError(f"resharding failed while copying: {e}") from e
   del copies  # drop the source views before any source is donated
-  return _make_arrays(staged, phys, tr), (aliased, copied)
+  return _make_arrays(staged, phys, tr, cpu=True), (aliased, copied)
 
 
-def _make_arrays(staged, phys: list, tr) -> dict:
+def _make_arrays(staged, phys: list, tr, cpu: bool = False) -> dict:
   """``{i: (new array, its source shards)}`` for each ``(i, new shard
-  buffers, source shards)`` in ``staged``; a failure names its leaf."""
+  buffers, source shards)`` in ``staged``; a failure names its leaf.
+  ``cpu``: staged by :func:`_run_cpu` (an array whose devices all keep
+  their shards is made of those shards directly)."""
   made = {}
   for i, xs, shards in staged:
     name, leaf, s, _ = phys[i]
     if isinstance(xs, jax.Array):  # built whole (see _run_generic_packed)
       made[i] = (xs, shards)
       continue
+    prog = tr.progs[i]
     try:
-      made[i] = (_make_array(leaf.shape, leaf.dtype, s, xs,
-                             list(tr.progs[i].devices)), shards)
+      made[i] = (_make_array(leaf.shape, leaf.dtype, s, xs, prog.devices,
+                             kept=cpu and not prog.boxes), shards)
     except Exception as e:
       raise ReshardError(f"{name}: resharding failed: {e}") from e
   return made
@@ -1666,6 +1688,12 @@ def _remember_transition(key, tr: _Transition) -> None:
       _TRANSITIONS.popitem(last=False)
 
 
+@functools.lru_cache(maxsize=4096)
+def _default_kind(sharding: Sharding) -> str:
+  """The default memory kind of the sharding's devices."""
+  return next(iter(sharding.device_set)).default_memory().kind
+
+
 def _gc_paused(fn: Callable) -> Callable:
   """Runs ``fn`` with Python's cycle collector paused (then restored).
 
@@ -1717,7 +1745,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
   adjusted = []
   for i, (name, leaf, s) in enumerate(items):
     if s is not None and isinstance(leaf, jax.Array):
-      dflt = next(iter(leaf.sharding.device_set)).default_memory().kind
+      dflt = _default_kind(leaf.sharding)
       if (leaf.sharding.memory_kind or dflt) != dflt:
         moved = jax.device_put(leaf, leaf.sharding.with_memory_kind(dflt))
         if donate:
