@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import math
 import mmap
 import os
@@ -53,7 +54,7 @@ import weakref
 import numpy as np
 
 __all__ = ["collect_dropped_buffers", "host_empty", "host_pool_stats",
-           "release_host_pool"]
+           "host_reclaim", "release_host_pool"]
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
 _PAGE = mmap.PAGESIZE  # mappings are rounded up to whole (small) pages
@@ -135,48 +136,59 @@ class _HeapBlock:
 
 class _Pool:
   """Free blocks (mappings or heap blocks) by size; returns arrive through
-  a lock-free deque."""
+  a lock-free deque.
+
+  Every take of a block is a lease with its own number. A block that comes
+  back keeps the bytes its last lease wrote until it is taken again, so a
+  caller that knows the lease (:func:`host_reclaim`) can take it back, bytes
+  and all, as long as nobody took it since.
+  """
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._free: dict[int, list] = collections.defaultdict(list)
+    # size -> {id(block): (block, the lease it came back from)}
+    self._free: dict[int, dict] = collections.defaultdict(dict)
     self._free_bytes = 0
     # Finalizers run whenever jax drops a buffer, possibly while this thread
     # holds the lock, so they only append here; the lock holder drains it.
     self._returned: collections.deque = collections.deque()
+    self._leases = itertools.count(1)
     self.mapped = 0
     self.reused = 0
+    self.reclaimed = 0
 
   def _drain(self, cap: int) -> None:
     returned, free = self._returned, self._free
     while returned:
-      size, m = returned.popleft()
+      size, m, lease = returned.popleft()
       if self._free_bytes + size <= cap:
-        free[size].append(m)
+        free[size][id(m)] = (m, lease)
         self._free_bytes += size
       else:
         m.close()
 
   def take(self, size: int, populate: bool = False, cap: int | None = None):
-    """A free block of ``size`` bytes, else a new one: from the C heap
-    under ``_MIN_MAPPED`` (where the C library has a heap), else mapped;
-    with ``populate``, a new block's pages made resident at once. ``cap``:
-    the pool's cap in bytes (default: read from the environment)."""
+    """``(block, lease)``: a free block of ``size`` bytes, else a new one:
+    from the C heap under ``_MIN_MAPPED`` (where the C library has a heap),
+    else mapped; with ``populate``, a new block's pages made resident at
+    once. ``cap``: the pool's cap in bytes (default: read from the
+    environment)."""
     if cap is None:
       cap = _cap_bytes()
     with self._lock:
       self._drain(cap)
+      lease = next(self._leases)
       free = self._free.get(size)
       if free:
         self._free_bytes -= size
         self.reused += 1
-        return free.pop()
+        return free.popitem()[1][0], lease
       self.mapped += 1
     if size < _MIN_MAPPED and _libc is not None:
       block = _HeapBlock(size)
       if populate:
         block.populate()
-      return block
+      return block, lease
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if populate:
       flags |= getattr(mmap, "MAP_POPULATE", 0)
@@ -186,18 +198,32 @@ class _Pool:
         m.madvise(mmap.MADV_HUGEPAGE)
       except OSError:  # kernels without transparent huge pages
         pass
-    return m
+    return m, lease
 
-  def give_back(self, m, size: int | None = None) -> None:
-    """Returns block ``m`` (of ``size`` bytes) to the pool."""
-    self._returned.append((len(m) if size is None else size, m))
+  def reclaim(self, block_id: int, size: int, lease: int, cap: int):
+    """``(block, new lease)`` if the block that lease ``lease`` took is idle
+    here and was not taken since, else ``None``."""
+    with self._lock:
+      self._drain(cap)
+      free = self._free.get(size)
+      hit = free.get(block_id) if free else None
+      if hit is None or hit[1] != lease:
+        return None
+      del free[block_id]
+      self._free_bytes -= size
+      self.reclaimed += 1
+      return hit[0], next(self._leases)
+
+  def give_back(self, m, size: int | None = None, lease: int = 0) -> None:
+    """Returns block ``m`` (of ``size`` bytes, taken by ``lease``)."""
+    self._returned.append((len(m) if size is None else size, m, lease))
 
   def release(self) -> int:
     with self._lock:
       self._drain(0)
       n = self._free_bytes
       for ms in self._free.values():
-        for m in ms:
+        for m, _ in ms.values():
           m.close()
       self._free.clear()
       self._free_bytes = 0
@@ -207,7 +233,7 @@ class _Pool:
     with self._lock:
       self._drain(_cap_bytes())
       return {"idle_bytes": self._free_bytes, "mapped": self.mapped,
-              "reused": self.reused}
+              "reused": self.reused, "reclaimed": self.reclaimed}
 
 
 _POOL = _Pool()
@@ -246,22 +272,56 @@ def host_empty(shape: tuple[int, ...], dtype, *,
     >>> b.shape, b.dtype, b.ctypes.data % 64
     ((4, 3), dtype('float32'), 0)
   """
+  return _host_empty(shape, dtype, populate)[0]
+
+
+def _host_empty(shape: tuple[int, ...], dtype, populate: bool = False
+                ) -> tuple[np.ndarray, tuple | None]:
+  """:func:`host_empty`, and the lease of its block for
+  :func:`host_reclaim` (``None`` for a buffer that is not pooled)."""
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
   if nbytes < _MIN_POOLED:
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     off = (-raw.ctypes.data) % _ALIGN
-    return raw[off:off + nbytes].view(dtype).reshape(shape)
+    return raw[off:off + nbytes].view(dtype).reshape(shape), None
   cap = _cap_bytes()
   size = -(-nbytes // _PAGE) * _PAGE
-  block = _POOL.take(size, populate and nbytes >= _MIN_POPULATED, cap)
+  block, lease = _POOL.take(size, populate and nbytes >= _MIN_POPULATED, cap)
+  return _lend(block, size, lease, nbytes, cap, shape, dtype)
+
+
+def _lend(block, size: int, lease: int, nbytes: int, cap: int, shape,
+          dtype) -> tuple[np.ndarray, tuple | None]:
   heap = type(block) is _HeapBlock
   flat = np.frombuffer(block.buf if heap else block, dtype=np.uint8,
                        count=nbytes)
+  token = None
   if cap > 0 or heap:  # a mapping closes with its last view; a heap
     ref = weakref.ref(flat, _on_drop)  # block does not
-    _LIVE[id(ref)] = (ref, block, size if cap > 0 else 0)
-  return flat.view(dtype).reshape(shape)
+    _LIVE[id(ref)] = (ref, block, size if cap > 0 else 0, lease)
+    if cap > 0:
+      token = (id(block), size, lease)
+  return flat.view(dtype).reshape(shape), token
+
+
+def host_reclaim(token: tuple, shape: tuple[int, ...], dtype
+                 ) -> tuple[np.ndarray, tuple] | None:
+  """The buffer of lease ``token`` again, with the bytes it held, if its
+  block came back to the pool and nobody took it since; else ``None``.
+
+  ``shape`` and ``dtype`` must be those the token's buffer had. Returns
+  ``(array, new token)``; the array is based on a new view of the block
+  (its own lifetime, as :func:`host_empty`'s).
+  """
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  block_id, size, lease = token
+  cap = _cap_bytes()
+  got = _POOL.reclaim(block_id, size, lease, cap)
+  if got is None:
+    return None
+  return _lend(got[0], size, got[1], nbytes, cap, shape, dtype)
 
 
 # The blocks handed out, by the id of a weak reference (kept here) to the
@@ -279,9 +339,9 @@ def _on_drop(ref) -> None:
   entry = _LIVE.pop(id(ref), None)
   if entry is None:
     return
-  _, block, size = entry
+  _, block, size, lease = entry
   if size:
-    _POOL.give_back(block, size)
+    _POOL.give_back(block, size, lease)
   else:
     block.close()
 
@@ -315,5 +375,6 @@ def release_host_pool() -> int:
 
 
 def host_pool_stats() -> dict:
-  """``idle_bytes`` held for reuse, and counts of ``mapped``/``reused`` takes."""
+  """``idle_bytes`` held for reuse, and counts of ``mapped``/``reused``
+  takes and of ``reclaimed`` buffers (:func:`host_reclaim`)."""
   return _POOL.stats()

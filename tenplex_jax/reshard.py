@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from tenplex_jax._hostmem import collect_dropped_buffers, host_empty
+from tenplex_jax._hostmem import (_host_empty, collect_dropped_buffers,
+                                  host_reclaim)
 from tenplex_jax._problems import raise_problems
 from tenplex_jax._targets import match_targets
 from tenplex_jax.errors import LayoutError, ReshardError
@@ -571,7 +572,9 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
     writes into a buffer it did not allocate, and does not donate it).
   * Any other box is assembled once per process, piece by piece, into one
     host buffer that all the devices holding that box share; the piece
-    copies are appended to ``copies`` (run later, for all arrays at once).
+    copies are appended to ``copies`` (run later, for all arrays at once),
+    unless an earlier reshard of the same array filled that box and its
+    bytes are still there (see ``_FILLED``).
 
   So the bytes written are those of the distinct new boxes that no device
   held, not of every replica: a replicated (data-parallel) target costs one
@@ -597,63 +600,82 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
       v = view(src)[idx]
       if _aliasable(v):  # an unaligned member is copied, the others not
         built[k] = v
-  if _earlier_boxes(prog, x, built):
-    xs = [shards[a] if kind == "keep" else built[a] for kind, a in prog.outs]
-    return xs, shards, 0, 0
+  records, reclaimed = _earlier_boxes(prog, x, built)
   made = []
   for k, (shape, pieces) in enumerate(prog.boxes):
     if built[k] is not None:
       continue
-    buf = host_empty(shape, x.dtype)
+    buf, token = _host_empty(shape, x.dtype)
     for src, idx, at, _, _ in pieces:
       copies.append((buf, at, view(src)[idx]))
     built[k] = buf
-    made.append((k, buf))
+    made.append((k, buf, token))
     filled += 1
     copied += buf.nbytes
-  if made:
-    _remember_boxes(prog, x, made)
+  if made or reclaimed:
+    _remember_boxes(prog, x, records, made)
   xs = [shards[a] if kind == "keep" else built[a] for kind, a in prog.outs]
   return xs, shards, filled, copied
 
 
-# The boxes an array's last CPU reshard filled, while they live: (array id,
-# program id) -> (weak reference to the array, the program, per filled box
-# (box index, weak reference to the buffer's base, byte offset in it)). A
-# jax array never changes, and jax never writes into a host buffer it
-# adopted, so while the same source array is alive and not deleted, and the
-# buffers of its last result are alive (that result, or a part of it, is
-# still held), a reshard of it through the same program adopts those
-# buffers again instead of filling new ones, as ``jax.device_put`` hands
-# out views of the host copy it keeps of an array it gathered. Nothing here
-# keeps an array or a buffer alive.
+# The boxes an array's last CPU reshard filled: (array id, program id) ->
+# (weak reference to the array, the program, per filled box (box index,
+# weak reference to the buffer's base, byte offset in it, the lease of its
+# pooled block or None)). A jax array never changes, and jax never writes
+# into a host buffer it adopted, so while the same source array is alive
+# and not deleted, a reshard of it through the same program takes those
+# boxes' bytes again instead of copying them:
+#
+# * where the buffer is alive (the last result, or a part of it, is still
+#   held), it adopts that buffer, as ``jax.device_put`` hands out views of
+#   the host copy it keeps of an array it gathered;
+# * where the result was dropped, its buffer's block went back to the host
+#   pool (``_hostmem``) with its bytes; if nobody took the block since, it
+#   is taken back (``host_reclaim``), bytes and all.
+#
+# Nothing here keeps an array or a buffer alive, nor holds memory that the
+# pool would not hold anyway.
 _FILLED: dict = {}
 _FILLED_MAX = 1 << 16
 
 
-def _earlier_boxes(prog: _LeafProgram, x: jax.Array, built: list) -> bool:
-  """Fills ``built`` from the buffers an earlier reshard of ``x`` through
-  ``prog`` filled, if they are all alive; whether it did."""
+def _earlier_boxes(prog: _LeafProgram, x: jax.Array, built: list
+                   ) -> tuple[list, bool]:
+  """Fills ``built`` with the boxes an earlier reshard of ``x`` through
+  ``prog`` filled, where their bytes are still there (see ``_FILLED``).
+
+  Returns ``(records, reclaimed)``: the ``_FILLED`` records of the boxes
+  taken, and whether a dropped one was taken back from the pool (its
+  record is new).
+  """
   hit = _FILLED.get((id(x), id(prog)))
   if hit is None or hit[0]() is not x or hit[1] is not prog:
-    return False
+    return [], False
   if x.is_deleted():
-    return False
-  bufs = []
-  for k, ref, off in hit[2]:
+    return [], False
+  records, reclaimed = [], False
+  for rec in hit[2]:
+    k, ref, off, token = rec
+    if built[k] is not None:
+      continue
+    shape = prog.boxes[k][0]
     base = ref()
-    if base is None or built[k] is not None:
-      return False
-    bufs.append((k, np.ndarray(prog.boxes[k][0], x.dtype, buffer=base,
-                               offset=off)))
-  for k, buf in bufs:
-    built[k] = buf
-  return True
+    if base is not None:
+      built[k] = np.ndarray(shape, x.dtype, buffer=base, offset=off)
+      records.append(rec)
+      continue
+    got = None if token is None else host_reclaim(token, shape, x.dtype)
+    if got is not None:
+      built[k], token = got
+      records.append((k, weakref.ref(built[k].base), 0, token))
+      reclaimed = True
+  return records, reclaimed
 
 
-def _remember_boxes(prog: _LeafProgram, x: jax.Array, made: list) -> None:
-  refs = []
-  for k, buf in made:
+def _remember_boxes(prog: _LeafProgram, x: jax.Array, records: list,
+                    made: list) -> None:
+  refs = list(records)
+  for k, buf, token in made:
     base = buf.base
     if not isinstance(base, np.ndarray):
       return  # not a view of an array, as host_empty hands out
@@ -662,7 +684,7 @@ def _remember_boxes(prog: _LeafProgram, x: jax.Array, made: list) -> None:
     off = (0 if base.nbytes == buf.nbytes and base.flags.c_contiguous
            and buf.flags.c_contiguous
            else buf.ctypes.data - base.ctypes.data)
-    refs.append((k, weakref.ref(base), off))
+    refs.append((k, weakref.ref(base), off, token))
   if len(_FILLED) >= _FILLED_MAX:
     for key in [k for k, v in _FILLED.items() if v[0]() is None]:
       del _FILLED[key]
@@ -1891,7 +1913,9 @@ def reshard(tree: Any, target: Any, *, donate: bool = False,
     the same box share one read-only buffer, and a box that an old shard
     held exactly shares that shard's buffer; resharding the same source
     arrays again, while the earlier result (or part of it) lives, shares
-    that result's buffers instead of copying; see ``docs/core.md``.
+    that result's buffers instead of copying, and once that result was
+    dropped takes its idle buffers back from the host pool, bytes and all,
+    where nothing took them since; see ``docs/core.md``.
 
   Raises:
     LayoutError: the target does not match the tree (structure, shapes,

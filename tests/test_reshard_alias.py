@@ -78,7 +78,10 @@ def test_host_buffers_are_recycled_once_jax_drops_them():
   gc.collect()
   mid = _hostmem.host_pool_stats()
   assert 0 < mid["idle_bytes"]
-  z = tenplex_jax.reshard(x, target, method="cpu")
+  # Of a fresh copy of the source (the same source would take the blocks
+  # back with their bytes, see below).
+  x2 = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
+  z = tenplex_jax.reshard(x2, target, method="cpu")
   after = _hostmem.host_pool_stats()
   assert after["reused"] > mid["reused"]
   # Recycled buffers hold the right values; the view still sees its own.
@@ -101,6 +104,9 @@ def test_a_dropped_result_is_reused_by_the_next_call_without_a_collection(
   host = np.arange(rows * 1024 * 8, dtype=np.float32).reshape(rows * 8, 1024)
   x = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
   target = NamedSharding(b, P(("data", "tensor")))  # 8 new shards
+  # A fresh copy of the source next: its bytes are not those of the
+  # dropped result, so the blocks are reused, not taken back as they were.
+  x2 = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
   was = gc.isenabled()
   gc.collect()
   gc.disable()
@@ -108,13 +114,14 @@ def test_a_dropped_result_is_reused_by_the_next_call_without_a_collection(
     y = tenplex_jax.reshard(x, target, method="cpu")
     del y
     before = _hostmem.host_pool_stats()
-    z = tenplex_jax.reshard(x, target, method="cpu")
+    z = tenplex_jax.reshard(x2, target, method="cpu")
     after = _hostmem.host_pool_stats()
   finally:
     if was:
       gc.enable()
   assert after["mapped"] == before["mapped"]  # no new block
   assert after["reused"] - before["reused"] == 8
+  assert after["reclaimed"] == before["reclaimed"]
   assert np.array_equal(np.asarray(z), host)
 
 
@@ -509,7 +516,67 @@ def test_same_source_again_adopts_the_live_earlier_result():
   assert rep3.copied_bytes == rep1.copied_bytes
   del first, second, doubled
   gc.collect()
+  # Boxes under 16 KiB are not pooled, so once dropped their bytes are gone.
   again, rep4 = tenplex_jax.reshard_with_report(tree, target, method="cpu")
   assert rep4.copied_bytes == rep1.copied_bytes
   for k, v in hosts.items():
     assert np.asarray(again[k]).tobytes() == v.tobytes()
+
+
+def test_same_source_after_its_result_was_dropped_takes_its_bytes_back():
+  # A dropped result's pooled blocks keep its bytes until the pool hands
+  # them out again: resharding the same source arrays takes them back
+  # instead of copying (also after the result was donated: jax never writes
+  # into a host buffer it adopted). A block handed out since (here to a
+  # reshard of other values into the same shapes), or freed by
+  # release_host_pool, is not taken back: those boxes are copied again.
+  import gc
+  from tenplex_jax import _hostmem
+  devs, a, b = _meshes()
+  host = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+  other = -host
+  x = jax.device_put(host, NamedSharding(a, P("data", "tensor")))
+  target = NamedSharding(b, P(("data", "tensor")))  # 8 boxes of 32 KiB
+  gc.collect()
+  _hostmem.collect_dropped_buffers()
+  _hostmem.release_host_pool()
+
+  def run(src):
+    out, rep = tenplex_jax.reshard_with_report(src, target, method="cpu")
+    assert out.sharding == target
+    return out, rep
+
+  y, rep1 = run(x)
+  assert rep1.copied_bytes == host.nbytes
+  del y
+  before = _hostmem.host_pool_stats()
+  z, rep2 = run(x)
+  after = _hostmem.host_pool_stats()
+  assert rep2.copied_bytes == 0
+  assert after["reclaimed"] - before["reclaimed"] == 8
+  assert after["mapped"] == before["mapped"]
+  assert np.asarray(z).tobytes() == host.tobytes()
+  doubled = jax.jit(lambda t: t * 2, donate_argnums=0)(z)
+  jax.block_until_ready(doubled)
+  del z, doubled
+  w, rep3 = run(x)  # taken back again after the donation
+  assert rep3.copied_bytes == 0
+  assert np.asarray(w).tobytes() == host.tobytes()
+  del w
+  # The blocks go to a reshard of other values, then come back.
+  o, _ = run(jax.device_put(other, NamedSharding(a, P("data", "tensor"))))
+  assert np.asarray(o).tobytes() == other.tobytes()
+  del o
+  v, rep4 = run(x)
+  assert rep4.copied_bytes == host.nbytes
+  assert np.asarray(v).tobytes() == host.tobytes()
+  del v
+  _hostmem.collect_dropped_buffers()
+  assert _hostmem.host_pool_stats()["idle_bytes"] >= host.nbytes
+  assert _hostmem.release_host_pool() >= host.nbytes
+  u, rep5 = run(x)
+  assert rep5.copied_bytes == host.nbytes
+  assert np.asarray(u).tobytes() == host.tobytes()
+  del u
+  _hostmem.collect_dropped_buffers()
+  _hostmem.release_host_pool()
