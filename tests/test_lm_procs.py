@@ -9,7 +9,9 @@ group (the launcher's processes and store servers die with it), killed on
 timeout.
 """
 
+import contextlib
 import os
+import signal
 import sys
 
 import numpy as np
@@ -36,6 +38,22 @@ def _param_shapes():
   import jax
   from model import abstract_params
   return [x.shape for x in jax.tree.leaves(abstract_params(config.TINY))]
+
+
+def _job_processes(where):
+  """Processes whose command line or environment names ``where`` (the job's
+  workers, standbys and store servers, all started with its job directory)."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    for part in ("cmdline", "environ"):
+      try:
+        with open(f"/proc/{pid}/{part}", "rb") as f:
+          if where.encode() in f.read():
+            found.append(int(pid))
+            break
+      except OSError:
+        pass
+  return [p for p in found if p != os.getpid()]
 
 
 def _run_2_1_2(out, *flags, timeout):
@@ -123,3 +141,55 @@ def test_deterministic_resizes_through_generations_started_ahead_are_bitwise(tmp
   assert el[2]["ahead"] and el[4]["ahead"], (el[2], el[4])
   assert log["bitwise_identical"] is True
   assert [r["loss"] for r in el] == [r["loss"] for r in log["static"]]
+
+
+def test_a_killed_process_hands_over_to_the_generation_prepared_for_the_failure(tmp):
+  # 2 processes x 2 devices (stage 2, data 2), --deterministic 2, a snapshot every 2
+  # steps: the trainer announces the generation a failure would restart on (1 process,
+  # the search's layout of its 2 devices); once that generation is ready (step compiled,
+  # warmed up), process 1 SIGKILLs itself before step 5. The launcher hands the turn to
+  # that generation: it restores the snapshot of step 4 and runs steps 4 and 5. Every
+  # step counts once, on the static run's batch (CRC-32 of tokens and mask), and the
+  # losses and final params are bitwise the static run's.
+  import json
+  out = os.path.join(tmp, "kill.json")
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  try:
+    (run,) = procs.run_all([[
+        sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2",
+        "--schedule", "0:stage=2,data=2", "--steps", "6", "--deterministic", "2",
+        "--snapshot-every", "2", "--kill-at", "5", "--job-parent", tmp, "--json", out,
+        "--timeout", "600"]], timeout=650, env=env)
+    left = _job_processes(tmp)  # the launcher stopped every process of the job
+  finally:
+    for pid in _job_processes(tmp):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  assert run.returncode == 0, run.stdout[-5000:]
+  assert not left, left
+  assert "--kill-at: process 1 kills itself" in run.stdout, run.stdout[-3000:]
+  assert ("process 1 failed (exit code -9) at step 5; restart 1 of 3 on 1 processes"
+          " (generation 1, prepared for a failure)" in run.stdout), run.stdout[-3000:]
+  with open(out) as f:
+    log = json.load(f)
+  el, st = log["elastic"], log["static"]
+  assert [(r["step"], r["procs"], r["generation"]) for r in el] == [
+      (0, 2, 0), (1, 2, 0), (2, 2, 0), (3, 2, 0), (4, 1, 1), (5, 1, 1)], el
+  rec = el[4]
+  assert rec["recovered"] and rec["layout_from_search"], rec
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["steps_redone"]) == (5, 4, 1, [4]), rec
+  assert (rec["procs_from"], rec["devices"], rec["devices_per_proc"]) == (2, 2, 2), rec
+  assert (rec["failure"]["process"], rec["failure"]["exit_code"]) == (1, -9), rec
+  # prepared: compiled and ready before the failure, nothing imported or compiled after it
+  assert rec["ahead"] and rec["ahead_s"]["compile_s"] > 0 and rec["ahead_margin_s"] > 0, rec
+  assert rec["import_s"] == 0 and rec["distributed_s"] == 0, rec
+  assert rec["compile_wait_s"] < 0.1, rec
+  assert 0 < rec["reconfig_s"] <= rec["recovery_s"] == rec["resize_s"], rec
+  assert [r.get("snapshot_s", 0) > 0 for r in el[:4]] == [False, True, False, True], el
+  # no sample lost or repeated: each step's batch is the static run's
+  assert [r["batch_crc"] for r in el] == [r["batch_crc"] for r in st]
+  assert log["bitwise_identical"] is True
+  assert [r["loss"] for r in el] == [r["loss"] for r in st]

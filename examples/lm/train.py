@@ -60,9 +60,11 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import warnings  # noqa: E402
+import zlib  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -208,11 +210,12 @@ def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=N
   return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
 
 
-def batches(source, mesh, data_state, global_batch):
+def batches(source, mesh, data_state, global_batch, crc=None):
   """The global batch: each data shard's part read by its own iterator.
 
   Every process reads every part (they are small) and keeps the rows of its
-  own devices, so the same code runs in one process and in many.
+  own devices, so the same code runs in one process and in many. ``crc``, a
+  list, receives the CRC-32 of the global batch (tokens and mask).
   """
   n = mesh.shape["data"] * mesh.shape["fsdp"]
   its = [ElasticIterator(source, global_batch_size=global_batch, seed=configs.SEED,
@@ -225,6 +228,8 @@ def batches(source, mesh, data_state, global_batch):
   tokens = np.concatenate([p["tokens"] for p in parts])
   mask = np.concatenate([p["mask"] for p in parts]).astype(np.float32)
   spec = NamedSharding(mesh, P(("data", "fsdp")))
+  if crc is not None:  # which samples the step trains on (the same for any mesh)
+    crc.append(zlib.crc32(mask.tobytes(), zlib.crc32(tokens.tobytes())))
 
   def put(a):
     return jax.make_array_from_callback(a.shape, spec, lambda idx: a[idx])
@@ -361,7 +366,9 @@ def train(phases, steps, cfg, *, search=False, global_batch=configs.GLOBAL_BATCH
       if reports is not None:
         reports.append((t, report))
       log(f"step {t}: {old} -> {degrees_of(mesh)} (microbatches {mb}): {report}")
-    tokens, mask, data_state = batches(source, mesh, data_state, global_batch)
+    crc = []
+    tokens, mask, data_state = batches(source, mesh, data_state, global_batch, crc)
+    rec["batch_crc"] = crc[0]
     fn, rec["compile_s"] = _compiled_step(cfg, mesh, rules, mb, state, tokens, mask,
                                           deterministic, compiler_options)
     t0 = time.perf_counter()
@@ -460,22 +467,52 @@ class Trainer:
   step_waits: bool = False
 
 
-def _phase_key(phase, procs):
+def _phase_key(phase, procs, search=False):
   """What a phase's generation compiles, as a string (equal for equal programs)."""
   degrees = sorted(dict(phase.degrees).items()) if phase.degrees is not None else None
-  return json.dumps([procs, phase.devices, degrees, phase.microbatches])
+  return json.dumps([procs, phase.devices, degrees, phase.microbatches]
+                    + (["search"] if search else []))
 
 
-def _expect_next(store, args, phases, plan, phase, n):
-  """Tells the launcher the schedule's next phases (``store.expect_resizes``), unless
-  ``--no-prepare``."""
+def _failure_phase(phases, plan, phase, n):
+  """The layout of a generation of ``n`` processes after a failure in ``phase``: the
+  phase's devices per process (as ``plan`` splits them) on ``n`` processes, degrees
+  and microbatches left to the configuration search (``--search``)."""
+  per_proc = phase.devices // plan[phases.index(phase)]
+  return dataclasses.replace(phase, devices=n * per_proc, degrees=None, microbatches=None)
+
+
+def _expect_next(store, args, phases, plan, phase, n, key):
+  """Tells the launcher the schedule's next phases (``store.expect_resizes``) and, with
+  ``--snapshot-every``, the generation a failure would restart on (one process fewer,
+  the search's layout of their devices: :func:`_failure_phase`), unless
+  ``--no-prepare``. ``key``: this generation's."""
   if getattr(args, "no_prepare", False):
     return
   later = [(p.step, plan[k], _phase_key(p, plan[k])) for k, p in enumerate(phases)
            if phase.step < p.step < args.steps]
+  failure = None
+  if getattr(args, "snapshot_every", 0) and n > 1:
+    failure = (n - 1, _phase_key(_failure_phase(phases, plan, phase, n - 1), n - 1,
+                                 search=True))
   # early: a phase with a key being compiled starts at once too and waits for its
   # programs only before it compiles (store.wait_programs)
-  store.expect_resizes(later, key=_phase_key(phase, n), early=True)
+  store.expect_resizes(later, key=key, early=True, failure=failure)
+
+
+def _kill_when_failure_ready(job_dir, m, kill, timeout=600.0):
+  """``--kill-at`` (a test's failure): waits until the ``m`` processes of the generation
+  prepared for a failure are ready (their ``lm_failure_ready_<generation>_<process>``
+  files), then, if ``kill``, SIGKILLs this process."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    gens = [x.split("_")[3] for x in os.listdir(job_dir) if x.startswith("lm_failure_ready_")]
+    if any(gens.count(g) >= m for g in gens):
+      break
+    time.sleep(0.05)
+  if kill:
+    print(f"--kill-at: process {os.environ.get('TENPLEX_PROC_ID')} kills itself", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _zeros(tree, fill=0):
@@ -507,24 +544,31 @@ def worker(args, cfg, phases, plan, trainer=None):
   count_compiles()
   n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
   phase = phase_at(phases, int(os.environ.get("TENPLEX_START_STEP", "0")))
-  if phase.devices % n:
-    raise ValueError(f"the phase at step {phase.step} has {phase.devices} devices, which"
+  # A generation after a failure (the one the launcher prepared for it, or a restart):
+  # the phase's devices per process on its processes, laid out by the search.
+  recovery = store.prepared_for_failure() or "TENPLEX_FAILED_STEP" in os.environ
+  lay = _failure_phase(phases, plan, phase, n) if recovery else phase
+  if lay.devices % n:
+    raise ValueError(f"the phase at step {phase.step} has {lay.devices} devices, which"
                      f" {n} processes cannot share evenly")
-  os.environ["TENPLEX_DEVICES"] = str(phase.devices // n)
+  os.environ["TENPLEX_DEVICES"] = str(lay.devices // n)
+  key = _phase_key(lay, n, search=recovery)
   info = store.initialize()
   t_init = time.time()
   lead = info["process_id"] == 0
-  # A generation the launcher started ahead (it expected this resize): compile and warm
-  # up now, restore at the turn. Otherwise announce the schedule's next phases at once, so
-  # that the launcher prepares them while this generation compiles and trains.
+  # A generation the launcher started ahead (it expected this resize, or prepared it for
+  # a failure): compile and warm up now, restore at the turn. Otherwise announce the
+  # schedule's next phases at once, so that the launcher prepares them while this
+  # generation compiles and trains.
   ahead = store.prepared()
   if not ahead:
-    _expect_next(store, args, phases, plan, phase, n)
+    _expect_next(store, args, phases, plan, phase, n, key)
   devices = jax.devices()
   lr, gb = configs.LEARNING_RATE, configs.GLOBAL_BATCH
-  mesh, rules, mb = tr.layout(phase, cfg, devices, search=args.search, global_batch=gb)
+  mesh, rules, mb = tr.layout(lay, cfg, devices, search=args.search or recovery,
+                              global_batch=gb)
   if args.deterministic is not None:
-    tr.check_deterministic([phase], args.deterministic, [(mesh, rules, mb)])
+    tr.check_deterministic([lay], args.deterministic, [(mesh, rules, mb)])
   init, abstract = tr.state(cfg, mesh, rules, lr)
   target = {"train": abstract, "data": ""}
   # The step compiles (or loads from the launcher's compilation cache) while the state is
@@ -557,12 +601,16 @@ def worker(args, cfg, phases, plan, trainer=None):
     ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
                    compile_wait_s=t1 - t0, warmup_s=time.time() - t1,
                    programs_wait_s=waits.get("programs_wait_s", 0.0))
+    if recovery and getattr(args, "kill_at", None) is not None:  # for --kill-at
+      with open(os.path.join(info["job_dir"], f"lm_failure_ready_{info['generation']}_"
+                             f"{info['process_id']}"), "w"):
+        pass
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
   turn = store.wait_turn()  # (restore_or_init waited for it): its times
   if ahead:
-    _expect_next(store, args, phases, plan, phase, n)
+    _expect_next(store, args, phases, plan, phase, n, key)
     ahead_s.update(ready_time=turn["ready"], handed_time=turn["handed"],
                    saved_time=turn.get("saved"), started_time=turn.get("started"),
                    nice=turn.get("nice", 0))
@@ -573,7 +621,7 @@ def worker(args, cfg, phases, plan, trainer=None):
   if lead:
     _append(args.records, {
         "event": "start", "step": step, "generation": info["generation"], "procs": n,
-        "devices_per_proc": phase.devices // n,
+        "devices_per_proc": lay.devices // n,
         # started ahead: imports, jax.distributed and the compile came before the turn
         # (ahead_s); the resize's path starts when the turn was seen
         "start_time": turn["seen"] if ahead else tr.process_start,
@@ -583,13 +631,20 @@ def worker(args, cfg, phases, plan, trainer=None):
         "restored_time": t_restored, "restore": last_restore.get("report"),
         # a standby process (tenplex_jax.store launch): imports done before its rank came
         "standby": "TENPLEX_STANDBY_ASSIGNED" in os.environ,
-        "ahead": ahead, "ahead_s": ahead_s})
+        "ahead": ahead, "ahead_s": ahead_s,
+        # after a failure: the step it failed at (the launcher's), of the turn or the env
+        "failed_step": last_restore.get("failed_step"),
+        "layout_from_search": bool(recovery)})
   source = tr.dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
+  every = getattr(args, "snapshot_every", 0) or 0
   for t in range(step, end):
+    if getattr(args, "kill_at", None) == t and not recovery:  # every process waits
+      _kill_when_failure_ready(info["job_dir"], n - 1, kill=info["process_id"] == n - 1)
     t0 = time.perf_counter()
-    tokens, mask, data_state = batches(source, mesh, data_state, gb)
+    crc = []
+    tokens, mask, data_state = batches(source, mesh, data_state, gb, crc)
     batch_s = time.perf_counter() - t0
     if compiling is not None:  # the first step: compiled while restoring
       t0 = time.perf_counter()
@@ -600,24 +655,28 @@ def worker(args, cfg, phases, plan, trainer=None):
           tr, cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
           _compiler_options(args))
       compile_wait_s = compile_s
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     state, loss = fn(state, tokens, mask)
+    dispatch_s = time.perf_counter() - t0  # the call's return (the rest: running it)
     loss = _host_scalar(loss)
     rec = {"event": "step", "step": t, "loss": loss, "step_s": time.perf_counter() - t0,
+           # the call's return, and the CPU seconds this process's threads spent in the step
+           "dispatch_s": dispatch_s, "step_cpu_s": time.process_time() - c0,
            "time": time.time(), "compile_s": compile_s, "batch_s": batch_s,
            # of which not overlapped with the restore (the first step's compile runs with it)
            "compile_wait_s": compile_wait_s,
            # the step's XLA compilations, and those the persistent cache answered
            "xla_compiles": compiles, "cache_hits": hits,
            "devices": int(mesh.devices.size), "mesh": degrees_of(mesh),
-           "microbatches": mb, "procs": n, "devices_per_proc": phase.devices // n}
+           "microbatches": mb, "procs": n, "devices_per_proc": lay.devices // n,
+           "batch_crc": crc[0], "generation": info["generation"]}
     if t == step and info["job_dir"]:  # every process's first step: its compilations
       with open(os.path.join(info["job_dir"], f"compiles_{info['generation']}_"
                              f"{info['process_id']}.json"), "w") as f:
         json.dump({"xla_compiles": compiles, "cache_hits": hits}, f)
     if lead:
       _append(args.records, rec)
-      print(f"step {t:3d}  {n} procs x {phase.devices // n} devices  {degrees_of(mesh)}"
+      print(f"step {t:3d}  {n} procs x {lay.devices // n} devices  {degrees_of(mesh)}"
             f" mb {mb}  loss {loss:.4f}  step {rec['step_s'] * 1e3:.1f} ms", flush=True)
     due = store.resize_due(t + 1)  # also a request from outside (SIGUSR1)
     if t + 1 < args.steps and (t + 1 == end or due):
@@ -627,6 +686,12 @@ def worker(args, cfg, phases, plan, trainer=None):
                                "procs": procs})
       store.save_and_exit({"train": state, "data": json.dumps(data_state)}, t + 1,
                           procs=procs)
+    if every and (t + 1) % every == 0 and t + 1 < args.steps:  # for a failure's restart
+      t0 = time.time()
+      store.save_snapshot({"train": state, "data": json.dumps(data_state)}, t + 1)
+      if lead:
+        _append(args.records, {"event": "snapshot", "step": t + 1, "time": t0,
+                               "seconds": time.time() - t0})
   store.save_snapshot({"train": state, "data": json.dumps(data_state)}, args.steps)
   if lead:
     _append(args.records, {"event": "end", "step": args.steps, "time": time.time()})
@@ -688,27 +753,51 @@ def assemble(records_path, job_dir):
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]
+  failures = _failures(job_dir)
   out, saves, prev = [], {}, None
   pending = None
   for e in events:
     if e["event"] == "save":
       saves[e["step"]] = e
+    elif e["event"] == "snapshot":
+      if out and out[-1]["step"] == e["step"] - 1:
+        out[-1]["snapshot_s"] = e["seconds"]
     elif e["event"] == "start":
-      pending = e if e["step"] > 0 else None
+      recovered = e.get("failed_step") is not None
+      pending = e if e["step"] > 0 or recovered else None
+      if recovered:  # the steps from the restored one on ran again: the new ones count
+        pending = dict(e, lost=[r["step"] for r in out if r["step"] >= e["step"]])
+        out = [r for r in out if r["step"] < e["step"]]
     elif e["event"] == "step":
       rec = {k: e[k] for k in ("step", "loss", "step_s", "time", "batch_s", "compile_s",
                                "compile_wait_s", "xla_compiles",
                                "cache_hits", "devices", "mesh", "microbatches", "procs",
                                "devices_per_proc")}
+      rec.update({k: e[k] for k in ("batch_crc", "generation", "dispatch_s", "step_cpu_s")
+                  if k in e})
       rec.update(reconfig_s=0.0, reconfig_bytes=0)
       if pending is not None and pending["step"] == e["step"]:
-        save = saves[e["step"]]
+        if pending.get("failed_step") is not None:  # a restart after a failure
+          failed = pending["failed_step"]
+          fail = next((f for f in failures if f["step"] == failed), {})
+          if fail in failures:
+            failures.remove(fail)
+          base = fail.get("failed_at", pending["start_time"])
+          rec.update(recovered=True, failed_step=failed, restored_step=e["step"],
+                     steps_lost=failed - e["step"], steps_redone=pending["lost"],
+                     recovery_s=e["time"] - base, failure=fail,
+                     layout_from_search=pending.get("layout_from_search", False))
+        else:
+          base = saves[e["step"]]["time"]
+          exits = _exit_times(job_dir, prev.get("generation"))
+          if exits:  # the old processes' exit, from the save call (the launcher's)
+            rec["old_exit_s"] = max(exits) - base
         local, net = _restore_bytes(job_dir, pending["generation"])
-        rec.update(reconfig_s=pending["restored_time"] - save["time"],
-                   relaunch_s=pending["start_time"] - save["time"],
+        rec.update(reconfig_s=pending["restored_time"] - base,
+                   relaunch_s=pending["start_time"] - base,
                    import_s=pending["import_s"], init_s=pending["init_s"],
                    distributed_s=pending["init_s"], restore_s=pending["restore_s"],
-                   resize_s=e["time"] - save["time"], standby=pending["standby"],
+                   resize_s=e["time"] - base, standby=pending["standby"],
                    ahead=bool(pending.get("ahead")),
                    xla_compiles_procs=_compiles(job_dir, pending["generation"]),
                    reconfig_bytes=local + net, network_bytes=net,
@@ -718,18 +807,38 @@ def assemble(records_path, job_dir):
         if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
           a = pending["ahead_s"]  # preparation to finish
           if a.get("saved_time"):  # the old processes' save, of the hand-over
-            rec["save_s"] = a["saved_time"] - save["time"]
-          rec.update(ahead_s=a, handoff_s=a["handed_time"] - save["time"],
+            rec["save_s"] = a["saved_time"] - base
+          rec.update(ahead_s=a, handoff_s=a["handed_time"] - base,
                      ahead_wait_s=max(0.0, pending["start_time"] - a["handed_time"]),
-                     ahead_margin_s=save["time"] - a["ready_time"])
+                     ahead_margin_s=base - a["ready_time"])
           if a.get("started_time"):  # how long before the save it was started
-            rec["ahead_lead_s"] = save["time"] - a["started_time"]
+            rec["ahead_lead_s"] = base - a["started_time"]
         rec["compile_cache_hit"] = bool(rec["xla_compiles_procs"]) and all(
             c == 0 and h > 0 for c, h in rec["xla_compiles_procs"])
         pending = None
       out.append(rec)
       prev = rec
   return out
+
+
+def _exit_times(job_dir, generation):
+  """When the processes of ``generation`` exited for a resize (the launcher's
+  ``exited_<generation>.json``), or ``[]``."""
+  try:
+    with open(os.path.join(job_dir, f"exited_{generation}.json")) as f:
+      return [t for t in json.load(f)["exit_times"] if t is not None]
+  except (FileNotFoundError, ValueError, KeyError):
+    return []
+
+
+def _failures(job_dir):
+  """The launcher's failure records (``failures.jsonl``: the failed step, when the
+  process died, detection and restart times), in order."""
+  try:
+    with open(os.path.join(job_dir, "failures.jsonl")) as f:
+      return [json.loads(x) for x in f if x.strip()]
+  except FileNotFoundError:
+    return []
 
 
 # What the launcher's standby processes import before their rank comes (the
@@ -748,8 +857,9 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
   from tenplex_jax.store.launch import launch
 
   tr = trainer or LM_TRAINER
-  job = tempfile.mkdtemp(prefix="tenplex-lm-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                         else None)
+  parent = getattr(args, "job_parent", None)
+  job = tempfile.mkdtemp(prefix="tenplex-lm-", dir=parent or (
+      "/dev/shm" if os.path.isdir("/dev/shm") else None))
   records = os.path.join(job, "lm_records.jsonl")
   cmd = [sys.executable, os.path.abspath(tr.script), "--worker", "--procs",
          ",".join(map(str, plan)), "--records", records, "--schedule", args.schedule,
@@ -759,6 +869,11 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
       ["--no-prepare"] * getattr(args, "no_prepare", False)
   if args.deterministic is not None:
     cmd += ["--deterministic", str(args.deterministic)]
+  every = getattr(args, "snapshot_every", 0) or 0
+  if every:
+    cmd += ["--snapshot-every", str(every)]
+  if getattr(args, "kill_at", None) is not None:
+    cmd += ["--kill-at", str(args.kill_at)]
   log(f"tenplex-jax launch: {plan[0]} processes x {phases[0].devices // plan[0]} devices;"
       f" processes per phase {plan}")
   ok = False
@@ -767,7 +882,9 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
       # The launcher's children exec at once (no jax in them before exec).
       warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
       code = launch(cmd, procs=plan[0], devices_per_proc=phases[0].devices // plan[0],
-                    job_dir=job, timeout=args.timeout, max_restarts=0,
+                    job_dir=job, timeout=args.timeout,
+                    # without snapshots a failure would repeat steps: it ends the job
+                    max_restarts=3 if every else 0, on_failure="shrink",
                     standby=not getattr(args, "no_standby", False),
                     compilation_cache=not getattr(args, "no_compilation_cache", False),
                     standby_imports=STANDBY_IMPORTS,
@@ -885,11 +1002,24 @@ def main(argv=None):
                   help="(with --procs) nice increment of the generations started ahead"
                   " while they prepare (tenplex-jax launch --prepare-nice; default 10, 0:"
                   " the running generation's priority)")
+  ap.add_argument("--snapshot-every", type=int, default=0, metavar="K",
+                  help="(with --procs) save a snapshot every K steps (store.save_snapshot):"
+                  " a failed process then restarts the job on one process fewer from the"
+                  " newest snapshot (up to 3 times), in the generation the launcher prepared"
+                  " for it (the configuration search's layout of the remaining processes'"
+                  " devices, its step compiled; unless --no-prepare). Default 0: none, a"
+                  " failure ends the job")
+  # (tests) the process of the highest rank SIGKILLs itself before step STEP, once the
+  # generation prepared for the failure is ready; the job directory's parent
+  ap.add_argument("--kill-at", type=int, metavar="STEP", help=argparse.SUPPRESS)
+  ap.add_argument("--job-parent", metavar="DIR", help=argparse.SUPPRESS)
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")
   ap.add_argument("--records", metavar="PATH",
                   help="(with --worker) append the per-step records here")
   args = ap.parse_args(argv)
+  if args.snapshot_every < 0:
+    ap.error(f"--snapshot-every {args.snapshot_every}: expected a step count >= 0")
   cfg = dataclasses.replace(configs.CONFIGS[args.config], remat=args.remat)
   try:
     phases = configs.parse(args.schedule)

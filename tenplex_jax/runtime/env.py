@@ -56,6 +56,7 @@ _VARS = {
     "ray_controller": ("TENPLEX_RAY_CONTROLLER", str),
     "turn_file": ("TENPLEX_TURN_FILE", str),
     "programs_file": ("TENPLEX_PROGRAMS_FILE", str),
+    "for_failure": ("TENPLEX_FOR_FAILURE", bool),
     "standby_imports": (STANDBY_IMPORTS_ENV, "csv"),
     "token": (TOKEN_ENV, str),
     "ca": (CA_ENV, str),
@@ -96,6 +97,7 @@ class JobEnv:
   ray_controller: str | None = None
   turn_file: str | None = None
   programs_file: str | None = None
+  for_failure: bool = False  # a generation prepared for a failure
   standby_imports: tuple[str, ...] = ()
   token: str | None = None
   ca: str | None = None

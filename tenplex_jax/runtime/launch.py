@@ -74,7 +74,7 @@ from tenplex_jax.store.api import restore_with_report, save
 from tenplex_jax.store.server import CA_ENV, TOKEN_ENV, free_port
 
 __all__ = ["Controller", "RESIZE_EXIT_CODE", "controller", "expect_resizes",
-           "initialize", "launch", "prepared", "register", "request_resize",
+           "initialize", "launch", "prepared", "prepared_for_failure", "register", "request_resize",
            "resize_due", "restore_or_init", "save_and_exit", "save_snapshot",
            "use_controller", "wait_programs", "wait_turn"]
 
@@ -498,6 +498,21 @@ def prepared() -> bool:
     False
   """
   return bool(job_env().turn_file) and not _turn.get("seen")
+
+
+def prepared_for_failure() -> bool:
+  """Whether this process belongs to the generation the launcher prepared
+  for a failure of the running one (:func:`expect_resizes`'s ``failure``),
+  before and after its turn: the script lays it out for the process count
+  a restart would have (e.g. the config search's choice for N - 1 hosts),
+  since it learns only at the turn that a process failed and which step it
+  restores.
+
+  Example:
+    >>> prepared_for_failure()  # a process the launcher did not prepare
+    False
+  """
+  return job_env().for_failure and bool(job_env().turn_file)
 
 
 def wait_turn() -> dict:
@@ -1510,6 +1525,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            "TENPLEX_REPLICAS": str(replicas)}
     env.pop("TENPLEX_FAILED_STEP", None)
     env.pop("TENPLEX_TURN_FILE", None)
+    env.pop("TENPLEX_FOR_FAILURE", None)
     if failed is not None:
       env["TENPLEX_FAILED_STEP"] = str(failed)
     if schedule:
@@ -1550,6 +1566,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     turn = os.path.join(job_dir, f"turn_{g}")
     programs = os.path.join(job_dir, f"programs_{g}")
     extra = {"TENPLEX_TURN_FILE": turn}
+    if step is None:  # the script may lay it out for the failure (fewer hosts)
+      extra["TENPLEX_FOR_FAILURE"] = "1"
     if wait:
       extra["TENPLEX_PROGRAMS_FILE"] = programs
     kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
@@ -1720,6 +1738,11 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         code = 0
         break
       if first is None and all(c == RESIZE_EXIT_CODE for c in codes):
+        # when the old processes had exited (for the script's timeline: did
+        # their exit overlap the new generation's restore and first step?)
+        with private.open_private(os.path.join(job_dir,
+                                               f"exited_{gen}.json")) as f:
+          json.dump({"exit_times": [c.died_at() for c in children]}, f)
         info = cur["handed_info"] or json.loads(
             _text(os.path.join(job_dir, "resize_0.json")))
         n, start_step = int(info["procs"]), int(info["step"])

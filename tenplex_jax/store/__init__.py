@@ -24,6 +24,7 @@ from tenplex_jax.store.checkpoint import (latest_step, restore_checkpoint,
                                           save_checkpoint)
 from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, expect_resizes,
                                       initialize, launch, prepared,
+                                      prepared_for_failure,
                                       request_resize, resize_due, restore_or_init,
                                       save_and_exit, save_snapshot, wait_programs,
                                       wait_turn)
@@ -58,6 +59,7 @@ __all__ = [
     "resize_due",
     "expect_resizes",
     "prepared",
+    "prepared_for_failure",
     "wait_turn",
     "wait_programs",
     "restore",
