@@ -162,6 +162,11 @@ def _components(r):
              compile_s=r["compile_s"], ahead=r["ahead"],
              xla_compiles=r["xla_compiles"], compile_cache_hit=r["compile_cache_hit"])
   out["restore_parts_s"] = r.get("restore_parts_s")
+  # the first step: its call's return, and the CPU seconds process 0 spent in it; when the
+  # old processes had exited (from the save call: after the first step's end, they ran
+  # beside it)
+  out.update(dispatch_s=r.get("dispatch_s"), step_cpu_s=r.get("step_cpu_s"),
+             old_exit_s=r.get("old_exit_s"))
   if r["ahead"]:  # started ahead: what came before the save, and the hand-over
     out.update(handoff_s=r["handoff_s"], ahead_wait_s=r["ahead_wait_s"],
                save_s=r.get("save_s"),
@@ -401,6 +406,18 @@ def main(argv=None):
             + f" {c['compile_s']:.2f} ({c['compile_wait_s']:.2f}; {c['xla_compiles']}) |"
             f" {c['batch_s']:.2f} | {c['step_s']:.2f} |"
             f" {c['resize_s']:.2f} |")
+  print("\nthe first step of each resize against its phase's median step (s): first"
+        " (dispatch; CPU of process 0) | median; the old processes' exit after the save call")
+  for i, r in enumerate(rows, 1):
+    for kind in kinds:
+      c = r[kind]
+      med = _phase_steps(runs[kind], phases, args.steps)[i]
+      c["phase_median_step_s"] = med
+      if c.get("dispatch_s") is None:
+        continue
+      print(f"  step {r['step']} {kind}: {c['step_s']:.3f} ({c['dispatch_s']:.3f};"
+            f" {c['step_cpu_s']:.3f}) | {med or 0:.3f}; old exit +"
+            + (f"{c['old_exit_s']:.3f}" if c.get("old_exit_s") is not None else "-"))
   worst = {k: max(r[k]["resize_s"] for r in rows) for k in kinds}
   seen = {k: max([r[k]["resize_s"] for r in rows if r["seen"]], default=None) for k in kinds}
   res["targets"] = {"import_s": imp, **{f"worst_{k}_s": worst[k] for k in kinds},

@@ -610,7 +610,6 @@ def worker(args, cfg, phases, plan, trainer=None):
   t_restored = time.time()
   turn = store.wait_turn()  # (restore_or_init waited for it): its times
   if ahead:
-    _expect_next(store, args, phases, plan, phase, n, key)
     ahead_s.update(ready_time=turn["ready"], handed_time=turn["handed"],
                    saved_time=turn.get("saved"), started_time=turn.get("started"),
                    nice=turn.get("nice", 0))
@@ -678,6 +677,8 @@ def worker(args, cfg, phases, plan, trainer=None):
       _append(args.records, rec)
       print(f"step {t:3d}  {n} procs x {lay.devices // n} devices  {degrees_of(mesh)}"
             f" mb {mb}  loss {loss:.4f}  step {rec['step_s'] * 1e3:.1f} ms", flush=True)
+    if ahead and t == step:  # started ahead: the later phases once its first step is done
+      _expect_next(store, args, phases, plan, phase, n, key)  # (not beside it)
     due = store.resize_due(t + 1)  # also a request from outside (SIGUSR1)
     if t + 1 < args.steps and (t + 1 == end or due):
       procs = due or plan[phases.index(phase_at(phases, t + 1))]
@@ -747,9 +748,19 @@ def assemble(records_path, job_dir):
   ``ahead_margin_s``: how long before the save call it was ready, negative when it
   was not; ``ahead_lead_s``: how long before the save call the launcher started it;
   ``ahead_s["nice"]``: the nice increment it prepared at). Every step has ``time``
-  (its end), ``batch_s`` (reading the global batch) and ``step_s`` (the step); the
-  first after a resize also ``restore_parts_s`` (process 0's restore: manifest,
-  plan, read, build, total).
+  (its end), ``batch_s`` (reading the global batch), ``step_s`` (the step, of which
+  ``dispatch_s`` until the call returned; ``step_cpu_s``: process 0's CPU seconds in it),
+  ``batch_crc`` (CRC-32 of the global batch) and ``generation``; the first after a resize
+  also ``restore_parts_s`` (process 0's restore: manifest, plan, read, build, total) and
+  ``old_exit_s`` (when the old processes had exited, from the save call).
+
+  A restart after a failure (``--snapshot-every``) drops the records of the steps it
+  runs again (``steps_redone``); its first step has ``recovered``, ``failed_step``,
+  ``restored_step``, ``steps_lost``, ``failure`` (the launcher's record) and
+  ``layout_from_search``, and its times count from the failed process's death instead
+  of a save call: ``reconfig_s``, ``relaunch_s``, ``handoff_s``, ``ahead_margin_s``, and
+  ``recovery_s`` (to the new step done; also ``resize_s``). A snapshot's time is on the
+  step before it (``snapshot_s``).
   """
   with open(records_path) as f:
     events = [json.loads(x) for x in f]

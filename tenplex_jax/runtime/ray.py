@@ -13,7 +13,10 @@ What :func:`run` does on a Ray cluster:
   (``tenplex-store-<job>-<node>`` in namespace ``tenplex``) serving a
   directory in that node's ``/dev/shm``; it outlives the worker groups, is
   found by name by the next one and is removed at the end of the run
-  (``keep_stores=False``);
+  (``keep_stores=False``); the driver starts it as soon as Ray lists a
+  node that joins, and a group waits for a store that never answered (a
+  slow start on a loaded node) up to ``start_timeout`` while its node is
+  alive;
 * a worker group of N Ray actors (one CPU each, spread round robin over the
   alive nodes), new processes for every group, running
   ``jax.distributed`` on gloo (the coordinator on worker 0's node);
@@ -22,7 +25,8 @@ What :func:`run` does on a Ray cluster:
   flax, optax and Orbax imported, waiting before ``jax.distributed``; a
   resize or a recovery hands them their rank and the new process count
   (:meth:`_Worker.run`) instead of starting actors. The driver starts the
-  replacements after the new group's first step, and drops the dead ones
+  replacements after the new group's first step (and checks every 5 s),
+  and drops the dead ones
   and those on nodes that left or drain; an unused standby costs only
   memory. jax's persistent compilation cache sits beside each node's
   store (``<store_root>/tenplex-ray-<job>/xla``), so a group on a mesh the
@@ -138,6 +142,7 @@ __all__ = ["Job", "ResizeExit", "STANDBY_IMPORTS", "checkpoint_dir",
 
 NAMESPACE = "tenplex"
 _MARGIN = 3  # steps ahead of the furthest worker for a request
+_STANDBY_CHECK_S = 5.0  # how often the driver replaces dead standbys
 # The job's jax persistent compilation cache on a node, beside its store
 # directories: <store_root>/tenplex-ray-<job>/xla.
 _CACHE_DIR = "xla"
@@ -476,6 +481,9 @@ class Job:
     # standbys to keep: the largest group so far (or scheduled)
     self._most = max([self.n, *map(int, self.schedule.values())])
     self._store_nodes: set[str] = set()  # whose store answered last
+    self._store_seen: set[str] = set()  # whose store ever answered
+    # store actors started ahead on nodes that joined: node -> info() ref
+    self._store_pending: dict[str, Any] = {}
     self.compilation_cache = compilation_cache
 
   def request_resize(self, procs: int) -> int:
@@ -637,8 +645,10 @@ class Job:
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
-  def _stores(self) -> dict[str, dict]:
-    """One store actor per alive node (existing ones found by name)."""
+  def _start_stores(self) -> dict[str, Any]:
+    """One store actor per alive node that answers tasks (existing ones
+    found by name, new ones started, not waited for); e.g. as soon as a
+    node joins, so that its store is up before the resize onto it."""
     out = {}
     for node in [x for x in _alive_cpu_nodes() if x not in self.excluded]:
       name = store_actor_name(self.job, node)
@@ -657,14 +667,67 @@ class Job:
                                  f"tenplex-ray-{self.job}", node[:16]),
                     self.tls)
       out[node] = actor
-    infos = {}
-    for node, actor in out.items():
-      try:
-        infos[node] = _ray.get(actor.info.remote(), timeout=30)
-      except (_ray.exceptions.RayError, TimeoutError):
-        continue  # its node is going away: the restore skips it
+    return out
+
+  def _stores(self) -> dict[str, dict]:
+    """One store actor per alive node (:meth:`_start_stores`), each one's
+    ``info`` once it answers. A store that answered before gets 30 s (its
+    node may have died without Ray knowing yet: the restore skips it); one
+    that never answered (a node that has just joined, whose store actor's
+    process starts slowly on a loaded host) gets ``start_timeout`` seconds
+    while Ray lists its node alive: a group sized on the nodes whose store
+    answered would leave the joined node out."""
+    actors = self._start_stores()
+    refs = {node: actor.info.remote() for node, actor in actors.items()}
+    infos: dict[str, dict] = {}
+    t0 = time.monotonic()
+    while refs:
+      done, _ = _ray.wait(list(refs.values()), num_returns=len(refs),
+                          timeout=1.0)
+      for node in [k for k, r in refs.items() if r in done]:
+        try:
+          infos[node] = _ray.get(refs.pop(node))
+        except _ray.exceptions.RayError:
+          pass  # its node is going away: the restore skips it
+      waited = time.monotonic() - t0
+      if refs and waited > 30.0:
+        alive = set(_alive_cpu_nodes())
+        for node in list(refs):
+          if (node in self._store_seen or node not in alive
+              or waited > self.start_timeout):
+            del refs[node]
     self._store_nodes = set(infos)
+    self._store_seen |= self._store_nodes
+    self._store_pending = {k: v for k, v in self._store_pending.items()
+                           if k not in infos}
     return infos
+
+  def _watch_nodes(self, fill: bool) -> None:
+    """In the driver's poll: starts the store actor of a node that joined
+    as soon as Ray lists it (so the resize onto it does not wait for the
+    store's process to start) and, once that store answers, with ``fill``
+    (the group has run its first step), the standbys there."""
+    alive = (set(_alive_cpu_nodes()) - self.excluded - set(self.draining)
+             - self._store_seen - set(self._store_pending))
+    if alive:
+      actors = self._start_stores()
+      for node in alive & set(actors):
+        self._store_pending[node] = actors[node].info.remote()
+    if not self._store_pending:
+      return
+    done, _ = _ray.wait(list(self._store_pending.values()),
+                        num_returns=len(self._store_pending), timeout=0)
+    answered = False
+    for node in [k for k, r in self._store_pending.items() if r in done]:
+      try:
+        _ray.get(self._store_pending.pop(node))
+      except _ray.exceptions.RayError:
+        continue  # started again at the next poll if still alive
+      self._store_nodes.add(node)
+      self._store_seen.add(node)
+      answered = True
+    if answered and fill and self._standby_ok():
+      self._fill_standbys()
 
   def _generation(self, n: int, start: int, failed: int | None) -> dict:
     gen = len(self.generations)
@@ -768,7 +831,7 @@ class Job:
           for i, w in enumerate(workers)]
       results, error = [None] * n, None
       pending = list(refs)
-      refilled = False
+      refilled, checked = False, time.monotonic()
       while pending:
         done, pending = _ray.wait(pending, num_returns=1, timeout=0.5)
         if not done:
@@ -777,7 +840,14 @@ class Job:
             # The group has run its first step: start the standbys of the
             # next one now (not during this group's start on its cores).
             self._fill_standbys()
-            refilled = True
+            refilled, checked = True, time.monotonic()
+          elif (refilled and self._standby_ok()
+                and time.monotonic() - checked > _STANDBY_CHECK_S):
+            # A standby that died since (its process, or its start on a
+            # loaded node) is replaced now, not at the next resize.
+            self._fill_standbys()
+            checked = time.monotonic()
+          self._watch_nodes(refilled)
           self._autoscale(n)
           if self.on_progress is not None:
             st = _ray.get(self.ctrl.state.remote())
