@@ -24,6 +24,11 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   matmuls (a plain step on ``V`` devices' work, run ``k`` at a time);
 * ``det``: :func:`tenplex_jax.determinism.value_and_grad` in a step compiled
   by ``determinism.jit``;
+* ``det_scan`` / ``det_unroll``: the same with
+  ``determinism._UNROLL_LEVELS`` 0 / 3: each device's subtree as nested
+  scans whose carries start at ``-0.0``, or its top three levels unrolled (a
+  binary-counter stack of partial sums: no loop carries, no fill); ``det``
+  picks by platform (unrolled on GPU). Same bits;
 * ``det_old``: the same with ``determinism._EXCHANGE_EVERY_WORKER`` set, the
   implementation before issue 23 (every worker's gradient flattened and
   exchanged with an ``all_to_all``, summed on a stack): the "before" of the
@@ -76,7 +81,7 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "6m": dict(d=512, ff=2048, blocks=3),
          "25m": dict(d=1024, ff=4096, blocks=3),
          "100m": dict(d=1024, ff=4096, blocks=12)}
-METHODS = ("plain", "plain_acc", "det", "det_old")
+METHODS = ("plain", "plain_acc", "det", "det_scan", "det_unroll", "det_old")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -157,6 +162,13 @@ def programs(mesh, params, fsdp, k, rows, methods):
     vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                             param_shardings=out[1])
     fns["det"] = det.jit(lambda p, b: vg(p, b), out_shardings=out)
+  for name, levels in (("det_scan", 0), ("det_unroll", 3)):
+    if name in methods:
+      with mock.patch.object(det, "_UNROLL_LEVELS", levels):
+        vg_l = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
+                                  param_shardings=out[1])
+      fns[name] = det.jit(lambda p, b, vg_l=vg_l: vg_l(p, b),
+                          out_shardings=out)
   if "det_old" in methods:
     with mock.patch.object(det, "_EXCHANGE_EVERY_WORKER", True):
       vg_old = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh)
@@ -262,6 +274,10 @@ def measure(row, args, mesh):
                   for a, b in zip(jax.tree_util.tree_leaves(o),
                                   jax.tree_util.tree_leaves(ref)))
         for name, o in outs.items()}
+  if args.check_bits and "det" in outs:
+    row["bitwise"] = check_bits(outs, params, batch, size, dt, fsdp,
+                                row["virtual_workers"], args.rows)
+    print(f"bitwise: {row['bitwise']}", file=sys.stderr, flush=True)
   del outs, ref
   times = {name: [] for name in compiled}
   for _ in range(args.reps):
@@ -287,6 +303,49 @@ def measure(row, args, mesh):
   row["_compiled"] = compiled
   row["_args"] = (params, batch)
   return row
+
+
+def _bits(tree) -> list[bytes]:
+  return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+_SINGLE: dict = {}
+
+
+def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
+  """``det``'s (loss, grads) against ``det_scan``'s, ``det_unroll``'s and the tree.
+
+  The reference is what ``V`` devices with one worker each give: every
+  worker's slice run alone (``value_and_grad`` with one worker on one
+  device), the ``V`` results summed by :func:`determinism.tree_sum`, op by
+  op (each node rounded to the dtype), and divided by ``V``.
+  """
+  res = {}
+  for name in ("det_scan", "det_unroll"):
+    if name in outs:
+      res[f"det_equals_{name}"] = _bits(outs["det"]) == _bits(outs[name])
+  one = Mesh(np.array(jax.devices()[:1]), ("data",))
+  key = (size, str(dt), rows)
+  if key not in _SINGLE:
+    vg = det.value_and_grad(loss_fn, virtual_workers=1, mesh=one)
+    _SINGLE[key] = det.jit(lambda p, b: vg(p, b))
+  f1 = _SINGLE[key]
+  rep = NamedSharding(one, P())
+  p1 = jax.device_put(params, rep)
+  per = [f1(p1, jax.device_put(jax.tree.map(
+      lambda x: x[w * rows:(w + 1) * rows], batch), rep)) for w in range(v)]
+  leaves = [jax.tree_util.tree_leaves(o) for o in per]
+  ref = []
+  with jax.disable_jit():
+    for i in range(len(leaves[0])):
+      total = det.tree_sum(jnp.stack([lv[i] for lv in leaves]))
+      ref.append(total / jnp.asarray(v, total.dtype))
+  got = jax.tree_util.tree_leaves(outs["det"])
+  res["det_equals_tree_of_single_workers"] = (
+      [np.asarray(jax.device_get(x)).tobytes() for x in got]
+      == [np.asarray(x).tobytes() for x in ref])
+  del fsdp
+  return res
 
 
 # (substring of an XLA op name, kind), first match wins.
@@ -354,6 +413,10 @@ def main(argv=None) -> int:
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--methods", default=",".join(METHODS),
                   help=f"a subset of {','.join(METHODS)}")
+  ap.add_argument("--check-bits", action="store_true",
+                  help="also check det bit for bit against det_scan,"
+                       " det_unroll and"
+                       " against V single-worker steps summed by tree_sum")
   ap.add_argument("--compile-only", action="store_true",
                   help="print XLA's buffer sizes and the memory estimate only")
   ap.add_argument("--profile", action="store_true",

@@ -13,7 +13,11 @@ source):
   columns over the 8 devices reversed (8 pieces per new shard, 2,048 pieces).
 
 Cold calls also record their CPU seconds and XLA compile seconds (the
-events' durations summed; compiles may overlap). The compile-time budget
+events' durations summed; compiles may overlap). Every call records its
+peak RSS rise: the process's peak RSS (``VmHWM``, reset through
+``/proc/self/clear_refs`` just before the call) less its RSS just before
+the call, also as a multiple of the state's bytes (each method's result is
+a second copy of the state in host memory, so about 1x is the least). The compile-time budget
 checked per case: the generic path's compile seconds at most
 ``device_put``'s whole cold call, with its cold call no slower and its warm
 call within 1.2x of ``device_put``'s.
@@ -61,6 +65,25 @@ def _case(jax, name):
                                    jax.tree.leaves(sh))
 
 
+def _status_kib(field: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1])
+  raise KeyError(field)
+
+
+def _peak_reset() -> int:
+  """Resets the process's peak RSS to its RSS now; returns that RSS."""
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+  return _status_kib("VmRSS") << 10
+
+
+def _peak_rise(base: int) -> int:
+  return (_status_kib("VmHWM") << 10) - base
+
+
 def worker(case: str, method: str) -> dict:
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
@@ -82,26 +105,35 @@ def worker(case: str, method: str) -> dict:
   out = {"case": case, "method": method,
          "leaves": len(jax.tree.leaves(state)),
          "bytes": sum(x.nbytes for x in jax.tree.leaves(state))}
+  base = _peak_reset()
   t0 = time.perf_counter()
   c0 = time.process_time()
-  jax.block_until_ready(call(state))
+  res = jax.block_until_ready(call(state))
   out["cold_seconds"] = time.perf_counter() - t0
   out["cold_cpu_seconds"] = time.process_time() - c0
+  out["cold_peak_rss_rise"] = _peak_rise(base)
+  del res
   out["cold_compiles"] = n[0]
   # XLA compile seconds, summed over the compiles (which may overlap).
   out["cold_compile_seconds"] = secs[0]
   n[0] = 0
-  warm, warm_cpu = [], []
+  warm, warm_cpu, warm_rise = [], [], []
   for _ in range(3):
     fresh = _fresh_copy(jax, state)
     jax.block_until_ready(fresh)
+    base = _peak_reset()
     t0 = time.perf_counter()
     c0 = time.process_time()
-    jax.block_until_ready(call(fresh))
+    res = jax.block_until_ready(call(fresh))
     warm.append(time.perf_counter() - t0)
     warm_cpu.append(time.process_time() - c0)
+    warm_rise.append(_peak_rise(base))
+    del res, fresh
   out["warm_seconds"] = sorted(warm)[1]
   out["warm_cpu_seconds"] = sorted(warm_cpu)[1]
+  out["warm_peak_rss_rise"] = sorted(warm_rise)[1]
+  out["cold_peak_rss_over_state"] = out["cold_peak_rss_rise"] / out["bytes"]
+  out["warm_peak_rss_over_state"] = out["warm_peak_rss_rise"] / out["bytes"]
   out["warm_all_seconds"] = warm
   out["warm_compiles"] = n[0]
   return out
@@ -156,7 +188,15 @@ def main(argv=None) -> int:
         "warm_cpu_generic_over_device_put": (
             g["warm_cpu_seconds"] / d["warm_cpu_seconds"]),
         "cold_cpu_generic_over_device_put": (
-            g["cold_cpu_seconds"] / d["cold_cpu_seconds"])}
+            g["cold_cpu_seconds"] / d["cold_cpu_seconds"]),
+        "cold_peak_rss_generic_over_device_put": (
+            g["cold_peak_rss_rise"] / max(1, d["cold_peak_rss_rise"])),
+        "warm_peak_rss_generic_over_device_put": (
+            g["warm_peak_rss_rise"] / max(1, d["warm_peak_rss_rise"])),
+        "cold_peak_rss_below": (g["cold_peak_rss_rise"]
+                                <= d["cold_peak_rss_rise"]),
+        "warm_peak_rss_below": (g["warm_peak_rss_rise"]
+                                <= d["warm_peak_rss_rise"])}
     print(f"{case}: generic / device_put cold"
           f" {checks[case]['cold_generic_over_device_put']:.2f}, warm"
           f" {checks[case]['warm_generic_over_device_put']:.2f} (CPU seconds:"
@@ -165,19 +205,28 @@ def main(argv=None) -> int:
           " compile"
           f" {g['cold_compile_seconds']:.2f} s against a budget of"
           f" {d['cold_seconds']:.2f} s (device_put's cold call):"
-          f" {'met' if checks[case]['compile_budget_met'] else 'NOT met'}")
+          f" {'met' if checks[case]['compile_budget_met'] else 'NOT met'};"
+          f" peak RSS rise cold {g['cold_peak_rss_rise'] / 2**20:.0f} against"
+          f" {d['cold_peak_rss_rise'] / 2**20:.0f} MiB, warm"
+          f" {g['warm_peak_rss_rise'] / 2**20:.0f} against"
+          f" {d['warm_peak_rss_rise'] / 2**20:.0f} MiB")
   doc = {"load": os.getloadavg(), "results": rows, "checks": checks}
   with open(args.out, "w") as f:
     json.dump(doc, f, indent=1)
-  print("| case | method | cold s | cold compiles | warm s | warm compiles |")
-  print("|---|---|---|---|---|---|")
+  print("| case | method | cold s | cold compiles | warm s | warm compiles |"
+        " peak RSS rise cold / warm, MiB (x state) |")
+  print("|---|---|---|---|---|---|---|")
   for r in rows:
     if "failure" in r:
-      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | |")
+      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | |")
       continue
     print(f"| {r['case']} ({r['leaves']} arrays, {r['bytes'] >> 20} MiB) |"
           f" {r['method']} | {r['cold_seconds']:.3f} | {r['cold_compiles']} |"
-          f" {r['warm_seconds']:.3f} | {r['warm_compiles']} |")
+          f" {r['warm_seconds']:.3f} | {r['warm_compiles']} |"
+          f" {r['cold_peak_rss_rise'] / 2**20:.0f}"
+          f" ({r['cold_peak_rss_over_state']:.2f}) /"
+          f" {r['warm_peak_rss_rise'] / 2**20:.0f}"
+          f" ({r['warm_peak_rss_over_state']:.2f}) |")
   return 0
 
 

@@ -166,7 +166,7 @@ def _components(r):
   # old processes had exited (from the save call: after the first step's end, they ran
   # beside it)
   out.update(dispatch_s=r.get("dispatch_s"), step_cpu_s=r.get("step_cpu_s"),
-             old_exit_s=r.get("old_exit_s"))
+             old_exit_s=r.get("old_exit_s"), restored_procs_s=r.get("restored_procs_s"))
   if r["ahead"]:  # started ahead: what came before the save, and the hand-over
     out.update(handoff_s=r["handoff_s"], ahead_wait_s=r["ahead_wait_s"],
                save_s=r.get("save_s"),
@@ -417,7 +417,9 @@ def main(argv=None):
         continue
       print(f"  step {r['step']} {kind}: {c['step_s']:.3f} ({c['dispatch_s']:.3f};"
             f" {c['step_cpu_s']:.3f}) | {med or 0:.3f}; old exit +"
-            + (f"{c['old_exit_s']:.3f}" if c.get("old_exit_s") is not None else "-"))
+            + (f"{c['old_exit_s']:.3f}" if c.get("old_exit_s") is not None else "-")
+            + "; each process's restore done at +" + ", ".join(
+                f"{x:.3f}" for x in c.get("restored_procs_s") or []))
   worst = {k: max(r[k]["resize_s"] for r in rows) for k in kinds}
   seen = {k: max([r[k]["resize_s"] for r in rows if r["seen"]], default=None) for k in kinds}
   res["targets"] = {"import_s": imp, **{f"worst_{k}_s": worst[k] for k in kinds},

@@ -44,7 +44,8 @@ thread; the code before a chunk's pieces were read straight into place in
 one tensorstore batch), ``own`` (``tenplex`` into the saved layout, in the
 same round as the layout's other methods: the ratio to it, ``vs_own_adjacent``,
 compares runs minutes apart on a loaded machine less than the ratio to the
-``saved`` row does) and ``orbax`` (Orbax's own restore). Reports
+``saved`` row does), ``before`` (``tenplex`` with the ``tenplex_jax`` of
+``--baseline-src DIR``, in the same run) and ``orbax`` (Orbax's own restore). Reports
 wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
 restore in the saved layout, and the worst and median ratio to Orbax over
 the random layouts. Writes benchmarks/bench_orbax_layouts_result.json
@@ -384,7 +385,9 @@ def _layout_restore(args) -> None:
   peak = _peak()
   print(json.dumps({"seconds": secs, "cpu_seconds": cpu, "rise": peak - base,
                     "new_shard_bytes": new_bytes,
-                    "ratio": (peak - base) / new_bytes}))
+                    "ratio": (peak - base) / new_bytes,
+                    "tenplex_jax": os.path.dirname(os.path.dirname(
+                        tor.__file__))}))
 
 
 def layouts_main(args) -> None:
@@ -414,9 +417,14 @@ def layouts_main(args) -> None:
       runs = {m: [] for m in methods}
       for r in range(args.repeat):
         for method in methods[::1 if r % 2 == 0 else -1]:
+          env = _child_env(max(8, _layout_devices(kind)))
+          if method == "before":
+            env["PYTHONPATH"] = args.baseline_src + os.pathsep + env[
+                "PYTHONPATH"]
           res = _run(me + ["--role", "lrestore", "--dir", ck, "--method",
-                           method, "--kind", kind],
-                     _child_env(max(8, _layout_devices(kind))))
+                           method, "--kind", kind], env)
+          if method == "before":
+            assert res["tenplex_jax"].startswith(args.baseline_src), res
           runs[method].append(res)
           print(f"{kind:10s} {method:9s} {res['seconds']:.2f} s (CPU"
                 f" {res['cpu_seconds']:.2f} s), peak RSS rise"
@@ -529,6 +537,10 @@ def main() -> None:
                   help="--layouts: methods to time (comma-separated)")
   ap.add_argument("--result", dest="out_json", default=None,
                   help="--layouts: where to write the result JSON")
+  ap.add_argument("--baseline-src", default=None, help="--layouts: the"
+                  " method 'before' is 'tenplex' with the tenplex_jax in this"
+                  " directory (e.g. git archive <commit> tenplex_jax | tar -x"
+                  " -C DIR), in the same run")
   ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--method", default=None, help=argparse.SUPPRESS)
   ap.add_argument("--kind", default=None, help=argparse.SUPPRESS)

@@ -368,6 +368,24 @@ def _unflatten(groups: _Groups, flats: Sequence[jax.Array], treedef) -> tuple:
 # time the old path beside the new one in the same run.
 _EXCHANGE_EVERY_WORKER = False
 
+# Levels at the top of each device's subtree evaluated unrolled (a
+# binary-counter stack of partial sums, no loop; up to 2**levels workers'
+# programs in the step) above the nested scans. The bits are the same for
+# every value (tests/test_determinism.py). None picks by platform: 3 on GPU
+# (H100, 100M params: 0.72-0.88x the nested scans' step time, the same
+# memory), 0 elsewhere: XLA:CPU drops the optimisation barriers that order
+# the unrolled workers, runs them all before the first addition and holds
+# every worker's gradient at once (temp memory ~V/n gradients instead of
+# log2(V/n) + 1). benchmarks/bench_determinism.py times both
+# (``det_scan``, ``det_unroll``).
+_UNROLL_LEVELS: int | None = None
+
+
+def _unroll_levels(mesh: Mesh) -> int:
+  if _UNROLL_LEVELS is not None:
+    return int(_UNROLL_LEVELS)
+  return 3 if mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm") else 0
+
 
 def _tree_list(xs: Sequence[jax.Array]) -> jax.Array:
   """:func:`tree_sum` of a list of same-shaped arrays."""
@@ -627,6 +645,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   # device): then each device sums its own workers locally (the subtree) and
   # one exchange per step sums the n subtrees (the top of the tree).
   aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
+  unroll = _unroll_levels(mesh)
 
   def body_tree(dims, gather, shard_in, params, batch, *args):
     d = lax.axis_index(axes) if n > 1 else 0
@@ -656,45 +675,85 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       else:
         params = gather_params(params)
 
-    def worker(j):
+    def worker(j, xb):
       w = (d * k + j).astype(jnp.uint32) if n > 1 else jnp.asarray(
           j, jnp.uint32)
       xs = jax.tree.map(
-          lambda x: lax.dynamic_index_in_dim(x, j, 0, keepdims=False), local)
+          lambda x: lax.dynamic_index_in_dim(x, j, 0, keepdims=False), xb)
       wargs = list(args)
       for i in rng_argnums:
         wargs[i] = worker_key(args[i], w)
       return _isolated_value_and_grad(loss_fn, params, xs, wargs,
                                       prepare=prepare, pred=pred)
 
-    avals = jax.eval_shape(worker, jnp.int32(0))
+    avals = jax.eval_shape(lambda j: worker(j, local), jnp.int32(0))
 
-    def perfect(level, j0):
+    def perfect(level, j0, xb):
       # The perfect subtree over workers j0 .. j0 + 2**level - 1: a scan over
       # its two halves, each added to a carry that starts at -0.0 (x + -0.0
       # is x, bit for bit, also for x = +-0), so the carry ends as
       # left + right: one IEEE addition per node, left operand first.
       if level == 0:
-        return worker(j0)
+        return worker(j0, xb)
       half = 1 << (level - 1)
 
       def half_step(acc, i):
-        sub = perfect(level - 1, j0 + i * half)
+        sub = perfect(level - 1, j0 + i * half, xb)
         return jax.tree.map(jnp.add, acc, sub), None
 
       init = jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype), avals)
       acc, _ = lax.scan(half_step, init, jnp.arange(2, dtype=jnp.int32))
       return acc
 
+    def counter(leaf_levels):
+      # The top levels of the tree unrolled: leaves (perfect subtrees of
+      # the given levels, level 0 a single worker) in worker order, each
+      # pushed onto a binary-counter stack of partial sums that merges its
+      # two top entries while they have the same level. A merge is the
+      # node's one IEEE addition, left operand first, as in ``perfect``,
+      # without its -0.0 fill and loop-carry copies. The stack enters an
+      # optimisation barrier with the batch the next leaf reads, so the
+      # leaves run one after the other (at most one partial sum per level
+      # is live), and every node's sum leaves a barrier, so it is rounded to
+      # its dtype on its own (never fused with the next node's addition).
+      stack: list = []
+      j0 = 0
+      for level in leaf_levels:
+        xb = local
+        if stack:
+          xb, held = lax.optimization_barrier(
+              (local, [v for _, v in stack]))
+          stack = [(lv, v) for (lv, _), v in zip(stack, held)]
+        stack.append((level, perfect(level, jnp.int32(j0), xb)))
+        j0 += 1 << level
+        while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
+          (lv, left), (_, right) = stack[-2], stack[-1]
+          stack[-2:] = [(lv + 1, lax.optimization_barrier(
+              jax.tree.map(jnp.add, left, right)))]
+      return [v for _, v in stack]
+
+    def leaves_of(level):
+      # A perfect subtree of ``level`` as the counter's leaves: its top
+      # ``unroll`` levels unrolled, the rest nested scans.
+      u = min(level, unroll)
+      return [level - u] * (1 << u)
+
     if n > 1:
-      loss, grads = perfect(k.bit_length() - 1, jnp.int32(0))
+      if unroll:
+        [(loss, grads)] = counter(leaves_of(k.bit_length() - 1))
+      else:
+        loss, grads = perfect(k.bit_length() - 1, jnp.int32(0), local)
     else:
       # One device: the whole tree, its left subtrees perfect (the binary
       # representation of V), added from right to left.
-      parts, off = [], 0
-      for b in range(virtual_workers.bit_length() - 1, -1, -1):
-        if virtual_workers >> b & 1:
-          parts.append(perfect(b, jnp.int32(off)))
+      bits = [b for b in range(virtual_workers.bit_length() - 1, -1, -1)
+              if virtual_workers >> b & 1]
+      if unroll:
+        parts = counter([lv for b in bits for lv in leaves_of(b)])
+      else:
+        parts, off = [], 0
+        for b in bits:
+          parts.append(perfect(b, jnp.int32(off), local))
           off += 1 << b
       loss, grads = parts[-1]
       for part in parts[-2::-1]:

@@ -118,6 +118,34 @@ def test_bfloat16_bitwise_across_meshes():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
+  # GPU evaluates the top levels of each device's subtree unrolled (a
+  # binary-counter stack), other platforms as nested scans: the bits must
+  # not depend on it, whatever the mesh (V = 8 on 1, 2, 4 devices: V/n 8, 4,
+  # 2; V = 12 on 1 device: a perfect subtree of 8 then one of 4; V = 16 on
+  # 1 device with 1 unrolled level: leaves that are scans).
+  params, batch = mlp_data(48)
+  params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
+  for v, ns, levels in ((8, (1, 2, 4), (3,)), (12, (1,), (3,)),
+                        (16, (1,), (1,))):
+    rows = 3 * v if v != 16 else 48
+    b_v = jax.tree.map(lambda x: x[:rows], batch)
+    for n in ns:
+      mesh = mesh1d(n)
+      outs = {}
+      for lv in (0,) + levels:
+        monkeypatch.setattr(det, "_UNROLL_LEVELS", lv)
+        f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
+        outs[lv] = f(*place(params, b_v, mesh, fsdp=n == 2))
+      for lv in levels:
+        got = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[lv])]
+        want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[0])]
+        assert got == want, (v, n, lv)
+  monkeypatch.setattr(det, "_UNROLL_LEVELS", None)
+  assert det._unroll_levels(mesh1d(1)) == 0  # CPU: the nested scans
+
+
 def test_inside_jit_matches_outside():
   params, batch = mlp_data(16)
   mesh1, mesh4 = mesh1d(1), mesh1d(4)

@@ -251,6 +251,64 @@ def test_restore_buffers_come_from_the_host_pool(tmp_path):
     assert s.data.unsafe_buffer_pointer() % 64 == 0
 
 
+def test_large_restore_reads_into_buffers_a_donating_step_reuses(
+    tmp_path, monkeypatch):
+  """From ``_OWNED_MIN_BYTES`` (set to 0 here) a restore reads the shards
+  of plain arrays straight into buffers XLA allocated: bitwise the saved
+  values (a box several devices hold copied to each, a bfloat16 leaf
+  stored as integers), and a jitted step that donates the restored arrays
+  writes its results into the same buffers (one built on a host buffer
+  would get fresh ones). Key data keeps the host-buffer path."""
+  import jax.numpy as jnp
+  d = str(tmp_path / "o")
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+  w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  h = np.arange(32).astype(jnp.bfloat16)
+  state = {"w": jax.device_put(w, NamedSharding(mesh, P("a", "b"))),
+           "r": jax.device_put(np.arange(16, dtype=np.float32),
+                               NamedSharding(mesh, P())),
+           "h": jax.device_put(h, NamedSharding(mesh, P("b"))),
+           "k": jax.random.key(3)}
+  store.save(state, d, step=7)
+  dst = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+  target = {
+      "w": jax.ShapeDtypeStruct(w.shape, w.dtype,
+                                sharding=NamedSharding(dst, P("y", None))),
+      "r": jax.ShapeDtypeStruct((16,), np.float32,
+                                sharding=NamedSharding(dst, P("x"))),
+      "h": jax.ShapeDtypeStruct(h.shape, h.dtype,
+                                sharding=NamedSharding(dst, P())),
+      "k": jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
+                                sharding=NamedSharding(dst, P()))}
+  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 0)
+  made = []
+  real = api._owned_arrays
+  monkeypatch.setattr(api, "_owned_arrays",
+                      lambda *a: made.append(real(*a)) or made[-1])
+  out = store.restore([d], target)
+  assert sorted(made[0]) == ["h", "r", "w"]
+  for k in ("w", "r", "h"):
+    want = np.asarray(state[k])
+    for s in out[k].addressable_shards:
+      assert np.asarray(s.data).tobytes() == want[s.index].tobytes(), k
+  np.testing.assert_array_equal(jax.random.key_data(out["k"]),
+                                jax.random.key_data(state["k"]))
+  arrays = {k: out[k] for k in ("w", "r", "h")}
+  ptrs = {k: [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+          for k, a in arrays.items()}
+  step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2, t),
+                 donate_argnums=0)
+  new = step(arrays)
+  assert {k: [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+          for k, a in new.items()} == ptrs
+  np.testing.assert_array_equal(np.asarray(new["w"]), w * 2)
+  # Below the size, the host-buffer path (no XLA program).
+  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1 << 40)
+  out = store.restore([d], target)
+  assert made[-1] == {}
+  np.testing.assert_array_equal(np.asarray(out["w"]), w)
+
+
 def test_snapshots_are_fsynced_except_on_memory_file_systems(tmp_path,
                                                             monkeypatch):
   synced = []

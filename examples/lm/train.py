@@ -672,7 +672,10 @@ def worker(args, cfg, phases, plan, trainer=None):
     if t == step and info["job_dir"]:  # every process's first step: its compilations
       with open(os.path.join(info["job_dir"], f"compiles_{info['generation']}_"
                              f"{info['process_id']}.json"), "w") as f:
-        json.dump({"xla_compiles": compiles, "cache_hits": hits}, f)
+        # (and when its state was restored and its first step done: a first step waits
+        # in its collectives for the slowest process's restore)
+        json.dump({"xla_compiles": compiles, "cache_hits": hits,
+                   "restored_time": t_restored, "step_time": rec["time"]}, f)
     if lead:
       _append(args.records, rec)
       print(f"step {t:3d}  {n} procs x {lay.devices // n} devices  {degrees_of(mesh)}"
@@ -710,14 +713,15 @@ def _restore_bytes(job_dir, generation):
   return local, net
 
 
-def _compiles(job_dir, generation):
-  """Each process's first-step ``(XLA compilations, cache hits)`` in ``generation``."""
+def _compiles(job_dir, generation, key=("xla_compiles", "cache_hits")):
+  """Each process's first-step ``(XLA compilations, cache hits)`` in ``generation``
+  (``key``: other fields of its ``compiles_<generation>_<process>.json``)."""
   out = {}
   for name in os.listdir(job_dir):
     if name.startswith(f"compiles_{generation}_") and name.endswith(".json"):
       with open(os.path.join(job_dir, name)) as f:
         r = json.load(f)
-      out[int(name[:-5].split("_")[-1])] = (r["xla_compiles"], r["cache_hits"])
+      out[int(name[:-5].split("_")[-1])] = tuple(r.get(k) for k in key)
   return [out[i] for i in sorted(out)]
 
 
@@ -815,6 +819,10 @@ def assemble(records_path, job_dir):
                    resized_from=prev["mesh"], procs_from=prev["procs"])
         if pending.get("restore"):  # process 0's restore: manifest, plan, read, build
           rec["restore_parts_s"] = pending["restore"]["seconds"]
+        restored = [t for (t,) in _compiles(job_dir, pending["generation"],
+                                            ("restored_time",)) if t is not None]
+        if restored:  # every process's restore: the first step waits for the slowest
+          rec["restored_procs_s"] = [t - base for t in restored]
         if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
           a = pending["ahead_s"]  # preparation to finish
           if a.get("saved_time"):  # the old processes' save, of the hand-over

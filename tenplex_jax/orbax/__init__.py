@@ -19,12 +19,17 @@ always imported absolutely (``import orbax.checkpoint``).
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
+import jax
+import numpy as np
+
 from tenplex_jax.orbax._convert import (MappedSource, convert, scan_mapping,
                                         unscan_mapping)
-from tenplex_jax.orbax._read import Location, OrbaxSource, inspect, locate
+from tenplex_jax.orbax._read import (COPY_THREADS, Location, OrbaxSource,
+                                     inspect, locate)
 from tenplex_jax.assembly import AssembleReport, assemble, match_target
 
 __all__ = ["Location", "MappedSource", "OrbaxSource", "convert", "inspect",
@@ -51,7 +56,9 @@ def restore_with_report(path: str, target: Any, *, step: int | None = None,
     >>> out["w"][6].tolist(), rep.new_shard_bytes, rep.read_bytes
     ([12.0, 13.0], 64, 64)
   """
-  with OrbaxSource(path, step=step, item=item) as src:
+  threads = _copy_threads(inflight_bytes if inflight_bytes is not None
+                          else _inflight(_target_bytes(target)))
+  with OrbaxSource(path, step=step, item=item, copy_threads=threads) as src:
     needs = None
     if src.remote and src.ocdbt:
       needs = _needs(src, target, mesh)
@@ -74,6 +81,42 @@ def _inflight(state_bytes: int) -> int:
   at 88 MB, 32 MiB in flight raised the peak by 14-25 MiB more than 8 MiB
   did, at the same speed)."""
   return int(min(_INFLIGHT_MAX, max(_INFLIGHT_MIN, state_bytes // 16)))
+
+
+_COPY_THREAD_BYTES = 4 << 20
+
+
+def _copy_threads(inflight_bytes: int) -> int:
+  """tensorstore's decode threads for a restore that reads at most
+  ``inflight_bytes`` at once: one per 4 MiB of them, at least 2 (two cores
+  decode), at most ``COPY_THREADS`` (so 8 from 32 MiB in flight, the bound
+  of every state of 512 MiB or more).
+
+  A decode thread's freed chunk buffers stay in its own malloc arena, so
+  every thread that ever decoded holds about a chunk's worth of memory when
+  the restore ends; with the reads in flight bounded, more threads than
+  reads in flight add that memory and no speed. An 88 MB restore (2-4 MiB
+  chunks, 5.3 MiB in flight) peaked at 1.19-1.41x the bytes it holds with
+  8 threads, 1.22-1.33x with 3, 1.15-1.24x with 2 (2-core VM, 3-6
+  processes each).
+  """
+  return int(min(COPY_THREADS, max(2, -(-inflight_bytes
+                                       // _COPY_THREAD_BYTES))))
+
+
+def _target_bytes(target: Any) -> int:
+  """The bytes of ``target``'s array leaves (those with a shape and a numpy
+  dtype); an estimate made before the checkpoint is opened."""
+  n = 0
+  for leaf in jax.tree_util.tree_leaves(target):
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+      continue
+    try:
+      n += math.prod(shape) * np.dtype(dtype).itemsize
+    except TypeError:  # e.g. a PRNG key dtype: its data is small
+      continue
+  return n
 
 
 def _needs(src: OrbaxSource, target: Any, mesh: Any) -> dict:

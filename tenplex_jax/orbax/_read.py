@@ -258,6 +258,11 @@ def _tree_entries(meta: Mapping | None, listed: list[str]) -> list[TreeEntry]:
 ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
 
+# tensorstore's threads that decode chunks and copy them into place, unless
+# the caller asks for fewer (see ``copy_threads``).
+COPY_THREADS = max(8, 2 * (os.cpu_count() or 1))
+
+
 class OrbaxSource(Source):
   """An Orbax checkpoint item as a source of boxes (read through tensorstore,
   read-only).
@@ -272,6 +277,11 @@ class OrbaxSource(Source):
     cache_bytes: tensorstore's cache of decoded chunks (0: none; on object
       storage 0 means 512 MiB, so that a chunk several new shards share is
       fetched once, not once per shard).
+    copy_threads: tensorstore's threads that decode chunks and copy them
+      into place (default ``COPY_THREADS``: 8, or 2 per core). Each keeps
+      the buffers it decoded into in its own malloc arena once freed, so
+      more threads than reads in flight only add memory (see
+      :func:`tenplex_jax.orbax.restore`).
 
   Example:
     >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
@@ -293,7 +303,8 @@ class OrbaxSource(Source):
   shared_reads = True
 
   def __init__(self, path: str, *, step: int | None = None,
-               item: str | None = None, cache_bytes: int = 0):
+               item: str | None = None, cache_bytes: int = 0,
+               copy_threads: int | None = None):
     self.location = locate(path, step=step, item=item)
     d = self.location.item
     self.fs = self.location.files or _LOCAL
@@ -304,7 +315,7 @@ class OrbaxSource(Source):
     zarr3 = self.meta.get("use_zarr3") if self.meta else None
     self._ctx = ts.Context({
         "file_io_concurrency": {"limit": 64},
-        "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
+        "data_copy_concurrency": {"limit": copy_threads or COPY_THREADS},
         "cache_pool": {"total_bytes_limit": int(
             cache_bytes or (_REMOTE_CACHE if self.fs is not _LOCAL else 0))},
         "cache_pool#ocdbt": {"total_bytes_limit": 32 << 20},
@@ -652,7 +663,7 @@ class OrbaxSource(Source):
     import tensorstore as ts
     return ts.Context({
         "file_io_concurrency": {"limit": 64},
-        "data_copy_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
+        "data_copy_concurrency": {"limit": COPY_THREADS},
         "cache_pool": {"total_bytes_limit": 0},
         "cache_pool#ocdbt": {"total_bytes_limit": 32 << 20},
     })
