@@ -22,6 +22,11 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   same communication as ``det``, so ``det / plain_acc`` is the cost of the
   fixed reduction order alone and ``plain_acc / plain`` that of the smaller
   matmuls (a plain step on ``V`` devices' work, run ``k`` at a time);
+* ``plain_acc_cond``: ``plain_acc`` with each microbatch's
+  ``value_and_grad`` run as both branches of a ``lax.cond`` on a predicate
+  XLA cannot know while compiling, as ``det`` isolates each worker: the
+  cost of that isolation alone (on GPU a conditional reads its predicate on
+  the host);
 * ``det``: :func:`tenplex_jax.determinism.value_and_grad` in a step compiled
   by ``determinism.jit``;
 * ``det_scan`` / ``det_unroll``: the same with
@@ -81,7 +86,8 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "6m": dict(d=512, ff=2048, blocks=3),
          "25m": dict(d=1024, ff=4096, blocks=3),
          "100m": dict(d=1024, ff=4096, blocks=12)}
-METHODS = ("plain", "plain_acc", "det", "det_scan", "det_unroll", "det_old")
+METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_scan",
+           "det_unroll", "det_old")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -117,7 +123,7 @@ def programs(mesh, params, fsdp, k, rows, methods):
   v = n * k
   out = (NamedSharding(mesh, P()), shardings(params, mesh, fsdp))
 
-  def plain_acc(p, b):
+  def plain_acc(p, b, isolate=False):
     # Gradient accumulation as a trainer writes it: each device runs k
     # microbatches of `rows` sequences (the virtual workers' slices), sums
     # their gradients locally in a lax.scan, and the devices' sums are
@@ -132,8 +138,15 @@ def programs(mesh, params, fsdp, k, rows, methods):
                                                          tiled=True),
           ps, specs)
 
+      vg = jax.value_and_grad(loss_fn)
+      first = jax.tree_util.tree_leaves(full)[0]
+
       def step(acc, mb):
-        lg = jax.value_and_grad(loss_fn)(full, mb)
+        if isolate:
+          pred = jnp.isnan(jnp.ravel(first)[0])
+          lg = lax.cond(pred, lambda o: vg(*o), lambda o: vg(*o), (full, mb))
+        else:
+          lg = vg(full, mb)
         return jax.tree.map(jnp.add, acc, lg), None
 
       local = jax.tree.map(
@@ -158,6 +171,9 @@ def programs(mesh, params, fsdp, k, rows, methods):
   if "plain_acc" in methods:
     fns["plain_acc"] = jax.jit(plain_acc, out_shardings=out,
                                compiler_options=OPTS)
+  if "plain_acc_cond" in methods:
+    fns["plain_acc_cond"] = jax.jit(lambda p, b: plain_acc(p, b, True),
+                                    out_shardings=out, compiler_options=OPTS)
   if "det" in methods:
     vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                             param_shardings=out[1])

@@ -30,6 +30,11 @@ job spends changing its layout, next to the step time:
   each phase's median step, warm against ahead, and within each ahead run
   the steps taken while some generation was being prepared (between its
   start and its ready time) against those while none was;
+* **a failure** (``--failure-at STEP``): the job once more with the defaults and a
+  snapshot every 4 steps (``train.py --snapshot-every 4``); the highest-rank process is
+  SIGKILLed before STEP once the generation prepared for that failure (one process
+  fewer, the search's layout) is ready; the recovery from the death to the new step
+  done, with its parts, the steps lost and the snapshots' time;
 * **Orbax stop/restart** (the baseline users have): one process on the old
   layout saves the train state with ``orbax.checkpoint.StandardCheckpointer``
   and exits; a new process starts, imports, and restores it onto the new
@@ -43,7 +48,7 @@ worst resize no longer than that, and under 0.5 s onto a mesh run before:
 the schedule's last phase is its first one's).
 
   python benchmarks/bench_lm_resize.py [--steps 40] [--kinds cold,warm,ahead,ahead_nice0] \
-      [--no-orbax] \
+      [--no-orbax] [--failure-at STEP] \
       [--out results/bench_lm_resize.json] [--plot docs/lm_resize.png]
 """
 
@@ -266,6 +271,11 @@ def main(argv=None):
                   help="runs across processes: cold (--no-standby --no-compilation-cache"
                   " --no-prepare), warm (--no-prepare), ahead (the defaults), ahead_nice0"
                   " (--prepare-nice 0)")
+  ap.add_argument("--failure-at", type=int, metavar="STEP",
+                  help="also run the job once more as ahead with a snapshot every 4 steps"
+                  " (train.py --snapshot-every 4) where the highest-rank process is SIGKILLed"
+                  " before STEP once the generation prepared for the failure is ready, and"
+                  " report the recovery (death -> new step done) and its parts")
   ap.add_argument("--no-orbax", action="store_true",
                   help="skip the Orbax stop/restart comparison")
   ap.add_argument("--config", default="tiny")
@@ -315,6 +325,25 @@ def main(argv=None):
                               prepare_nice=0 if kind == "ahead_nice0" else 10)
       runs[kind], _ = lm.run_procs(ns, cfg, phases, plan, log=lambda *_: None)
       progress.advance(task)
+    if args.failure_at is not None:  # a failure, recovered by the generation prepared for it
+      ns = argparse.Namespace(schedule=args.schedule, steps=args.steps, config=args.config,
+                              search=False, remat=False, fast_compile=args.fast_compile,
+                              deterministic=None, timeout=1800, snapshot_every=4,
+                              kill_at=args.failure_at)
+      failed, _ = lm.run_procs(ns, cfg, phases, plan, log=lambda *_: None)
+      rec = next(r for r in failed if r.get("recovered"))
+      res["failure"] = {
+          **{k: rec.get(k) for k in (
+              "step", "failed_step", "restored_step", "steps_lost", "steps_redone", "procs",
+              "procs_from", "devices", "mesh", "recovery_s", "reconfig_s", "handoff_s",
+              "relaunch_s", "restore_s", "batch_s", "step_s", "compile_wait_s",
+              "ahead_margin_s", "restored_procs_s")},
+          "detected_s": rec["failure"]["detected_s"], "stopped_s": rec["failure"]["stopped_s"],
+          "prepare_s": {k: rec["ahead_s"].get(k) for k in ("compile_s", "warmup_s")},
+          "steps": [r["step"] for r in failed],
+          "max_abs_loss_diff_vs_in_process": max(
+              abs(a["loss"] - b["loss"]) for a, b in zip(inproc, failed)),
+          "snapshot_s": [r["snapshot_s"] for r in failed if "snapshot_s" in r]}
     procs = runs["warm"]
     # What starting and compiling the next generations in the background costs the running
     # steps: each phase's median step (after its first), warm against ahead.
@@ -447,6 +476,16 @@ def main(argv=None):
               + (f"{b:.3f} ({c['busy_n']})" if b else "-") + ", quiet "
               + (f"{q:.3f} ({c['quiet_n']})" if q else "-")
               + (f", {b / q:.2f}x" if b and q else ""))
+  if "failure" in res:
+    f = res["failure"]
+    print(f"\nfailure before step {args.failure_at} ({f['procs_from']} -> {f['procs']} procs,"
+          f" {f['devices']} devices {f['mesh']}): restored step {f['restored_step']}"
+          f" ({f['steps_lost']} lost, redone {f['steps_redone']}); death -> new step done"
+          f" {f['recovery_s']:.2f} s: detected {f['detected_s']:.2f}, stopped and handed"
+          f" {f['handoff_s']:.2f}, restore {f['restore_s']:.2f}, batch {f['batch_s']:.2f},"
+          f" step {f['step_s']:.2f} (compile left {f['compile_wait_s']:.2f}; prepared"
+          f" {f['ahead_margin_s']:.1f} s before); snapshots"
+          f" {statistics.median(f['snapshot_s']):.3f} s median")
   if args.plot:
     pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(rows, imp, args.plot)

@@ -749,7 +749,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       bits = [b for b in range(virtual_workers.bit_length() - 1, -1, -1)
               if virtual_workers >> b & 1]
       if unroll:
-        parts = counter([lv for b in bits for lv in leaves_of(b)])
+        # The largest part unrolled, each smaller part one nested scan:
+        # at most 2**unroll + log2(V) workers' programs in the step.
+        parts = counter(leaves_of(bits[0]) + bits[1:])
       else:
         parts, off = [], 0
         for b in bits:

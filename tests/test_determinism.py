@@ -123,8 +123,9 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
   # GPU evaluates the top levels of each device's subtree unrolled (a
   # binary-counter stack), other platforms as nested scans: the bits must
   # not depend on it, whatever the mesh (V = 8 on 1, 2, 4 devices: V/n 8, 4,
-  # 2; V = 12 on 1 device: a perfect subtree of 8 then one of 4; V = 16 on
-  # 1 device with 1 unrolled level: leaves that are scans).
+  # 2; V = 12 on 1 device: a perfect subtree of 8 unrolled then one of 4 as
+  # a scan; V = 16 on 1 device with 1 unrolled level: leaves that are
+  # scans).
   params, batch = mlp_data(48)
   params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
   for v, ns, levels in ((8, (1, 2, 4), (3,)), (12, (1,), (3,)),

@@ -281,7 +281,8 @@ class OrbaxSource(Source):
       into place (default ``COPY_THREADS``: 8, or 2 per core). Each keeps
       the buffers it decoded into in its own malloc arena once freed, so
       more threads than reads in flight only add memory (see
-      :func:`tenplex_jax.orbax.restore`).
+      :func:`tenplex_jax.orbax.restore`). Fewer than the default also
+      bound local file reads at once to as many (else 64).
 
   Example:
     >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
@@ -313,8 +314,11 @@ class OrbaxSource(Source):
     self.ocdbt = bool(self.meta.get("use_ocdbt", True)) if self.meta \
         else self.fs.isfile(os.path.join(d, "manifest.ocdbt"))
     zarr3 = self.meta.get("use_zarr3") if self.meta else None
+    # Fewer decode threads than the default (a small restore): as few file
+    # reads at once, whose buffers also stay in their threads' arenas.
+    few = copy_threads is not None and copy_threads < COPY_THREADS
     self._ctx = ts.Context({
-        "file_io_concurrency": {"limit": 64},
+        "file_io_concurrency": {"limit": copy_threads if few else 64},
         "data_copy_concurrency": {"limit": copy_threads or COPY_THREADS},
         "cache_pool": {"total_bytes_limit": int(
             cache_bytes or (_REMOTE_CACHE if self.fs is not _LOCAL else 0))},
