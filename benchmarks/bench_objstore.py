@@ -165,6 +165,7 @@ def worker(method, work):
   from tenplex_jax.orbax import _read
   fetched = None
   t0 = time.perf_counter()
+  c0 = time.process_time()
   if method == "transfer":
     # The transfer itself: every chunk object of the store read whole, as
     # many in flight as a store restore from a bucket keeps (32), the
@@ -175,6 +176,7 @@ def worker(method, work):
                   k.rsplit("/", 1)[-1].startswith("c"))
     kv = ts.KvStore.open(kvstore_spec("s3://bench/store")).result()
     t0 = time.perf_counter()
+    c0 = time.process_time()
     fetched, pending = 0, []
     for k in keys:
       if len(pending) >= 32:
@@ -184,22 +186,23 @@ def worker(method, work):
       fetched += len(f.result().value)
     secs = time.perf_counter() - t0
     print(json.dumps({"method": method, "seconds": secs,
+                      "cpu_s": time.process_time() - c0,
                       "fetched_bytes": fetched, "objects": len(keys)}))
     return
   if method == "store_s3":
     from tenplex_jax.store.objects import ObjectStore
-    got = []
-    load = ObjectStore._load_chunk
+    handles = []
+    init = ObjectStore.__init__
 
-    def counting(self, *a):
-      out = load(self, *a)
-      got.append(out.nbytes + 4)
-      return out
+    def counting(self, *a, **k):
+      init(self, *a, **k)
+      handles.append(self)
 
-    ObjectStore._load_chunk = counting
+    ObjectStore.__init__ = counting  # bytes_fetched: every object read
     t0 = time.perf_counter()
+    c0 = time.process_time()
     out = tj.store.restore(["s3://bench/store"], target)
-    fetched = sum(got)
+    fetched = sum(h.bytes_fetched for h in handles)
   elif method == "store_local":
     out = tj.store.restore([os.path.join(work, "store")], target)
   elif method == "orbax_s3_unstaged":  # the read path before staging
@@ -238,11 +241,12 @@ def worker(method, work):
       out = m.restore(1, args=ocp.args.StandardRestore(target))
   jax.block_until_ready(out)
   secs = time.perf_counter() - t0
+  cpu = time.process_time() - c0
   for i in range(N_TENSORS):
     a = out[f"t{i}"]
     assert a.sharding == target[f"t{i}"].sharding, (method, a.sharding)
     assert _checksum(np.asarray(a)) == sums[i], (method, i)
-  print(json.dumps({"method": method, "seconds": secs,
+  print(json.dumps({"method": method, "seconds": secs, "cpu_s": cpu,
                     "fetched_bytes": fetched}))
 
 

@@ -202,30 +202,35 @@ def test_store_on_object_storage_restores_onto_a_new_mesh(scheme, request,
   before = snapshot_objects(scheme, bucket)
   assert any(k.endswith("/manifest.json") for k in before)
   fetched, events = [], []
-  load = ObjectStore._load_chunk
+  start = ObjectStore._start
   prefetch = ObjectStore.prefetch
+  read_into = ObjectStore.read_into
 
-  def counting(self, *a):
-    events.append(("load", len(self._prefetched)))
-    data = load(self, *a)
-    fetched.append(data.nbytes + 4)
-    return data
+  def counting(self, f, buf):
+    fetched.append((f.fname, f.walk.chunk_bytes + 4))
+    return start(self, f, buf)
 
   def spy(self, *a, **kw):
+    events.append("prefetch")
     prefetch(self, *a, **kw)
-    events.append(("prefetch", len(self._prefetched)))
 
-  monkeypatch.setattr(ObjectStore, "_load_chunk", counting)
+  def reading(self, *a, **kw):
+    events.append("read")
+    return read_into(self, *a, **kw)
+
+  monkeypatch.setattr(ObjectStore, "_start", counting)
   monkeypatch.setattr(ObjectStore, "prefetch", spy)
+  monkeypatch.setattr(ObjectStore, "read_into", reading)
   target = _target()
   out, rep = tj.store.restore_with_report([url], target)
   _check(out, want, target)
-  # Every chunk object was requested before the first read of one (the
-  # transfer runs ahead of the copies), and each read took its request.
-  kinds = [k for k, _ in events]
-  first = kinds.index("load")
-  assert "prefetch" not in kinds[first:]
-  assert events[first][1] == len(fetched) > 1, events
+  # Every piece was announced before the first read (the transfer runs
+  # ahead of the copies), each chunk object fetched once.
+  first = events.index("read")
+  assert "prefetch" not in events[first:] and first > 1, events
+  names = [n for n, _ in fetched]
+  assert len(names) == len(set(names)) > 1, names
+  fetched = [n for _, n in fetched]
   # Only the boxes' chunks, each once: the plan's bytes (the whole state,
   # one process), plus the 4-byte checksum trailers.
   assert rep.state_bytes == want["w"].nbytes + want["b"].nbytes
@@ -237,6 +242,83 @@ def test_store_on_object_storage_restores_onto_a_new_mesh(scheme, request,
   assert rc == 0 and '"ok": true' in text
   assert snapshot_objects(scheme, bucket) == before
   assert not os.path.exists("s3:") and not os.path.exists("gs:")
+
+
+def test_bucket_reads_run_a_bounded_window_ahead(s3, monkeypatch):
+  """Announced reads fetch their chunk objects in order, at most the
+  window ahead of the reads; a chunk's buffer is reused once its last
+  announced read is done; an unannounced read fetches on its own."""
+  from tenplex_jax.store import objects
+  url = f"s3://{s3}/window"
+  state, want = _state()
+  tj.store.save(state, url, step=7)
+  h = ObjectStore(url)
+  boxes = [tuple(tuple(r) for r in b["box"])
+           for b in h.manifests()[0]["tensors"]["w"]["boxes"]]
+  assert len(boxes) == 8
+  chunk = 16 * 24 * 4  # one chunk per box
+  monkeypatch.setattr(objects, "_AHEAD_BYTES", chunk)
+  allocs = []
+  host_empty = objects.host_empty
+
+  def counting(shape, dtype):
+    allocs.append(shape)
+    return host_empty(shape, dtype)
+
+  fetched = []
+  start = ObjectStore._start
+
+  def fetching(self, f, buf):
+    fetched.append(f.fname)
+    return start(self, f, buf)
+
+  monkeypatch.setattr(objects, "host_empty", counting)
+  monkeypatch.setattr(ObjectStore, "_start", fetching)
+  for box in boxes:
+    h.prefetch("w", box, proc=0)
+  started = lambda: sum(f.done is not None for f in h._fetches.values())
+  assert started() == 1 and len(fetched) == 1
+  for i, box in enumerate(boxes):
+    got = h.read_storage("w", box, proc=0)
+    (r0, r1), (c0, c1) = box
+    np.testing.assert_array_equal(got.view(np.float32), want["w"][r0:r1,
+                                                                  c0:c1])
+    assert started() == (1 if i < len(boxes) - 1 else 0)
+  # One buffer, reused by every chunk; every chunk fetched once.
+  assert len(allocs) == 1
+  assert len(fetched) == len(set(fetched)) == len(boxes)
+  got = h.read_storage("w", boxes[0], proc=0)  # not announced: fetched
+  assert len(fetched) == len(boxes) + 1 and len(allocs) == 1
+  np.testing.assert_array_equal(got.view(np.float32), want["w"][:16, :24])
+  h.drop_prefetched()
+
+
+@pytest.mark.parametrize("damage", ["flip", "short", "missing"])
+def test_damaged_chunk_object_is_a_clear_error(s3, damage):
+  """A chunk object changed after the save (a flipped byte, cut short,
+  deleted): the restore names the chunk, never returns its bytes."""
+  import boto3
+  url = f"s3://{s3}/damaged"
+  state, want = _state()
+  tj.store.save(state, url, step=7)
+  c = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+  keys = [o["Key"] for o in c.list_objects_v2(Bucket=s3)["Contents"]
+          if "/data/w/" in o["Key"] and "/c/" in o["Key"]]
+  key = sorted(keys)[0]
+  body = bytearray(c.get_object(Bucket=s3, Key=key)["Body"].read())
+  if damage == "flip":
+    body[7] ^= 1
+    c.put_object(Bucket=s3, Key=key, Body=bytes(body))
+  elif damage == "short":
+    c.put_object(Bucket=s3, Key=key, Body=bytes(body[:-9]))
+  else:
+    c.delete_object(Bucket=s3, Key=key)
+  with pytest.raises(StoreError) as e:
+    tj.store.restore([url], _target())
+  msg = str(e.value)
+  assert "chunk 0" in msg and "data/w/" in msg, msg
+  want_kind = "missing" if damage == "missing" else "checksum mismatch"
+  assert want_kind in msg, msg
 
 
 def test_store_keeps_rounds_and_prunes_on_s3(s3):
@@ -358,8 +440,9 @@ def test_server_killed_mid_read(monkeypatch, tmp_path, gs):
         if self.scheme == "s3":
           calls.append(1)
           if len(calls) == 1:
-            for f in list(self._prefetched.values()):
-              f.result()
+            for f in list(self._fetches.values()):
+              if f.done is not None:
+                f.done.result()
             srv.stop()
 
       monkeypatch.setattr(ObjectStore, "prefetch", dying)

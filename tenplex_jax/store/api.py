@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tenplex_jax._hostmem import host_empty
+from tenplex_jax._hostmem import host_empty, populate
 from tenplex_jax.assembly import (NewBox, fetch_pieces, fill, new_boxes, place,
                                   shards_of)
 from tenplex_jax._problems import Problem
@@ -1004,10 +1004,10 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
     if nb.path in views:  # the first holder's buffer; copied to the others
       buf = bufs[(nb.path, nb.box)] = views[nb.path][nb.holders[0]]
       return buf
-    # Every byte is written next (the pieces tile the box): populated.
+    # Every byte is written next (the pieces tile the box): populated
+    # below, once a bucket's requests are on their way.
     buf = bufs[(nb.path, nb.box)] = host_empty(
-        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]),
-        populate=True)
+        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
     return buf
 
   filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
@@ -1020,17 +1020,20 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
              if isinstance(s.handle, HostStore) and s.handle.remote]
   if buckets:
     # Reads from a bucket wait on the network, not on this host: more in
-    # flight (tensorstore bounds its own requests per server), and every
-    # chunk object the first-choice copies need is requested up front, in
-    # the order the pieces are read, so that the transfer runs ahead of
-    # the copies and checks instead of 32 pieces' worth at a time (pieces
-    # of one chunk wait on one request).
+    # flight, and every piece the first-choice copies read is announced
+    # up front, before the buffers are populated, so that the chunk
+    # objects are fetched in the order the pieces are read, a bounded
+    # window ahead of the copies (ObjectStore.prefetch).
     workers = max(workers, _OBJECT_WORKERS)
     for path, box, _, cands, _ in jobs:
       if cands and cands[0].name not in dead:
         pre = getattr(cands[0], "prefetch", None)
         if pre is not None:
           pre(path, box)
+  # The new boxes' pages made resident in one call each (while a bucket
+  # answers the requests above) instead of a fault per page as they fill.
+  for buf in bufs.values():
+    populate(buf)
   try:
     served, errs = fetch_pieces(jobs, workers=workers, dead=dead,
                                 batch_bytes=_BATCH_BYTES,

@@ -70,7 +70,7 @@ from tenplex_jax.store import private
 
 __all__ = ["ChunkMaps", "HostStore", "SnapshotWriter", "check_step",
            "check_tensor_path", "crc32c", "gc", "parse_index", "format_box",
-           "parse_box", "round_id"]
+           "parse_box", "round_id", "zarr_metadata"]
 
 FORMAT = "tenplex_jax.store"
 VERSION = 3  # 3: rounds (``seq``), manifest and CURRENT checksums
@@ -494,7 +494,7 @@ def _zarr_spec(path: str, shape: tuple[int, ...], storage: str,
   }
 
 
-def _zarr_metadata(shape: tuple[int, ...], storage: str,
+def zarr_metadata(shape: tuple[int, ...], storage: str,
                    itemsize: int) -> dict:
   """The ``zarr.json`` tensorstore writes for :func:`_zarr_spec`."""
   return {"chunk_grid": {"configuration": {
@@ -593,7 +593,7 @@ def write_zarr3(path: str, data: np.ndarray, *, fsync: bool = False
   """
   shape = data.shape
   itemsize = data.dtype.itemsize
-  meta = _zarr_metadata(shape, data.dtype.name, itemsize)
+  meta = zarr_metadata(shape, data.dtype.name, itemsize)
   private.makedirs(path, exist_ok=False)
   with private.open_private(os.path.join(path, "zarr.json")) as f:
     json.dump(meta, f)

@@ -23,6 +23,7 @@ object.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import threading
@@ -36,9 +37,10 @@ import tensorstore as ts
 from tenplex_jax.cloud import (Listing, filesystem, fs_path, kvstore_spec,
                                location_error, split_url)
 from tenplex_jax.errors import ChecksumError, StoreError
+from tenplex_jax._hostmem import host_empty
 from tenplex_jax.store.format import (ChunkMaps, ChunkWalk, HostStore, crc32c,
                                       is_snapshot_name, parse_current,
-                                      snap_key)
+                                      snap_key, zarr_metadata)
 
 __all__ = ["ObjectStore", "gc_objects", "upload_snapshot"]
 
@@ -47,6 +49,31 @@ __all__ = ["ObjectStore", "gc_objects", "upload_snapshot"]
 _KEYROOT = "/tenplex-jax-object-keys"
 _RETRIES = {"max_retries": 3, "initial_delay": "0.1s", "max_delay": "1s"}
 _TIMEOUT_S = 120.0
+# Chunk bytes a restore fetches ahead of its copies (announced by
+# ObjectStore.prefetch): enough requests in flight to keep a server busy,
+# and the restore's memory beyond its new shards bounded by it.
+_AHEAD_BYTES = 256 << 20
+
+
+class _Fetch:
+  """One chunk object a restore announced (:meth:`ObjectStore.prefetch`):
+  the announced reads still to use it, and, once started, its buffer and
+  the tensorstore write that fills it."""
+
+  __slots__ = ("fname", "walk", "ci", "crc", "what", "uses", "buf", "done",
+               "checked", "dropped", "lock")
+
+  def __init__(self, fname, walk, ci, crc, what):
+    self.fname, self.walk, self.ci, self.crc, self.what = \
+        fname, walk, ci, crc, what
+    self.uses = 0
+    self.buf = self.done = None
+    self.checked = self.dropped = False
+    self.lock = threading.Lock()
+
+  @property
+  def nbytes(self) -> int:
+    return self.walk.chunk_bytes
 
 
 class ObjectStore(HostStore):
@@ -74,7 +101,16 @@ class ObjectStore(HostStore):
     self._arrays: dict[str, Any] = {}
     self._lock = threading.Lock()
     self._kv = None
-    self._prefetched: dict[str, Any] = {}  # object key -> read started
+    self._ctx = None
+    self._zarrs: dict[str, Any] = {}  # box directory -> tensorstore array
+    # Chunk objects announced by prefetch and not done with: their reads
+    # start in announcement order, _AHEAD_BYTES at most ahead of the
+    # copies, and each buffer is reused once its last read is done.
+    self._fetches: dict[str, _Fetch] = {}
+    self._queue: collections.deque = collections.deque()  # not started
+    self._announced: collections.Counter = collections.Counter()
+    self._ahead = 0  # bytes of started fetches not done with
+    self._spare: dict[tuple, list] = {}  # free chunk buffers by shape
     self.bytes_fetched = 0
     self._tree = Listing(self.root)
 
@@ -152,17 +188,155 @@ class ObjectStore(HostStore):
           raise location_error(self.root, e, "opening") from e
       return self._kv
 
-  def _load_chunk(self, fname: str, chunk_bytes: int, crc: int,
-                  what: str) -> np.ndarray:
-    """Fetches chunk object ``fname`` whole and checks it (size, crc32c
-    trailer, the manifest's crc32c)."""
-    key = self._rel(fname)
+  def _context(self):
     with self._lock:
-      fut = self._prefetched.pop(key, None)
+      if self._ctx is None:
+        retries = "s3_request_retries" if self.scheme == "s3" \
+            else "gcs_request_retries"
+        self._ctx = ts.Context({retries: _RETRIES,
+                                "cache_pool": {"total_bytes_limit": 0}})
+      return self._ctx
+
+  def _zarr(self, fname: str, w: ChunkWalk):
+    """The box directory of chunk object ``fname`` as a tensorstore zarr3
+    array (its metadata from the manifest: no request)."""
+    d = fname.rsplit("/c/", 1)[0] if "/c/" in fname else fname[:-2]
+    with self._lock:
+      arr = self._zarrs.get(d)
+    if arr is not None:
+      return arr
+    meta = zarr_metadata(w.hshape, w.storage.name, w.storage.itemsize)
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = \
+        [w.rows] + [max(1, n) for n in w.hshape[1:]]
+    spec = {"driver": "zarr3", "kvstore": kvstore_spec(f"{self.root}/"
+                                                       f"{self._rel(d)}"),
+            "metadata": meta, "fill_missing_data_reads": False}
     try:
-      if fut is None:
-        fut = self._kvstore().read(key)
-      r = fut.result(timeout=_TIMEOUT_S)
+      arr = ts.open(spec, open=True, read=True, assume_metadata=True,
+                    context=self._context()).result(timeout=_TIMEOUT_S)
+    except Exception as e:
+      raise location_error(d, e, "opening") from e
+    with self._lock:
+      return self._zarrs.setdefault(d, arr)
+
+  def _start(self, f: _Fetch, buf: np.ndarray):
+    """Starts filling ``buf`` (the chunk's shape) with chunk ``f.ci``:
+    tensorstore reads the object whole, checks its crc32c trailer and
+    writes its rows straight into ``buf`` (no intermediate copy)."""
+    w = f.walk
+    lo = f.ci * w.rows
+    hi = min(lo + w.rows, w.hshape[0])
+    arr = self._zarr(f.fname, w)
+    src = arr[lo:hi].translate_to[(0,) * w.ndim]
+    with self._lock:
+      self.bytes_fetched += w.chunk_bytes + 4
+    return ts.array(buf[:hi - lo], copy=False, write=True).write(src)
+
+  def _finish(self, f: _Fetch, buf: np.ndarray, done) -> np.ndarray:
+    """Waits for ``done`` (filling ``buf``) and checks the chunk against the
+    manifest's crc32c; returns its payload (uint8)."""
+    w = f.walk
+    try:
+      done.result(timeout=_TIMEOUT_S)
+    except StoreError:
+      raise
+    except Exception as e:
+      msg = str(e)
+      if "NOT_FOUND" in msg:
+        raise StoreError(f"{f.what}: chunk object {f.fname} is missing"
+                         ) from e
+      if "DATA_LOSS" in msg or "Not enough data" in msg or \
+          "Digest mismatch" in msg:
+        raise ChecksumError(f"{f.what}: chunk checksum mismatch (crc32c):"
+                            f" {msg[:200]}") from e
+      raise location_error(f.fname, e, f"reading {f.what}") from e
+    flat = buf.reshape(-1).view(np.uint8)
+    valid = (min(f.ci * w.rows + w.rows, w.hshape[0]) - f.ci * w.rows) \
+        * w.row_bytes
+    # The object's padding rows are zeros (as written): part of the crc.
+    got = crc32c(np.zeros(w.chunk_bytes - valid, np.uint8),
+                 crc32c(flat[:valid])) if valid < w.chunk_bytes \
+        else crc32c(flat)
+    if got != f.crc:
+      raise ChecksumError(f"{f.what}: chunk checksum mismatch (crc32c)")
+    return flat
+
+  def _buffer(self, w: ChunkWalk) -> np.ndarray:
+    shape = (w.rows,) + w.hshape[1:]
+    with self._lock:
+      free = self._spare.get((shape, w.storage))
+      if free:
+        return free.pop()
+    # From the recycled host buffers (a later restore reuses them too);
+    # not populated here: tensorstore's threads fault its pages in as they
+    # write, off the thread that announces the reads.
+    return host_empty(shape, w.storage)
+
+  def _pump(self) -> None:
+    """Starts announced fetches in order while under ``_AHEAD_BYTES``."""
+    while True:
+      with self._lock:
+        while self._queue and (self._queue[0].done is not None
+                               or self._queue[0].dropped):
+          self._queue.popleft()  # started by its read, or not needed
+        if not self._queue or (self._ahead and
+                               self._ahead + self._queue[0].nbytes
+                               > _AHEAD_BYTES):
+          return
+        f = self._queue.popleft()
+      self._begin(f)
+
+  def _begin(self, f: _Fetch) -> None:
+    with f.lock:
+      if f.done is not None:
+        return
+      with self._lock:
+        self._ahead += f.nbytes
+      f.buf = self._buffer(f.walk)
+      try:
+        f.done = self._start(f, f.buf)
+      except StoreError as e:
+        f.done = _Failed(e)
+
+  def _fetched(self, f: _Fetch) -> np.ndarray:
+    """The checked payload of announced chunk ``f``, started now if the
+    window has not reached it yet."""
+    self._begin(f)
+    with f.lock:
+      if not f.checked:
+        self._finish(f, f.buf, f.done)
+        f.checked = True
+      return f.buf.reshape(-1).view(np.uint8)
+
+  def _used(self, f: _Fetch) -> None:
+    """One announced read is done with ``f``; after the last its buffer is
+    reused and the next announced fetch starts."""
+    with self._lock:
+      f.uses -= 1
+      if f.uses > 0:
+        return
+      self._fetches.pop(f.fname, None)
+      f.dropped = True
+      if f.done is not None:
+        self._ahead -= f.nbytes
+        if f.checked:  # finished: nothing writes into it any more
+          self._spare.setdefault(
+              (f.buf.shape, f.buf.dtype), []).append(f.buf)
+      f.buf = None
+    self._pump()
+
+  def _load_chunk(self, fname: str, chunk_bytes: int, crc: int,
+                  what: str, w: ChunkWalk | None = None,
+                  ci: int = 0) -> np.ndarray:
+    """Fetches chunk object ``fname`` whole and checks it (size, crc32c
+    trailer, the manifest's crc32c): a read nothing announced."""
+    if w is not None and w.ndim:
+      f = _Fetch(fname, w, ci, crc, what)
+      buf = np.empty((w.rows,) + w.hshape[1:], w.storage)
+      return self._finish(f, buf, self._start(f, buf))
+    key = self._rel(fname)
+    try:
+      r = self._kvstore().read(key).result(timeout=_TIMEOUT_S)
     except Exception as e:
       raise location_error(fname, e, f"reading {what}") from e
     if r.state != "value":
@@ -183,11 +357,13 @@ class ObjectStore(HostStore):
 
   def prefetch(self, path, box, *, proc=None, step=None, round=None
                ) -> None:
-    """Starts fetching the chunk objects a :meth:`read_into` of the same
-    box will need, each once (tensorstore bounds the requests in flight);
-    that read then takes its bytes from these requests, and any error
-    surfaces there. A restore calls it for every piece before reading, so
-    that the transfer runs ahead of the copies and checks."""
+    """Announces a :meth:`read_into` of the same box: the chunk objects it
+    needs are fetched in announcement order, each once, up to
+    ``_AHEAD_BYTES`` ahead of the reads (each straight into a buffer that
+    is reused once the last announced read of its chunk is done); that
+    read then takes its bytes from there, and any error surfaces there. A
+    restore announces every piece before reading, so that the transfer
+    runs ahead of the copies and checks."""
     try:
       proc, t, b, held, snap = self._locate(path, box, proc, step, round)
     except StoreError:  # read_into raises it with its context
@@ -195,17 +371,33 @@ class ObjectStore(HostStore):
     if "chunk_rows" not in b:
       return
     w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
-    kv = self._kvstore()
+    if not w.ndim or 0 in w.hshape:
+      return
     with self._lock:
+      self._announced[_read_key(snap, path, box)] += 1
       for c in w.chunks:
-        key = self._rel(snap + c.fname[len(_KEYROOT):])
-        if key not in self._prefetched:
-          self._prefetched[key] = kv.read(key)
+        fname = snap + c.fname[len(_KEYROOT):]
+        f = self._fetches.get(fname)
+        if f is None:
+          f = self._fetches[fname] = _Fetch(fname, w, c.c0 // w.rows,
+                                            c.crc, c.what)
+          self._queue.append(f)
+        f.uses += 1
+    self._pump()
 
   def drop_prefetched(self) -> None:
-    """Forgets the fetches :meth:`prefetch` started that no read took."""
+    """Forgets the announced fetches no read took, and the spare buffers
+    (after a restore)."""
     with self._lock:
-      self._prefetched.clear()
+      fetches = list(self._fetches.values())
+      self._fetches.clear()
+      self._queue.clear()
+      self._announced.clear()
+      self._ahead = 0
+      self._spare.clear()
+    for f in fetches:  # a buffer still being written stays tensorstore's
+      f.dropped = True
+      f.buf = None
 
   def read_into(self, path, box, dest, *, proc=None, maps=None, step=None,
                 round=None) -> int:
@@ -226,13 +418,29 @@ class ObjectStore(HostStore):
       self._array(snap, b["dir"])
     w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
     maps = ChunkMaps() if maps is None else maps
+    key = _read_key(snap, path, box)
+    with self._lock:  # an announced read takes its chunks' fetches
+      announced = self._announced.get(key, 0) > 0
+      if announced:
+        self._announced[key] -= 1
     for c in w.chunks:
       fname = snap + c.fname[len(_KEYROOT):]
-      data = maps.payload(fname, w.chunk_bytes, c.crc, c.what,
-                          load=self._load_chunk)
-      part = dest[c.r0 - w.lo:c.r1 - w.lo] if w.ndim else dest
-      part[...] = w.rows_of(data, c) if w.ndim \
-          else data.view(w.storage).reshape(())
+      with self._lock:
+        f = self._fetches.get(fname) if announced else None
+      try:
+        if f is not None:
+          data = self._fetched(f)
+        else:
+          data = maps.payload(
+              fname, w.chunk_bytes, c.crc, c.what,
+              load=lambda *a, ci=c.c0 // w.rows: self._load_chunk(
+                  *a, w=w, ci=ci))
+        part = dest[c.r0 - w.lo:c.r1 - w.lo] if w.ndim else dest
+        part[...] = w.rows_of(data, c) if w.ndim \
+            else data.view(w.storage).reshape(())
+      finally:
+        if f is not None:
+          self._used(f)
     return dest.nbytes
 
   def read_storage(self, path, box, *, proc=None, step=None, round=None
@@ -249,6 +457,20 @@ class ObjectStore(HostStore):
   def read_segments(self, *args, **kwargs):
     raise StoreError(f"store {self.root}: a store server serves local"
                      " directories only")
+
+
+def _read_key(snap: str, path: str, box) -> tuple:
+  return snap, path, tuple(tuple(r) for r in box)
+
+
+class _Failed:
+  """A fetch that could not start: raises its error when waited for."""
+
+  def __init__(self, error: Exception):
+    self.error = error
+
+  def result(self, timeout=None):
+    raise self.error
 
 
 def _walk(local: str):
