@@ -37,7 +37,7 @@ from ray.train import Checkpoint  # noqa: E402
 
 from tenplex_jax import store  # noqa: E402
 from tenplex_jax.ray import ResizeExit  # noqa: E402
-from tenplex_jax.store.checkpoint import save_checkpoint  # noqa: E402
+from tenplex_jax.store import save_checkpoint  # noqa: E402
 
 T_IMPORTED = time.time()
 info = store.initialize()  # jax.distributed

@@ -1224,14 +1224,17 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
           step_timeout: float | None,
           first_step: Callable[[float], None],
           tick: Callable[[], None] | None = None,
-          poll: Callable[[], float | None] | None = None) -> dict:
+          poll: Callable[[], float | None] | None = None,
+          grace: Callable[[], float] | None = None) -> dict:
   """Waits for the generation to end: all processes done, or the first
   failure (then stops the others at once). Returns ``codes``, ``first``
   (the index of the first process that failed, or None), and for a
   failure ``kind``, ``error``, ``failed_at``, ``detected_at``,
   ``stopped_at``. Calls ``first_step(time)`` when a process first reports
   a step, ``tick()`` about once a second after that, and ``poll()`` on
-  every wake (every 50 ms, or as many seconds as ``poll`` returned)."""
+  every wake (every 50 ms, or as many seconds as ``poll`` returned).
+  ``grace()``: the seconds between SIGTERM and SIGKILL when it stops the
+  others after a failure (default ``_GRACE``)."""
   start = time.time()
   n = len(children)
   stepped = False
@@ -1258,7 +1261,7 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
     if any(r is not None for r in reports.values()) or any(
         c.code not in (None, 0, RESIZE_EXIT_CODE) for c in children):
       stop_time = time.time()
-      sent = _stop(children, wake)
+      sent = _stop(children, wake, _GRACE if grace is None else grace())
       first, kind, words, failed_at = _first_failure(children, job_dir, gen,
                                                      sent, stop_time)
       return {"codes": [c.code for c in children], "first": first,
@@ -1391,7 +1394,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       shutdown gives way to the new generation's restore and first step.
 
   Each process runs in its own process group; on the first failure the
-  launcher sends SIGTERM to the others' groups and SIGKILL 2 s later, and
+  launcher sends SIGTERM to the others' groups and SIGKILL 2 s later (0.2 s
+  when a generation prepared for the failure is ready to take over), and
   on SIGINT/SIGTERM/SIGHUP to itself it stops every process and store
   server before it exits. The job's store token (``TENPLEX_JAX_STORE_TOKEN``:
   the launcher's own if set, else a new random one) is handed to the
@@ -1730,8 +1734,15 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           if standby_gen:
             return 0.05
         return None
+      def grace():
+        # A generation prepared for the failure is waiting for the turn: the
+        # survivors, blocked in a collective with the dead process, take
+        # SIGTERM as jax's preemption notice and would only be SIGKILLed
+        # after the full grace, which the restart would wait for.
+        return 0.2 if any(a.alive() and a.ready(job_dir)
+                          for a in standby_gen) else _GRACE
       out = _wait(children, wake, job_dir, gen, pending, t_end, step_timeout,
-                  first_step, refill, poll)
+                  first_step, refill, poll, grace)
       codes, first = out["codes"], out["first"]
       _stop(children, wake, 0)  # whatever the children left behind
       if all(c == 0 for c in codes):

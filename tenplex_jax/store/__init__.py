@@ -19,9 +19,9 @@ from tenplex_jax.errors import (ChecksumError, NoCopyError, StoreError,
                                  TreeError, UnreachableError,
                                  UnsafePathError, UsageError)
 from tenplex_jax.store.api import (RestoreReport, open_store, replicate, restore,
-                                   restore_with_report, save)
-from tenplex_jax.store.checkpoint import (latest_step, restore_checkpoint,
-                                          save_checkpoint)
+                                   restore_checkpoint, restore_with_report,
+                                   save, save_checkpoint)
+from tenplex_jax.store.checkpoint import latest_step
 from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, expect_resizes,
                                       initialize, launch, prepared,
                                       prepared_for_failure,

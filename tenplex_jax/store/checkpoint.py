@@ -10,8 +10,12 @@ is a tenplex store in ``<directory>/tenplex-store`` (Orbax 0.12 writes no
 ``s3://`` path, and an Orbax checkpoint written locally can be uploaded
 only from one process): every process uploads its own shards with
 :func:`tenplex_jax.store.save`, and a round commits by its manifests,
-written last. :func:`latest_step` and :func:`restore_checkpoint` read the
-newer of the two.
+written last. :func:`latest_step` and ``restore_checkpoint`` read the
+newer of the two. The functions that combine the two
+(:func:`tenplex_jax.store.save_checkpoint` and
+:func:`tenplex_jax.store.restore_checkpoint`) live in
+:mod:`tenplex_jax.store.api`, next to the store's own save and restore;
+this module holds the Orbax side and reads the store's rounds only.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from tenplex_jax.store import private
 from tenplex_jax.store.format import round_id
 from tenplex_jax.store.objects import ObjectStore
 
-__all__ = ["STORE_NAME", "latest_step", "restore_checkpoint",
-           "save_checkpoint"]
+__all__ = ["STORE_NAME", "latest_step", "orbax_step", "restore_orbax_checkpoint",
+           "save_orbax_checkpoint", "store_step", "store_url"]
 
 STORE_NAME = "tenplex-store"  # the store a multi-process job's object-
 # storage checkpoint is, inside the checkpoint directory
@@ -56,25 +60,21 @@ def _empty(x) -> bool:
   return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and x.size == 0
 
 
-def save_checkpoint(directory: str, tree: Any, step: int) -> str:
-  """Saves ``tree`` as ``directory/step_<step>`` with Orbax; call in every
-  process. Returns the checkpoint path.
+def save_orbax_checkpoint(directory: str, tree: Any, step: int) -> str:
+  """Saves ``tree`` as the Orbax checkpoint ``directory/step_<step>``;
+  returns its path (:func:`tenplex_jax.store.save_checkpoint` without the
+  multi-process object-storage case).
 
-  On object storage (``s3://BUCKET/DIR``, ``gs://...``) a single process
-  writes the Orbax checkpoint locally and uploads it (its commit markers
-  last); in a multi-process job every process saves its own shards to the
-  tenplex store ``DIR/tenplex-store`` instead (``tenplex_jax.store.save``,
-  ``keep=2``: the round commits by its manifests, written last) and the
-  path returned is its snapshot's.
-
-  ``directory`` (if made here) and ``step_<step>`` are made ``0700``, so
-  other users cannot reach the files Orbax writes inside (with its own
-  default modes).
+  On object storage (``s3://BUCKET/DIR``, ``gs://...``) the checkpoint is
+  written locally and uploaded (its commit markers last): one process's
+  shards only. ``directory`` (if made here) and ``step_<step>`` are made
+  ``0700``, so other users cannot reach the files Orbax writes inside
+  (with its own default modes).
 
   Example:
     >>> import tempfile, jax.numpy as jnp
     >>> d = tempfile.mkdtemp()
-    >>> _ = save_checkpoint(d, {"w": jnp.ones(3)}, 5)
+    >>> _ = save_orbax_checkpoint(d, {"w": jnp.ones(3)}, 5)
     >>> latest_step(d)
     5
   """
@@ -82,16 +82,9 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
   loc = parse_location(directory)
   name = f"step_{int(step):010d}"
   if loc.kind == OBJECT:
-    if jax.process_count() > 1:
-      # Orbax 0.12 writes no s3:// path, and a checkpoint written locally
-      # holds only this host's shards: each process uploads its own to the
-      # tenplex store, the round committed by the manifests, written last.
-      from tenplex_jax.store.api import save  # api uses this module
-      return save(tree, f"{loc.target}/{STORE_NAME}", step=step, keep=2)
-    # One process: the Orbax checkpoint is written here, then uploaded with
-    # its commit markers last.
+    # Written here, then uploaded with its commit markers last.
     with tempfile.TemporaryDirectory(prefix="tenplex-jax-ckpt-") as tmp:
-      save_checkpoint(tmp, tree, step)
+      save_orbax_checkpoint(tmp, tree, step)
       upload_tree(os.path.join(tmp, name), f"{loc.target}/{name}")
     return f"{loc.target}/{name}"
   if loc.kind != LOCAL:
@@ -109,31 +102,42 @@ def save_checkpoint(directory: str, tree: Any, step: int) -> str:
   return path
 
 
+def store_url(directory: str) -> str:
+  """The tenplex store a multi-process job's object-storage checkpoint in
+  ``directory`` is (``directory/tenplex-store``)."""
+  return f"{parse_location(directory).target}/{STORE_NAME}"
+
+
 def latest_step(directory: str) -> int | None:
   """The newest complete checkpoint step in ``directory``, or None.
 
   ``directory`` may be any Orbax checkpoint: a ``CheckpointManager``
-  directory (steps ``<n>`` or ``<prefix>_<n>``, as :func:`save_checkpoint`
+  directory (steps ``<n>`` or ``<prefix>_<n>``, as :func:`tenplex_jax.store.save_checkpoint`
   writes them), a step directory, or an item directory (step 0 when no step
   is recorded).
 
   On object storage, the newer of that and the newest complete round of
   the tenplex store ``directory/tenplex-store`` (see
-  :func:`save_checkpoint`).
+  :func:`tenplex_jax.store.save_checkpoint`).
   """
-  try:
-    loc = locate(directory)
-  except UsageError:
-    step = None
-  else:
-    step = 0 if loc.step is None else loc.step
-  in_store = _store_step(directory)
+  step = orbax_step(directory)
+  in_store = store_step(directory)
   if in_store is not None and (step is None or in_store > step):
     return in_store
   return step
 
 
-def _store_step(directory: str) -> int | None:
+def orbax_step(directory: str) -> int | None:
+  """The newest Orbax checkpoint step in ``directory`` (0 for an item
+  directory that records none), or None when it holds none."""
+  try:
+    loc = locate(directory)
+  except UsageError:
+    return None
+  return 0 if loc.step is None else loc.step
+
+
+def store_step(directory: str) -> int | None:
   """The step of the newest complete round (every process of the saving
   job has its snapshot) of the tenplex store in object-storage checkpoint
   directory ``directory``; None when there is none (or ``directory`` is
@@ -154,9 +158,11 @@ def _store_step(directory: str) -> int | None:
   return max(done, default=None)
 
 
-def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
-  """Restores the newest checkpoint in ``directory`` onto ``target``
-  (ShapeDtypeStructs with shardings); returns ``(tree, step)``.
+def restore_orbax_checkpoint(directory: str, target: Any
+                             ) -> tuple[Any, int]:
+  """Restores the newest Orbax checkpoint in ``directory`` onto ``target``;
+  returns ``(tree, step)`` (:func:`tenplex_jax.store.restore_checkpoint`
+  without the object-storage store).
 
   Reads any user's Orbax checkpoint (``<dir>/<step>/default`` from
   ``ocp.CheckpointManager`` with ``StandardSave``, ``StandardCheckpointer``
@@ -165,26 +171,13 @@ def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
   devices' boxes. Zero-size arrays and string leaves of the target (which
   Orbax does not store) are rebuilt from the target.
 
-  On object storage, the tenplex store ``directory/tenplex-store`` when
-  its newest complete round is newer than the Orbax checkpoints there
-  (:func:`tenplex_jax.store.restore`: every plain leaf as saved, each
-  process reading only the boxes its devices need).
-
   Raises:
-    NoCopyError: ``directory`` holds no Orbax checkpoint (nor store).
+    NoCopyError: ``directory`` holds no Orbax checkpoint.
   """
-  in_store = _store_step(directory)
   try:
     loc = locate(directory)
   except UsageError as e:
-    if in_store is None:
-      raise NoCopyError(f"no Orbax checkpoint in {directory} to fall back"
-                        f" to ({e})") from e
-    loc = None
-  if in_store is not None and (loc is None or in_store > (loc.step or 0)):
-    from tenplex_jax.store.api import restore_with_report  # api uses us
-    url = f"{parse_location(directory).target}/{STORE_NAME}"
-    tree, report = restore_with_report([url], target)
-    return tree, report.step
+    raise NoCopyError(f"no Orbax checkpoint in {directory} to fall back"
+                      f" to ({e})") from e
   tree = orbax_restore(loc.item, target)
   return tree, 0 if loc.step is None else loc.step
