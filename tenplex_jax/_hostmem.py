@@ -34,7 +34,11 @@ as the copy itself, so large buffers are
   trimmed back to the kernel and faulted in again by every call (1,000
   pages a call for a 34 MiB state),
   up to a cap (``TENPLEX_JAX_HOST_POOL_GIB``, default 4 GiB of idle memory;
-  ``0`` turns recycling off). :func:`release_host_pool` frees idle buffers.
+  ``0`` turns recycling off). :func:`release_host_pool` frees idle buffers;
+* taken back with their bytes: an idle block keeps what its last taker
+  wrote until it is handed out again, so a caller that knows that take (a
+  reshard of the same, immutable, source arrays after its result was
+  dropped) gets the block back without copying (:func:`host_reclaim`).
 
 Buffers handed out are uninitialised; the caller overwrites every byte.
 ``tenplex_jax.store.restore`` takes its destination buffers from here too.
