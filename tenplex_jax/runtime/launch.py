@@ -1542,6 +1542,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   # expectations read.
   ahead: list[_Ahead] = []
   expected = {"mtime": None, "data": None}
+  void: set[int] = set()  # generations that failed: their expectations are void
   numbers = {"next": 0}  # generation numbers handed out
   failed_ahead: set[int] = set()  # steps whose generation ahead failed
   # The generation prepared for a failure of the running one (at most one:
@@ -1595,6 +1596,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       except (OSError, ValueError):  # being replaced
         return
     data = expected["data"]
+    if data.get("generation") in void:  # until the restarted one announces its own
+      return
     for a in [a for a in ahead if not a.alive()]:  # failed before its turn: the
       failed_ahead.add(a.step)                     # resize starts it as usual
       print(f"tenplex-jax launch: generation {a.gen}, started ahead for step"
@@ -1786,7 +1789,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
               + (f" (generation {adopt.gen}, started ahead)" if adopt
                  else ""), flush=True)
         continue
-      drop_ahead(lambda a: True)  # a failure: the expectations are void
+      void.add(gen)  # a failure: the expectations are void (the generations
+      # started ahead are stopped after the restart has its turn, not before)
       if first is None:  # some finished, some exited for a resize
         print(f"tenplex-jax launch: generation {gen}: the processes"
               f" disagree (exit codes {codes}); stopping", file=sys.stderr,
@@ -1844,6 +1848,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
                         "TENPLEX_FAILED_STEP": str(failed_step),
                         "TENPLEX_PEERS": json.dumps(urls)})
         adopt = spare
+      drop_ahead(lambda a: True)
       drop_standby_gen()
       code = 1
   except BaseException:
