@@ -26,8 +26,12 @@ set-up and the server are common to all):
   byte fetched before the first read (no overlap of the transfer and the
   decoding: the staged path before the overlap).
 * ``transfer``: the transfer itself: every chunk object of the store read
-  whole from the server through tensorstore's s3 kvstore, 32 in flight (as
-  a store restore from a bucket), the bytes dropped.
+  whole from the server through tensorstore's s3 kvstore, 32 in flight (a
+  store restore from a bucket keeps up to 256 MiB of chunks in flight),
+  the bytes dropped; the listing before the clock starts.
+
+``--methods`` times a subset (each ratio needs its baselines in the same
+run); every run records its restore CPU time and the load average.
 
 ``orbax_s3`` stages the OCDBT checkpoint's needed byte ranges locally with a
 few large requests (streamed in the background, up to 4 at once) and reads
@@ -273,6 +277,9 @@ def main():
   p.add_argument("--unstaged", action="store_true", help="also time"
                  " tenplex_jax.orbax.restore from S3 without staging (one"
                  " ranged request per chunk: minutes at 1 GiB on moto)")
+  p.add_argument("--methods", default=None, help="comma-separated subset"
+                 " of the methods (default: all); the ratios need their"
+                 " baselines in the same run")
   p.add_argument("--serial", action="store_true", help="also time"
                  " orbax_s3 with the staging finished before the reads"
                  " start (no overlap: the path before it)")
@@ -306,11 +313,12 @@ def main():
         text=True).stdout.strip().splitlines()[-1])
     env["BENCH_SHAPE"] = json.dumps(info["shape"])
     env["BENCH_CRC"] = json.dumps(info["crc32c"])
-    runs = {m: [] for m in METHODS}
     fetched = {}
-    methods = METHODS + (("orbax_s3_unstaged",) if args.unstaged else ()) \
+    methods = (tuple(args.methods.split(",")) if args.methods else METHODS) \
+        + (("orbax_s3_unstaged",) if args.unstaged else ()) \
         + (("orbax_s3_serial",) if args.serial else ())
     runs = {m: [] for m in methods}
+    details = {m: [] for m in methods}  # restore CPU, load after each run
     for r in range(args.repeat):
       order = methods[r % len(methods):] + methods[:r % len(methods)]
       for m in order:
@@ -320,9 +328,14 @@ def main():
           raise SystemExit(f"{m} failed:\n{out.stderr[-3000:]}")
         res = json.loads(out.stdout.strip().splitlines()[-1])
         runs[m].append(res["seconds"])
+        details[m].append({"seconds": res["seconds"],
+                           "cpu_s": res.get("cpu_s"),
+                           "load1": os.getloadavg()[0]})
         if res.get("fetched_bytes") is not None:
           fetched[m] = res["fetched_bytes"]
-        print(f"round {r} {m:12s} {res['seconds']:7.2f} s", flush=True)
+        print(f"round {r} {m:12s} {res['seconds']:7.2f} s  cpu"
+              f" {res.get('cpu_s') or 0:5.2f} s  load"
+              f" {os.getloadavg()[0]:5.1f}", flush=True)
     code = ("import json,sys; sys.argv=['x']; sys.path.insert(0, %r);"
             " import bench_objstore as b;"
             " print(json.dumps(b.stock_orbax_s3_error(%r)))"
@@ -336,24 +349,36 @@ def main():
     server.wait(30)
     shutil.rmtree(work, ignore_errors=True)
   med = {m: statistics.median(v) for m, v in runs.items()}
+
+  def ratio(a, *b):
+    return med[a] / sum(med[x] for x in b) \
+        if all(x in med for x in (a, *b)) else None
+
   summary = {
       "gib": info["bytes"] / (1 << 30), **info, "repeat": args.repeat,
-      "runs_s": runs, "median_s": med,
-      "store_s3_vs_orbax_local": med["store_s3"] / med["orbax_local"],
-      "orbax_s3_vs_orbax_local": med["orbax_s3"] / med["orbax_local"],
+      "runs_s": runs, "median_s": med, "runs": details,
+      "when_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+      "store_s3_vs_orbax_local": ratio("store_s3", "orbax_local"),
+      "orbax_s3_vs_orbax_local": ratio("orbax_s3", "orbax_local"),
       **({"orbax_s3_unstaged_vs_staged":
           med["orbax_s3_unstaged"] / med["orbax_s3"]} if args.unstaged
          else {}),
       **({"orbax_s3_serial_vs_overlapped":
           med["orbax_s3_serial"] / med["orbax_s3"]} if args.serial
          else {}),
-      "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"],
+      "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"]
+      if "store_s3" in med and "store_local" in med else None,
       # <= 1: a store restore from S3 costs no more than a local one plus
       # the transfer of its bytes.
       "store_s3_vs_local_plus_transfer":
-          med["store_s3"] / (med["store_local"] + med["transfer"]),
+          ratio("store_s3", "store_local", "transfer"),
+      # Per round: each round's store_s3 against that round's baselines.
+      "store_s3_vs_local_plus_transfer_per_round": [
+          s3 / (lo + tr) for s3, lo, tr in zip(
+              runs.get("store_s3", []), runs.get("store_local", []),
+              runs.get("transfer", []))],
       "orbax_s3_vs_orbax_local_plus_transfer":
-          med["orbax_s3"] / (med["orbax_local"] + med["transfer"]),
+          ratio("orbax_s3", "orbax_local", "transfer"),
       "fetched_bytes": fetched,
       "fetched_over_state": {m: n / info["bytes"] for m, n in fetched.items()},
       "stock_orbax_from_s3": stock_err,
@@ -363,11 +388,12 @@ def main():
   print(f"{'method':14s} {'median s':>9s}")
   for m in methods:
     print(f"{m:18s} {med[m]:9.2f}")
-  print(f"store_s3 / orbax_local = {summary['store_s3_vs_orbax_local']:.2f},"
-        f" orbax_s3 / orbax_local = {summary['orbax_s3_vs_orbax_local']:.2f},"
+  print(f"store_s3 / orbax_local = {summary['store_s3_vs_orbax_local']},"
+        f" orbax_s3 / orbax_local = {summary['orbax_s3_vs_orbax_local']},"
         f" store_s3 / (store_local + transfer) ="
-        f" {summary['store_s3_vs_local_plus_transfer']:.2f}, fetched / state"
-        f" = {summary['fetched_over_state']}")
+        f" {summary['store_s3_vs_local_plus_transfer']} (per round"
+        f" {summary['store_s3_vs_local_plus_transfer_per_round']}),"
+        f" fetched / state = {summary['fetched_over_state']}")
   print(f"stock Orbax from s3://: {stock_err}")
   if args.out:
     with open(args.out, "w") as f:

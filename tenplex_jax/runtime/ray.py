@@ -646,9 +646,10 @@ class Job:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
   def _start_stores(self) -> dict[str, Any]:
-    """One store actor per alive node that answers tasks (existing ones
-    found by name, new ones started, not waited for); e.g. as soon as a
-    node joins, so that its store is up before the resize onto it."""
+    """One store actor per alive node not left out (existing ones found by
+    name, new ones started, not waited for; none started on a draining
+    node); e.g. as soon as a node joins, so that its store is up before
+    the resize onto it."""
     out = {}
     for node in [x for x in _alive_cpu_nodes() if x not in self.excluded]:
       name = store_actor_name(self.job, node)
