@@ -96,3 +96,56 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   assert log["max_abs_param_diff"] < 1e-5
   assert "1 resizes across processes" in run.stdout
   assert "generation 0: 2 -> 1 processes at step 2" in run.stdout
+
+
+def start_time(pid: int) -> int | None:
+  """When process ``pid`` started (clock ticks since boot, ``/proc``'s
+  field 22), or ``None`` if there is no such process. With pid numbers
+  reused (``pid_max`` is 32768 on many hosts), a pid alone does not name a
+  process for long: kill or count one only if its start time is the one
+  recorded when it was seen."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return int(f.read().rsplit(")", 1)[1].split()[19])
+  except (OSError, IndexError, ValueError):
+    return None
+
+
+class Seen(set):
+  """Pids a test has seen, each with its start time (:func:`start_time`)
+  so that a later check or kill never reaches another process that got the
+  same number after it ended."""
+
+  def __init__(self, pids=()):
+    super().__init__()
+    self.start: dict[int, int | None] = {}
+    self.update(pids)
+
+  def add(self, pid) -> None:
+    pid = int(pid)
+    self.start.setdefault(pid, start_time(pid))
+    super().add(pid)
+
+  def update(self, *iterables) -> None:
+    for it in iterables:
+      for pid in it:
+        self.add(pid)
+
+  def same(self, pid: int) -> bool:
+    """Whether ``pid`` is still the process seen (alive or a zombie)."""
+    st = self.start.get(pid)
+    return st is not None and start_time(pid) == st
+
+  def kill_groups(self, sig: int = signal.SIGKILL) -> None:
+    """``sig`` to the process group of each pid still the process seen."""
+    for pid in self:
+      if self.same(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+          os.killpg(pid, sig)
+
+  def kill(self, sig: int = signal.SIGKILL) -> None:
+    """``sig`` to each pid still the process seen."""
+    for pid in self:
+      if self.same(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+          os.kill(pid, sig)

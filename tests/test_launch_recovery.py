@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+import procs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ENV = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "",
@@ -60,15 +62,13 @@ def launcher(tmp, cmd, *opts, job=True, **env):
                        env={**ENV, **{k: str(v) for k, v in env.items()}},
                        stdout=log, stderr=subprocess.STDOUT,
                        start_new_session=True)
-  seen = set()
+  seen = procs.Seen()  # pids with their start times: never a reused pid
   try:
     yield p, log, seen
   finally:
-    for pid in [p.pid, *seen]:
-      try:
-        os.killpg(pid, signal.SIGKILL)
-      except (ProcessLookupError, PermissionError):
-        pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.killpg(p.pid, signal.SIGKILL)  # not reaped yet: still ours
+    seen.kill_groups()
     p.wait(10)
     log.close()
 
@@ -167,7 +167,7 @@ def test_every_failure_kind_is_named_and_recovered_in_seconds(tmp):
     rec = json.loads(_text(os.path.join(job, f"recovery_{gen}.json")))
     assert (rec["failed_step"], rec["restored_step"]) == (step, step), rec
   check_final(job, procs=2, step=6, generation=4)
-  assert not [pid for pid in seen if _alive(pid)]  # nothing left running
+  assert not [pid for pid in seen if _alive(pid) and seen.same(pid)]  # nothing left running
   # The launcher's, its processes' and the store servers' files (failure
   # reports, stacks, pids, progress, logs, snapshots) are private.
   assert_private(job, skip=("final.json",))
@@ -307,7 +307,7 @@ def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
   assert gen1 in observed - {standbys[0]} and gen2 <= observed, (
       gen1, gen2, observed)
   assert standbys[0] not in gen2 | {gen1}
-  assert not [pid for pid in seen if _alive(pid)], out  # nothing left
+  assert not [pid for pid in seen if _alive(pid) and seen.same(pid)], out  # nothing left
 
 
 def test_standby_runs_a_script_or_a_module_as_python_would(tmp_path, capfd):

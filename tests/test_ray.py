@@ -4,11 +4,12 @@ import glob
 import json
 import os
 import shutil
-import signal
 import time
 
 import numpy as np
 import pytest
+
+import procs
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -35,12 +36,10 @@ def _pids(cluster):
   return out
 
 
-def _kill_leftovers(pids):
-  for pid in pids:
-    try:
-      os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
+def _kill_leftovers(seen):
+  """SIGKILL to each process of ``seen`` (a :class:`procs.Seen`) still
+  running: never to a later process that got a dead one's pid number."""
+  seen.kill()
 
 
 # One worker runs both tests (`pytest -n 2 --dist loadgroup`): they share
@@ -62,7 +61,7 @@ def cluster():
   c = Cluster(initialize_head=True, head_node_args={
       "num_cpus": 1, "include_dashboard": False,
       "node_ip_address": HEAD_IP})
-  c.pids = _pids(c)
+  c.pids = procs.Seen(_pids(c))
   c.next_ip = 3
   try:
     assert c.address.startswith(HEAD_IP + ":"), c.address
@@ -71,7 +70,7 @@ def cluster():
     yield c
   finally:
     ray.shutdown()
-    c.pids += _pids(c)
+    c.pids.update(_pids(c))
     c.shutdown()
     _kill_leftovers(c.pids)
 
@@ -80,7 +79,7 @@ def _add_node(c):
   """A 1-CPU node on the next loopback address 127.0.0.K."""
   c.add_node(num_cpus=1, node_ip_address=f"127.0.0.{c.next_ip}")
   c.next_ip += 1
-  c.pids += _pids(c)
+  c.pids.update(_pids(c))
 
 
 def _nodes(c, k):
@@ -89,7 +88,7 @@ def _nodes(c, k):
     _add_node(c)
   while 1 + len(c.worker_nodes) > k:
     c.remove_node(next(iter(c.worker_nodes)))  # a set in Ray
-  c.pids += _pids(c)
+  c.pids.update(_pids(c))
   # Until Ray itself lists exactly those nodes alive with their CPUs free
   # (on a loaded host an added node registers, and a removed one's actors
   # go, seconds later): a job started before would size itself on fewer.
