@@ -57,7 +57,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["collect_dropped_buffers", "host_empty", "host_pool_stats",
+__all__ = ["collect_dropped_buffers", "host_empty", "host_empty_leased", "host_pool_stats",
            "host_reclaim", "populate", "release_host_pool"]
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
@@ -295,10 +295,10 @@ def host_empty(shape: tuple[int, ...], dtype, *,
     >>> b.shape, b.dtype, b.ctypes.data % 64
     ((4, 3), dtype('float32'), 0)
   """
-  return _host_empty(shape, dtype, populate)[0]
+  return host_empty_leased(shape, dtype, populate)[0]
 
 
-def _host_empty(shape: tuple[int, ...], dtype, populate: bool = False
+def host_empty_leased(shape: tuple[int, ...], dtype, populate: bool = False
                 ) -> tuple[np.ndarray, tuple | None]:
   """:func:`host_empty`, and the lease of its block for
   :func:`host_reclaim` (``None`` for a buffer that is not pooled)."""

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from tenplex_jax._hostmem import (_host_empty, collect_dropped_buffers,
+from tenplex_jax._hostmem import (collect_dropped_buffers, host_empty_leased,
                                   host_reclaim)
 from tenplex_jax._problems import raise_problems
 from tenplex_jax._targets import match_targets
@@ -605,7 +605,7 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list) -> tuple:
   for k, (shape, pieces) in enumerate(prog.boxes):
     if built[k] is not None:
       continue
-    buf, token = _host_empty(shape, x.dtype)
+    buf, token = host_empty_leased(shape, x.dtype)
     for src, idx, at, _, _ in pieces:
       copies.append((buf, at, view(src)[idx]))
     built[k] = buf
