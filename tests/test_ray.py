@@ -32,7 +32,10 @@ def _pids(cluster):
     if node is None:
       continue
     for infos in node.all_processes.values():
-      out += [i.process.pid for i in infos if i.process is not None]
+      # Only processes still running: a number that ended may be another
+      # process's by now (its start time would be recorded for it).
+      out += [i.process.pid for i in infos
+              if i.process is not None and i.process.poll() is None]
   return out
 
 

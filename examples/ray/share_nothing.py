@@ -122,12 +122,17 @@ class ShareNothingCluster:
     ``ray start`` gives a node 30 s (not configurable) to register with
     the GCS; on a loaded host it can miss that and exit. Such a start is
     torn down (every process of its namespace) and made again on the same
-    address, up to three times."""
+    address, up to three times. So is a start whose ``ray start`` was
+    killed (SIGKILL) before Ray listed the node: on a busy host with pid
+    numbers wrapping, another program's stale kill can reach the new
+    process group before the node is up."""
     for attempt in range(3):
       try:
         return self._start_node(num_cpus, num_gpus, resources)
       except RuntimeError as e:
-        if "timed out during startup" not in str(e) or attempt == 2:
+        retry = ("timed out during startup" in str(e)
+                 or f"exited with {-signal.SIGKILL}:" in str(e))
+        if not retry or attempt == 2:
           raise
         node = self.nodes.pop()
         self._kill(node)
