@@ -114,4 +114,4 @@ def test_example_with_address_restores_a_killed_node_from_s3(monkeypatch):
       c.shutdown()
   assert not os.path.exists(c.base)
   for node in c.nodes:
-    assert c._members(node) == []
+    assert c.left_in(node) == []

@@ -82,7 +82,7 @@ def test_nodes_share_no_memory_or_disk(sn_cluster):
   assert r.returncode != 0 and "No such file" in r.stderr
   c.kill_node(writer, wait_dead=True)
   assert writer["proc"].poll() is not None
-  assert c._members(writer) == []  # no process of the node is left
+  assert c.left_in(writer) == []  # no process of the node is left
 
 
 def test_teardown_leaves_nothing():
@@ -104,7 +104,7 @@ def test_teardown_leaves_nothing():
   assert len(started) == 2 and not os.path.exists(c.base)
   for node in started:
     assert node["proc"].poll() is not None
-    assert c._members(node) == []
+    assert c.left_in(node) == []
   out = subprocess.run(["pgrep", "-f", c.base], capture_output=True,
                        text=True, check=False).stdout.split()
   assert out == [], out
@@ -235,7 +235,7 @@ def test_job_grows_survives_a_kill_and_a_drain(sn_cluster):
     assert [(r["restored"]["source"], r["restored"]["step"],
              r["restored"]["report"]["from_checkpoint"])
             for r in gens[2]["results"]] == [("stores", 6, False)] * 2
-    assert c._members(events["killed"]) == []
+    assert c.left_in(events["killed"]) == []
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
     assert final["step"] == total and final["procs"] == 1

@@ -265,6 +265,16 @@ class ShareNothingCluster:
     raise TimeoutError(f"Ray still lists node {node['ip']} alive"
                        f" {self.start_timeout:.0f} s after its kill")
 
+  def left_in(self, node: dict, timeout: float = 60.0) -> list[int]:
+    """The processes still in ``node``'s namespace once they are gone or
+    ``timeout`` seconds have passed: a SIGKILLed process stays listed
+    until its exit has released its memory, which on a loaded host can
+    outlast :meth:`kill_node`'s own wait."""
+    deadline = time.monotonic() + timeout
+    while (left := self._members(node)) and time.monotonic() < deadline:
+      time.sleep(0.5)
+    return left
+
   @staticmethod
   def _members(node: dict) -> list[int]:
     """Every process in ``node``'s mount namespace (Ray's workers make
