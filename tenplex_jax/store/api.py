@@ -1198,12 +1198,9 @@ def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
   """Restores the newest checkpoint in ``directory`` onto ``target``
   (ShapeDtypeStructs with shardings); returns ``(tree, step)``.
 
-  Reads any user's Orbax checkpoint (``<dir>/<step>/default`` from
-  ``ocp.CheckpointManager`` with ``StandardSave``, ``StandardCheckpointer``
-  and ``PyTreeCheckpointer`` items, OCDBT or not, zarr v3 or v2) through
-  :func:`tenplex_jax.orbax.restore`: each process reads only its own
-  devices' boxes. Zero-size arrays and string leaves of the target (which
-  Orbax does not store) are rebuilt from the target.
+  Reads any user's Orbax checkpoint as
+  :func:`tenplex_jax.store.checkpoint.restore_orbax_checkpoint` does (which
+  kinds, each process reading only its own devices' boxes).
 
   On object storage, the tenplex store ``directory/tenplex-store`` when
   its newest complete round is newer than the Orbax checkpoints there
