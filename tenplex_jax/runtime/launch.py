@@ -714,11 +714,43 @@ def _no_orphans() -> Callable[[], None] | None:
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
-  """``sig`` to ``p``'s process group (each child leads its own)."""
+  """``sig`` to ``p``'s process group (each child leads its own), only while
+  ``p`` is not reaped. The leader's pid is the group's id; the kernel keeps
+  it while the leader (a zombie included) or any process of its group
+  lives, and hands it out again after that. A reaped leader's group may be
+  gone, and its id an unrelated process's (pid numbers wrap: 32768 by
+  default), whose group a stale ``killpg`` would kill. So the launcher
+  notes a child's exit without reaping it (:func:`_exited`) and reaps it
+  only after the last signal to its group."""
+  if p.returncode is not None:  # reaped
+    return
   try:
     os.killpg(p.pid, sig)
   except (ProcessLookupError, PermissionError):
     pass
+
+
+def _exited(p: subprocess.Popen) -> bool:
+  """Whether ``p`` has exited, without reaping it (its pid, and so its
+  group's id, stay its own until ``p.wait()``)."""
+  if p.returncode is not None:
+    return True
+  try:
+    return os.waitid(os.P_PID, p.pid,
+                     os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+  except ChildProcessError:  # reaped by someone else
+    return True
+
+
+def _wait_exited(p: subprocess.Popen, timeout: float) -> bool:
+  """Waits up to ``timeout`` seconds for ``p`` to exit, without reaping
+  it; whether it did."""
+  deadline = time.monotonic() + timeout
+  while not _exited(p):
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.02)
+  return True
 
 
 def _start_servers(slots: dict[int, tuple[str, str]], env: dict,
@@ -753,7 +785,7 @@ def _start_servers(slots: dict[int, tuple[str, str]], env: dict,
           continue
         if os.path.exists(ready) and _text(ready).strip():
           urls[i] = scheme + _text(ready).strip()
-        elif proc.poll() is not None or time.time() - t0 > 60:
+        elif _exited(proc) or time.time() - t0 > 60:
           raise StoreError(f"the store server for {d} did not start; see"
                            f" {log}")
       time.sleep(0.05)
@@ -796,6 +828,7 @@ class _Child:
       finally:
         os.close(w)
     self.index, self.exit_time, self.eof_time = index, None, None
+    self._code: int | None = None
     self._wake = wake
     self._threads = [threading.Thread(target=self._wait, daemon=True),
                      threading.Thread(target=self._watch, args=(r,),
@@ -804,7 +837,18 @@ class _Child:
       t.start()
 
   def _wait(self) -> None:
-    self.popen.wait()
+    # Notes the exit status without reaping the child: its pid, the id of
+    # the group _stop signals, stays the child's until reap().
+    try:
+      info = os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # reaped by someone else
+      info = None
+    if info is None:
+      self._code = self.popen.wait()
+    elif info.si_code == os.CLD_EXITED:
+      self._code = info.si_status
+    else:  # killed by a signal (CLD_KILLED, CLD_DUMPED)
+      self._code = -info.si_status
     self.exit_time = time.time()
     self._wake.set()
 
@@ -821,7 +865,13 @@ class _Child:
 
   @property
   def code(self) -> int | None:
-    return None if self.exit_time is None else self.popen.returncode
+    return None if self.exit_time is None else self._code
+
+  def reap(self) -> None:
+    """Reaps the child once it has exited (after the last signal to its
+    group); a child still running is left alone."""
+    if self.exit_time is not None:
+      self.popen.wait()
 
   def died_at(self) -> float | None:
     """When it died: the pipe's end, else its exit status's arrival."""
@@ -875,7 +925,7 @@ class _Standby:
     self._watch = watch_r
 
   def alive(self) -> bool:
-    return self._w is not None and self.popen.poll() is None
+    return self._w is not None and not _exited(self.popen)
 
   def assign(self, cmd: Sequence[str], env: dict
              ) -> tuple[subprocess.Popen, int]:
@@ -1031,7 +1081,9 @@ def _stop(children: list[_Child], wake: threading.Event,
   ``grace`` seconds later (or when they are gone); waits for the children.
 
   Returns the signal this sent to each child that was still alive then
-  (SIGKILL overrides SIGTERM), so that a death it caused is not blamed."""
+  (SIGKILL overrides SIGTERM), so that a death it caused is not blamed.
+  Then reaps the children that have exited: a later call signals none of
+  their groups (:func:`_signal_group`)."""
   sent = {}
   for c in children:
     if c.code is None:
@@ -1047,6 +1099,7 @@ def _stop(children: list[_Child], wake: threading.Event,
     _signal_group(c.popen, signal.SIGKILL)
   for c in children:
     c.join(30)
+    c.reap()
   return sent
 
 
@@ -1153,6 +1206,17 @@ def _blocked_on_futex(pid: int) -> bool | None:
     return None
 
 
+def _in_group(pid: int, group: int) -> bool:
+  """Whether process ``pid`` is in process group ``group`` (a live child's:
+  its id is the child's own while the child is not reaped), so a signal to
+  ``pid`` reaches one of the child's processes, never a process that got a
+  dead one's pid."""
+  try:
+    return os.getpgid(pid) == group
+  except OSError:
+    return False
+
+
 def _hang_culprit(children: list[_Child], job_dir: str, gen: int
                   ) -> tuple[int, dict]:
   """Which process of a hung generation to blame, and the evidence.
@@ -1167,14 +1231,17 @@ def _hang_culprit(children: list[_Child], job_dir: str, gen: int
   a process that hangs on a lock of its own looks like one waiting in a
   collective.
   """
-  pids = {}
+  pids, groups = {}, {}
   for c in children:
     if c.code is not None:
       continue
+    groups[c.index] = c.popen.pid
     try:
       pids[c.index] = int(_text(os.path.join(job_dir,
                                              f"pid_{gen}_{c.index}.txt")))
     except (OSError, ValueError):
+      pids[c.index] = c.popen.pid
+    if not _in_group(pids[c.index], c.popen.pid):  # not the script's
       pids[c.index] = c.popen.pid
   # Where each main thread waits, sampled 10 times over 0.5 s (a thread
   # blocked in a collective can be seen between two waits).
@@ -1188,7 +1255,7 @@ def _hang_culprit(children: list[_Child], job_dir: str, gen: int
   sent = {}
   for i, pid in pids.items():
     path = os.path.join(job_dir, f"stacks_{gen}_{i}.txt")
-    if os.path.exists(path):
+    if os.path.exists(path) and _in_group(pid, groups[i]):
       try:
         os.kill(pid, signal.SIGUSR2)
         sent[i] = path
@@ -1502,11 +1569,12 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     """Store servers for slots 0..count-1 (restarting dead ones); the URLs
     of every store that may hold data: those of all slots started so far."""
     for i in range(count):
-      if i in servers and servers[i][0].poll() is not None:
+      if i in servers and _exited(servers[i][0]):
+        p = servers.pop(i)[0]
+        _signal_group(p, signal.SIGKILL)  # what it left in its group
         print(f"tenplex-jax launch: the store server of slot {i} died"
-              f" (exit {servers[i][0].returncode}); restarting it",
+              f" (exit {p.wait()}); restarting it",
               file=sys.stderr, flush=True)
-        del servers[i]
     servers.update(_start_servers(
         {i: (os.path.join(job_dir, "store", str(i)),
              os.path.join(job_dir, f"server_{i}.log"))
@@ -1866,10 +1934,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     for p, _ in servers.values():
       _signal_group(p, signal.SIGTERM)
     for p, _ in servers.values():
-      try:
-        p.wait(10)
-      except subprocess.TimeoutExpired:
-        pass
+      _wait_exited(p, 10)  # not reaped: its group's id stays its own
       _signal_group(p, signal.SIGKILL)
       p.wait()
     if record is not None:
