@@ -61,12 +61,8 @@ def namespaces_permitted() -> str | None:
 _REAPER = """
 import os, shutil, signal, sys, time
 parent, base = int(sys.argv[1]), sys.argv[2]
-while os.path.isdir(base):
-  try:
-    os.kill(parent, 0)
-  except ProcessLookupError:
-    break
-  time.sleep(1)
+while os.path.isdir(base) and os.getppid() == parent:  # (not by pid:
+  time.sleep(1)  # a dead parent's pid can be another process's)
 try:
   with open(os.path.join(base, "namespaces")) as f:
     spaces = {x.strip() for x in f if x.strip()}
@@ -280,8 +276,8 @@ class ShareNothingCluster:
     """Every process in ``node``'s mount namespace (Ray's workers make
     their own process groups)."""
     ns, out = node.get("ns"), []
-    if ns is None:
-      return [node["proc"].pid]
+    if ns is None:  # its pid only while unreaped: then no one else's
+      return [] if node["proc"].poll() is not None else [node["proc"].pid]
     for d in os.listdir("/proc"):
       if d.isdigit():
         try:
