@@ -1,5 +1,7 @@
 """The runtime's TENPLEX_* environment, read in one place (runtime/env.py)."""
 
+import dataclasses
+
 import pytest
 
 from tenplex_jax.errors import UsageError
@@ -11,13 +13,11 @@ def test_parses_every_kind():
       "TENPLEX_NUM_PROCS": "3", "TENPLEX_PROC_ID": "2",
       "TENPLEX_DEVICES": "4", "TENPLEX_PEERS": '["http://a", "http://b"]',
       "TENPLEX_FAILED_STEP": "17", "TENPLEX_COMPILATION_CACHE": "1",
-      "TENPLEX_STANDBY_IMPORTS": "jax,,flax", "TENPLEX_RUN": "r-g1",
-      "TENPLEX_JAX_STORE_TOKEN": "tok"})
+      "TENPLEX_STANDBY_IMPORTS": "jax,,flax"})
   assert (e.num_procs, e.proc_id, e.devices, e.procs) == (3, 2, 4, 3)
   assert e.peers == ("http://a", "http://b") and e.stores == ()
   assert e.failed_step == 17 and e.compilation_cache
   assert e.standby_imports == ("jax", "flax")
-  assert (e.run, e.token, e.ca) == ("r-g1", "tok", None)
   assert e.launched
 
 
@@ -46,3 +46,20 @@ def test_job_env_follows_the_environment(monkeypatch):
   assert first.start_step == 5 and job_env() is first  # parsed once
   monkeypatch.setenv("TENPLEX_START_STEP", "9")  # as restore_or_init does
   assert job_env().start_step == 9
+
+
+def test_the_stores_settings_are_the_stores_to_read(monkeypatch):
+  """The job's token, CA and run id are read by the store alone (the
+  launchers call its readers), so one parse decides each."""
+  from tenplex_jax.store.api import run_id
+  from tenplex_jax.store.server import client_ca, resolve_token
+  fields = {f.name for f in dataclasses.fields(JobEnv)}
+  assert not fields & {"token", "ca", "run"}
+  monkeypatch.setenv("TENPLEX_JAX_STORE_TOKEN", "tok")
+  monkeypatch.setenv("TENPLEX_JAX_STORE_CA", "/ca.pem")
+  monkeypatch.setenv("TENPLEX_RUN", "r-g1")
+  assert (resolve_token(), client_ca(), run_id()) == ("tok", "/ca.pem",
+                                                      "r-g1")
+  monkeypatch.setenv("TENPLEX_JAX_STORE_TOKEN", "two words")
+  with pytest.raises(UsageError, match="printable ASCII"):
+    resolve_token()

@@ -2,12 +2,14 @@
 
 A launcher (``tenplex-jax launch`` or :func:`tenplex_jax.ray.run`) hands each
 training process its job in environment variables; the script API
-(``initialize``, ``resize_due``, ``save_snapshot``, ``restore_or_init``...),
-the standby processes and the launchers themselves (the job's store token
-and CA: :data:`~tenplex_jax.store.TOKEN_ENV`, ``CA_ENV``) read them here, as
-one :class:`JobEnv`, and nowhere else. (The store reads only its own
-settings: a store server's token and CA, and ``tenplex_jax.store.save``'s
-default run id ``TENPLEX_RUN``.)
+(``initialize``, ``resize_due``, ``save_snapshot``, ``restore_or_init``...)
+and the standby processes read them here, as one :class:`JobEnv`, and
+nowhere else. The store's own settings, which a launcher passes on too, are
+the store's to read (each variable in one module:
+``tests/test_import_graph.py`` checks both): the job's store token and CA
+(:data:`~tenplex_jax.store.TOKEN_ENV`, ``CA_ENV``:
+``store.server.resolve_token`` and ``client_ca``, which the launchers call)
+and ``tenplex_jax.store.save``'s default run id ``TENPLEX_RUN``.
 
 The environment stays the interface with the script: a script may set
 ``TENPLEX_DEVICES`` before ``initialize()``, a standby process receives its
@@ -25,10 +27,9 @@ import os
 from collections.abc import Mapping
 
 from tenplex_jax.errors import UsageError
-from tenplex_jax.store.server import CA_ENV, TOKEN_ENV
 
-__all__ = ["CA_ENV", "JobEnv", "STANDBY_ASSIGNED_ENV", "STANDBY_IMPORTS_ENV",
-           "STANDBY_READY_ENV", "TOKEN_ENV", "job_env"]
+__all__ = ["JobEnv", "STANDBY_ASSIGNED_ENV", "STANDBY_IMPORTS_ENV",
+           "STANDBY_READY_ENV", "VARIABLES", "job_env"]
 
 STANDBY_IMPORTS_ENV = "TENPLEX_STANDBY_IMPORTS"
 STANDBY_READY_ENV = "TENPLEX_STANDBY_READY"
@@ -46,7 +47,6 @@ _VARS = {
     "peers": ("TENPLEX_PEERS", list),
     "job_dir": ("TENPLEX_JOB_DIR", str),
     "generation": ("TENPLEX_GENERATION", int),
-    "run": ("TENPLEX_RUN", str),
     "start_step": ("TENPLEX_START_STEP", int),
     "replicas": ("TENPLEX_REPLICAS", int),
     "failed_step": ("TENPLEX_FAILED_STEP", int),
@@ -58,9 +58,9 @@ _VARS = {
     "programs_file": ("TENPLEX_PROGRAMS_FILE", str),
     "for_failure": ("TENPLEX_FOR_FAILURE", bool),
     "standby_imports": (STANDBY_IMPORTS_ENV, "csv"),
-    "token": (TOKEN_ENV, str),
-    "ca": (CA_ENV, str),
 }
+# Every variable this module reads (and no other module does).
+VARIABLES = tuple(name for name, _ in _VARS.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,6 @@ class JobEnv:
   peers: tuple[str, ...] = ()
   job_dir: str | None = None
   generation: int = 0
-  run: str | None = None
   start_step: int = 0
   replicas: int = 0
   failed_step: int | None = None
@@ -99,8 +98,6 @@ class JobEnv:
   programs_file: str | None = None
   for_failure: bool = False  # a generation prepared for a failure
   standby_imports: tuple[str, ...] = ()
-  token: str | None = None
-  ca: str | None = None
 
   @property
   def launched(self) -> bool:

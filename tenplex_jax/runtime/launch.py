@@ -51,7 +51,6 @@ import faulthandler
 import json
 import os
 import platform
-import secrets
 import shutil
 import signal
 import subprocess
@@ -71,9 +70,11 @@ from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.store import private
 from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
 from tenplex_jax.store.api import restore_with_report, save
-from tenplex_jax.store.server import CA_ENV, TOKEN_ENV, free_port
+from tenplex_jax.store.server import (CA_ENV, TOKEN_ENV, client_ca, free_port,
+                                      new_token, resolve_token)
 
-__all__ = ["Controller", "RESIZE_EXIT_CODE", "controller", "expect_resizes",
+__all__ = ["Controller", "RESIZE_EXIT_CODE", "STANDBY_IMPORTS", "controller",
+           "expect_resizes",
            "initialize", "launch", "prepared", "prepared_for_failure", "register", "request_resize",
            "resize_due", "restore_or_init", "save_and_exit", "save_snapshot",
            "use_controller", "wait_programs", "wait_turn"]
@@ -583,7 +584,7 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
     raise RuntimeError("save_snapshot needs tenplex-jax launch"
                        " (TENPLEX_STORE is not set)")
   out = save(state, store, step=step, replicas=replicas,
-             peers=peers or None, run=env.run if run is None else run)
+             peers=peers or None, run=run)
   _heartbeat()
   return out
 
@@ -882,9 +883,10 @@ class _Child:
     self._threads[0].join(timeout)
 
 
-_STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
-                    "flax.training.train_state", "optax",
-                    "tenplex_jax.store.api")
+# What a standby process imports ahead of its rank (``standby_imports``).
+STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
+                   "flax.training.train_state", "optax",
+                   "tenplex_jax.store.api")
 
 
 def _standby_form(cmd: Sequence[str]) -> tuple[str, str] | None:
@@ -1506,14 +1508,14 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if temporary:
     print(f"tenplex-jax launch: job directory {job_dir} (temporary: removed"
           " when the job succeeds)", flush=True)
-  token = job_env().token or secrets.token_urlsafe(32)
+  token = resolve_token() or new_token()
   base_env = {**os.environ, "PYTHONPATH": _pythonpath(), TOKEN_ENV: token}
   if tls_ca:
     base_env[CA_ENV] = tls_ca
   base_env.update(_cache_env(job_dir, compilation_cache))
   form = _standby_form(cmd) if standby else None
   standby_env = {**base_env, STANDBY_IMPORTS_ENV: ",".join(
-      _STANDBY_IMPORTS if standby_imports is None else standby_imports)}
+      STANDBY_IMPORTS if standby_imports is None else standby_imports)}
   standbys: list[_Standby] = []
   most = procs  # standbys to keep: the largest generation so far
 
@@ -1991,7 +1993,7 @@ def check_tls_options(cert: str | None, key: str | None, ca: str | None,
   """
   if (cert is None) != (key is None):
     raise UsageError(f"{who}: TLS needs both {names[0]} and {names[1]}")
-  ca = ca or job_env().ca
+  ca = client_ca(ca)
   for flag, path in zip(names, (cert, key, ca)):
     if path is not None and not os.path.isfile(path):
       raise UsageError(f"{who}: {flag} {path}: no such file")

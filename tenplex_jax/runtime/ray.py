@@ -98,7 +98,6 @@ import importlib
 import json
 import os
 import runpy
-import secrets
 import shutil
 import socket
 import sys
@@ -133,7 +132,7 @@ from tenplex_jax.runtime.launch import (
     save_snapshot,
     use_controller,
 )
-from tenplex_jax.store.server import make_server
+from tenplex_jax.store.server import make_server, new_token, resolve_token
 
 __all__ = ["Job", "ResizeExit", "STANDBY_IMPORTS", "checkpoint_dir",
            "cleanup_stores", "drain_node", "draining_nodes", "initialize",
@@ -148,7 +147,7 @@ _STANDBY_CHECK_S = 5.0  # how often the driver replaces dead standbys
 _CACHE_DIR = "xla"
 # What a standby worker imports ahead of its rank (the launcher's list, and
 # the Orbax checkpointer the persistent checkpoint uses).
-STANDBY_IMPORTS = (*_launch._STANDBY_IMPORTS, "orbax.checkpoint")
+STANDBY_IMPORTS = (*_launch.STANDBY_IMPORTS, "orbax.checkpoint")
 
 
 # ------------------------------------------------------------ worker side
@@ -455,7 +454,7 @@ class Job:
       checkpoint = checkpoint_dir(run_config, self.job)
     self.checkpoint, self.store_root = checkpoint, store_root
     self.keep_stores, self.start_timeout = keep_stores, start_timeout
-    self.token = job_env().token or secrets.token_urlsafe(32)
+    self.token = resolve_token() or new_token()
     self.tls, ca = check_tls_options(tls_cert, tls_key, tls_ca,
                                      "tenplex_jax.ray",
                                      ("tls_cert", "tls_key", "tls_ca"))
