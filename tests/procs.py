@@ -98,6 +98,42 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   assert "generation 0: 2 -> 1 processes at step 2" in run.stdout
 
 
+def wait_unreaped(p: subprocess.Popen, timeout: float) -> int:
+  """Waits up to ``timeout`` seconds for ``p`` to exit without reaping it;
+  returns its exit code as ``Popen.returncode`` would. Until ``p.wait()``
+  reaps it, its pid, the id of the process group it leads, stays its own,
+  so :func:`kill_group` can still reach what it left in the group (a pid
+  reaped can be an unrelated process's group id moments later).
+
+  Raises:
+    subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
+  """
+  deadline = time.monotonic() + timeout
+  while p.returncode is None:
+    try:
+      info = os.waitid(os.P_PID, p.pid,
+                       os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped elsewhere
+      return p.wait()
+    if info is not None:
+      return info.si_status if info.si_code == os.CLD_EXITED \
+          else -info.si_status
+    if time.monotonic() > deadline:
+      raise subprocess.TimeoutExpired(p.args, timeout)
+    time.sleep(0.05)
+  return p.returncode
+
+
+def kill_group(p: subprocess.Popen, timeout: float = 10) -> None:
+  """SIGKILL to the process group ``p`` leads (``start_new_session``),
+  only while ``p`` is not reaped (its group id is then its own), then
+  reaps ``p``."""
+  if p.returncode is None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+      os.killpg(p.pid, signal.SIGKILL)
+  p.wait(timeout)
+
+
 def start_time(pid: int) -> int | None:
   """When process ``pid`` started (clock ticks since boot, ``/proc``'s
   field 22), or ``None`` if there is no such process. With pid numbers

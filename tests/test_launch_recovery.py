@@ -66,10 +66,8 @@ def launcher(tmp, cmd, *opts, job=True, **env):
   try:
     yield p, log, seen
   finally:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-      os.killpg(p.pid, signal.SIGKILL)  # not reaped yet: still ours
+    procs.kill_group(p)  # only while not reaped: then its group is ours
     seen.kill_groups()
-    p.wait(10)
     log.close()
 
 
@@ -91,7 +89,7 @@ def assert_private(job, skip=()):
 
 
 def finish(p, log, timeout=170):
-  rc = p.wait(timeout)
+  rc = procs.wait_unreaped(p, timeout)  # reaped by launcher()'s kill_group
   log.seek(0)
   return rc, log.read()
 

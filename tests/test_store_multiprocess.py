@@ -23,7 +23,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from procs import run_all  # noqa: E402
+from procs import kill_group, run_all, wait_unreaped  # noqa: E402
 from store_state import SPECS, expected_state, storage_view  # noqa: E402
 
 from tenplex_jax.store.server import free_port  # noqa: E402
@@ -354,18 +354,14 @@ def launcher(tmp, total, *opts, procs=1, **env):
   try:
     yield p, job, log
   finally:
-    if p.poll() is None:
-      os.killpg(p.pid, signal.SIGKILL)
-    p.wait(10)
-    try:  # children the launcher did not get to stop
-      os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-      pass
+    # With the children the launcher did not get to stop; never after p
+    # was reaped (its pid can be another process group's id by then).
+    kill_group(p)
     log.close()
 
 
 def finish(p, log, timeout=170):
-  rc = p.wait(timeout)
+  rc = wait_unreaped(p, timeout)  # reaped by launcher()'s kill_group
   log.seek(0)
   return rc, log.read()
 
