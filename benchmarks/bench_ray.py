@@ -46,7 +46,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -59,12 +58,15 @@ PHASES = ("save", "relaunch", "imports", "distributed", "setup", "restore",
 MODES = ("tenplex", "ray", "ray", "tenplex")
 
 
-def _pids(cluster) -> list[int]:
+def _procs(cluster) -> list:
+  """The Ray processes of ``cluster``'s nodes (``subprocess.Popen``s: a
+  kill reaches one only while it is not reaped, never a later process
+  that got its pid)."""
   out = []
   for node in [cluster.head_node, *cluster.worker_nodes]:
     if node is not None:
       for infos in node.all_processes.values():
-        out += [i.process.pid for i in infos if i.process is not None]
+        out += [i.process for i in infos if i.process is not None]
   return out
 
 
@@ -123,11 +125,11 @@ def run(args) -> dict:
   # machine's outward address), the other node on 127.0.0.3.
   cluster = Cluster(initialize_head=True, head_node_args={
       **node, "include_dashboard": False, "node_ip_address": "127.0.0.2"})
-  pids = _pids(cluster)
+  procs = _procs(cluster)
   job = f"bench-ray-{os.getpid()}"
   try:
     cluster.add_node(**node, node_ip_address="127.0.0.3")
-    pids += _pids(cluster)
+    procs += _procs(cluster)
     ray.init(address=cluster.address, _node_ip_address="127.0.0.2",
              log_to_driver=False)
     asked: dict = {}
@@ -176,11 +178,11 @@ def run(args) -> dict:
     return {"transitions": transitions(rows), "generations": gens}
   finally:
     ray.shutdown()
-    pids += _pids(cluster)
+    procs += _procs(cluster)
     cluster.shutdown()
-    for pid in pids:
+    for proc in procs:
       try:
-        os.kill(pid, signal.SIGKILL)
+        proc.kill()  # nothing once reaped
       except (ProcessLookupError, PermissionError):
         pass
     shutil.rmtree(tmp, ignore_errors=True)

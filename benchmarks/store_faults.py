@@ -196,8 +196,9 @@ def _run_child(cfg: dict, timeout: float = 180.0) -> int:
     p.communicate()
     raise
   finally:
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(p.pid, signal.SIGKILL)
+    if p.returncode is None:  # not reaped: its group id is still its own
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
   return p.returncode
 
 
