@@ -233,9 +233,25 @@ def test_grow_onto_added_node_then_shrink(cluster, tmp_path):
     while os.path.exists("/dev/shm/tenplex-ray-test-grow") and \
         time.time() < deadline:
       time.sleep(0.5)
-    assert not os.path.exists("/dev/shm/tenplex-ray-test-grow")
+    assert not os.path.exists("/dev/shm/tenplex-ray-test-grow"), \
+        _left("/dev/shm/tenplex-ray-test-grow")
   finally:
     shutil.rmtree("/dev/shm/tenplex-ray-test-grow", ignore_errors=True)
+
+
+def _left(path):
+  """What is left under ``path``: each entry with its age in seconds (to
+  tell a store that was never stopped from a late write after its stop)."""
+  out, now = [], time.time()
+  for d, dirs, files in os.walk(path):
+    for name in dirs + files:
+      p = os.path.join(d, name)
+      try:
+        out.append((os.path.relpath(p, path), round(now - os.lstat(p)
+                                                    .st_mtime, 1)))
+      except OSError:
+        pass
+  return sorted(out)[:50]
 
 
 def _final_trajectory(log_dir):
