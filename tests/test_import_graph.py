@@ -6,7 +6,8 @@ Every ``import``/``from ... import`` in ``tenplex_jax`` counts, at module
 level or inside a function (a function-local import hides a cycle, it does
 not remove it); a package's imports of its own submodules are left out. A
 private name counts whether it is imported (``from M import _x``) or read
-through the module (``import M as m; m._x``).
+through the module (``import M as m; m._x``) or through a class or function
+imported from it (``from M import C; C._x``).
 
 The ``TENPLEX_*`` environment: the launcher and the Ray integration read
 theirs only in ``tenplex_jax/runtime/env.py``, and every variable is read in
@@ -52,8 +53,8 @@ def _dotted(node):
 def _graph(mods):
   """``{module: {imported modules}}`` and ``[(module, line, source,
   name)]`` for each private name of another module that a module imports
-  (``from SOURCE import _name``) or reads through the module
-  (``SOURCE._name``, ``alias._name``)."""
+  (``from SOURCE import _name``) or reads through the module or a name it
+  imported from it (``SOURCE._name``, ``alias._name``, ``Class._name``)."""
   edges, private = {m: set() for m in mods}, []
   for m, path in mods.items():
     with open(path) as f:
@@ -75,6 +76,8 @@ def _graph(mods):
             aliases[a.asname or a.name] = sub
             continue
           edges[m].add(src)
+          if src != m:  # a class or function of another module
+            aliases[a.asname or a.name] = f"{src}:{a.name}"
           if _private(a.name) and src != m:
             private.append((m, n.lineno, src, a.name))
       elif isinstance(n, ast.Import):
@@ -93,7 +96,10 @@ def _graph(mods):
       if head not in aliases:
         continue
       src = aliases[head] + ("." + rest if rest else "")
-      if src in mods and src != m:
+      owner = src.partition(":")[0]  # Name._x of a name it imported
+      while owner and owner not in mods:  # module.Class._x
+        owner = owner.rpartition(".")[0]
+      if owner and owner != m:
         private.append((m, n.lineno, src, n.attr))
   for m in edges:  # a package importing its own submodules, and itself
     edges[m] = {t for t in edges[m]
@@ -260,12 +266,18 @@ def test_the_check_sees_a_cycle_and_a_private_import(tmp_path):
 def test_the_check_sees_a_private_name_read_through_its_module(tmp_path):
   x, y = tmp_path / "x.py", tmp_path / "y.py"
   x.write_text("import tenplex_jax.y\nfrom tenplex_jax import y as why\n"
+               "from tenplex_jax.y import Store\n"
                "a = why._hidden\nb = tenplex_jax.y._hidden\n"
-               "c = why.public\n")
-  y.write_text("_hidden = 1\npublic = 2\n")
+               "c = why.public, Store.public, why.Store.public\n"
+               "d = Store._cache, why.Store._cache\n")
+  y.write_text("_hidden = 1\npublic = 2\nclass Store:\n  _cache = {}\n"
+               "  public = 3\n")
   _, private = _graph({"tenplex_jax.x": str(x), "tenplex_jax.y": str(y)})
-  assert sorted(private) == [("tenplex_jax.x", 3, "tenplex_jax.y", "_hidden"),
-                             ("tenplex_jax.x", 4, "tenplex_jax.y", "_hidden")]
+  assert sorted(private) == [
+      ("tenplex_jax.x", 4, "tenplex_jax.y", "_hidden"),
+      ("tenplex_jax.x", 5, "tenplex_jax.y", "_hidden"),
+      ("tenplex_jax.x", 7, "tenplex_jax.y.Store", "_cache"),
+      ("tenplex_jax.x", 7, "tenplex_jax.y:Store", "_cache")]
 
 
 def test_the_environment_is_read_in_one_place():
