@@ -406,6 +406,7 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
   os.makedirs(hold)
   sizes = [1, 2, 1, 2]
   seen_ready = {}  # generation: pids of the standbys kept when it was let go
+  started = procs.Seen()  # those pids with their start times
   jobs = []
   try:
     def driver(job, step):
@@ -423,6 +424,7 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
       # one kept ready too (its pid known): the group may take any of them.
       if len(ready) >= sizes[gen + 1] and len(ready) == len(kept):
         seen_ready[gen] = {s["pid"] for s in kept}
+        started.update(seen_ready[gen])
         open(os.path.join(hold, f"go_{gen}"), "w").close()
 
     result = tray.run(SCRIPT, [str(total), log_dir], num_workers=1,
@@ -465,9 +467,13 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
     # (Ray ends a killed actor's process within moments).
     assert jobs and jobs[0].standbys() == []
     pids = set().union(*seen_ready.values(), *(g["pids"] for g in gens))
+
+    def left():  # (a pid seen with its start time: only that process)
+      return [p for p in pids if _alive(p) and (p not in started
+                                                 or started.same(p))]
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(map(_alive, pids)):
+    while time.monotonic() < deadline and left():
       time.sleep(0.5)
-    assert not [p for p in pids if _alive(p)], pids
+    assert not left(), pids
   finally:
     shutil.rmtree(shm, ignore_errors=True)

@@ -1243,8 +1243,6 @@ def _hang_culprit(children: list[_Child], job_dir: str, gen: int
                                              f"pid_{gen}_{c.index}.txt")))
     except (OSError, ValueError):
       pids[c.index] = c.popen.pid
-    if not _in_group(pids[c.index], c.popen.pid):  # not the script's
-      pids[c.index] = c.popen.pid
   # Where each main thread waits, sampled 10 times over 0.5 s (a thread
   # blocked in a collective can be seen between two waits).
   samples = {i: [] for i in pids}
@@ -1257,6 +1255,8 @@ def _hang_culprit(children: list[_Child], job_dir: str, gen: int
   sent = {}
   for i, pid in pids.items():
     path = os.path.join(job_dir, f"stacks_{gen}_{i}.txt")
+    # (SIGUSR2 ends a process without the hooks: only to one of the
+    # child's own processes, never to a pid that a dead one left behind)
     if os.path.exists(path) and _in_group(pid, groups[i]):
       try:
         os.kill(pid, signal.SIGUSR2)
