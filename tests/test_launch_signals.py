@@ -134,3 +134,42 @@ def test_in_group():
   finally:
     p.kill()
     p.wait()
+
+
+def test_store_servers_are_signalled_only_before_they_are_reaped(
+    tmp_path, monkeypatch):
+  """The launcher's shutdown of its store servers: SIGTERM, then SIGKILL to
+  what is left of each group, every signal while the server is unreaped
+  (also for one that died before), and every server reaped at the end."""
+  job = tmp_path / "job"
+  job.mkdir(mode=0o700)
+  env = {**os.environ, "PYTHONPATH": launch._pythonpath()}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  started = launch._start_servers(
+      {i: (str(job / "store" / str(i)), str(job / f"server_{i}.log"))
+       for i in range(2)}, env)
+  procs = [p for p, _ in started.values()]
+  calls, real = [], os.killpg
+  by_pid = {p.pid: p for p in procs}
+
+  def record(pgid, sig):
+    calls.append((pgid, sig, by_pid[pgid].returncode))
+    real(pgid, sig)
+  try:
+    os.kill(procs[0].pid, signal.SIGKILL)  # one died before the shutdown
+    assert launch._wait_exited(procs[0], 30)
+    monkeypatch.setattr(launch.os, "killpg", record)
+    launch._stop_servers(procs)
+    assert sorted(calls) == sorted(
+        [(p.pid, signal.SIGTERM, None) for p in procs]
+        + [(p.pid, signal.SIGKILL, None) for p in procs])
+    assert procs[0].returncode == -signal.SIGKILL
+    assert all(p.returncode is not None for p in procs)  # reaped
+    del calls[:]
+    launch._stop_servers(procs)  # again: nothing is signalled
+    assert calls == []
+  finally:
+    for p in procs:
+      if p.returncode is None:
+        real(p.pid, signal.SIGKILL)
+        p.wait()

@@ -798,6 +798,20 @@ def _start_servers(slots: dict[int, tuple[str, str]], env: dict,
   return {i: (started[i], urls[i]) for i in started}
 
 
+def _stop_servers(procs: Sequence[subprocess.Popen],
+                  grace: float = 10.0) -> None:
+  """SIGTERM to each store server's group, SIGKILL to what is left of the
+  groups once the servers exited or ``grace`` seconds passed (their exits
+  noted, not reaped: a group's id stays its own), then reaps them."""
+  for p in procs:
+    _signal_group(p, signal.SIGTERM)
+  deadline = time.monotonic() + grace
+  for p in procs:
+    _wait_exited(p, max(0.0, deadline - time.monotonic()))
+    _signal_group(p, signal.SIGKILL)
+    p.wait()
+
+
 def _pythonpath() -> str:
   root = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
@@ -1933,12 +1947,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     drop_standby_gen()
     for sb in standbys:
       sb.kill()
-    for p, _ in servers.values():
-      _signal_group(p, signal.SIGTERM)
-    for p, _ in servers.values():
-      _wait_exited(p, 10)  # not reaped: its group's id stays its own
-      _signal_group(p, signal.SIGKILL)
-      p.wait()
+    _stop_servers([p for p, _ in servers.values()])
     if record is not None:
       write_record()
     if temporary and code == 0:
