@@ -173,3 +173,4 @@ def test_store_servers_are_signalled_only_before_they_are_reaped(
       if p.returncode is None:
         real(p.pid, signal.SIGKILL)
         p.wait()
+

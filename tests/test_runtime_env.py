@@ -63,3 +63,17 @@ def test_the_stores_settings_are_the_stores_to_read(monkeypatch):
   monkeypatch.setenv("TENPLEX_JAX_STORE_TOKEN", "two words")
   with pytest.raises(UsageError, match="printable ASCII"):
     resolve_token()
+
+
+def test_a_malformed_token_is_refused_before_anything_starts(monkeypatch,
+                                                             tmp_path):
+  """The launcher reads the job's token as a store server does: one the
+  servers would refuse stops it before it made its job directory."""
+  import sys
+  from tenplex_jax.runtime import launch
+  monkeypatch.setenv("TENPLEX_JAX_STORE_TOKEN", "two words")
+  job = tmp_path / "job"
+  with pytest.raises(UsageError, match="printable ASCII"):
+    launch.launch([sys.executable, "-c", "pass"], procs=1,
+                  devices_per_proc=1, timeout=30, job_dir=str(job))
+  assert not job.exists()

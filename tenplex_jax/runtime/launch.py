@@ -1511,6 +1511,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if schedule and not os.path.isfile(schedule):
     raise UsageError(f"launch: the schedule {schedule!r} is not a file")
   tls, tls_ca = check_tls_options(tls_cert, tls_key, tls_ca)
+  token = resolve_token() or new_token()  # (a malformed one: UsageError)
   temporary = job_dir is None
   if not temporary:  # before anything is made there (mkdtemp's is 0700)
     private.check_dir(job_dir, what="job directory", inner=False)
@@ -1522,7 +1523,6 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if temporary:
     print(f"tenplex-jax launch: job directory {job_dir} (temporary: removed"
           " when the job succeeds)", flush=True)
-  token = resolve_token() or new_token()
   base_env = {**os.environ, "PYTHONPATH": _pythonpath(), TOKEN_ENV: token}
   if tls_ca:
     base_env[CA_ENV] = tls_ca
