@@ -9,6 +9,9 @@ private name counts whether it is imported (``from M import _x``) or read
 through the module (``import M as m; m._x``) or through a class or function
 imported from it (``from M import C; C._x``).
 
+The runtime (the launcher and the Ray integration) is a package of its
+own: outside ``tenplex_jax.runtime`` only its two old paths import it.
+
 The ``TENPLEX_*`` environment: the launcher and the Ray integration read
 theirs only in ``tenplex_jax/runtime/env.py``, and every variable is read in
 one module (one parse decides it: the store's settings that a launcher
@@ -312,3 +315,24 @@ def test_the_check_sees_environment_reads(tmp_path):
       " environment in tenplex_jax.runtime.env)",
       "tenplex_jax.runtime.b:4: reads a variable named at run time"]
   assert ("tenplex_jax.a", 5, "TENPLEX_Y") in reads
+
+
+def test_the_runtime_is_a_package_of_its_own():
+  """The launcher and the Ray integration live in ``tenplex_jax.runtime``:
+  outside it only their old paths import it, and those define nothing
+  (each makes its old name the runtime's module); the runtime's
+  environment reader sits below everything else (it imports only
+  ``errors``), so any module may use it without pulling in a launcher."""
+  mods = _modules()
+  edges, _ = _graph(mods)
+  into = {m: sorted(t for t in edges[m] if t.startswith("tenplex_jax.runtime"))
+          for m in edges if not m.startswith("tenplex_jax.runtime")}
+  old_paths = {"tenplex_jax.ray": ["tenplex_jax.runtime.ray"],
+               "tenplex_jax.store.launch": ["tenplex_jax.runtime.launch"]}
+  assert {m: t for m, t in into.items() if t} == old_paths
+  for m in old_paths:
+    with open(mods[m]) as f:
+      tree = ast.parse(f.read())
+    assert not [n for n in ast.walk(tree) if isinstance(
+        n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))], m
+  assert edges["tenplex_jax.runtime.env"] == {"tenplex_jax.errors"}
