@@ -14,8 +14,10 @@ a manifest, which no restore uses (the previous round stays the newest)
 and :func:`gc_objects` deletes.
 
 Reading (:class:`ObjectStore`): one listing when the handle opens; small
-objects (manifests, ``CURRENT``, ``STORE_ID``) through fsspec; chunk files
-through tensorstore's ``s3``/``gcs`` kvstore, each fetched whole (a chunk
+objects (manifests, ``CURRENT``, ``STORE_ID``) through tensorstore's ``s3``
+kvstore on S3 (all of a store's at once when its rounds are listed), through
+fsspec on GCS; chunk files through tensorstore's ``s3``/``gcs`` kvstore,
+each fetched whole (a chunk
 is at most 16 MiB and is checked against its crc32c before its bytes are
 used) and only once per restore. Reading never creates or changes an
 object.
@@ -34,8 +36,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from tenplex_jax.cloud import (Listing, filesystem, fs_path, kvstore_spec,
-                               location_error, split_url)
+from tenplex_jax.cloud import (KvListing, Listing, filesystem, fs_path,
+                               kvstore_spec, location_error, split_url)
 from tenplex_jax.errors import ChecksumError, StoreError
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax.store.format import (ChunkMaps, ChunkWalk, HostStore, crc32c,
@@ -84,7 +86,7 @@ class ObjectStore(HostStore):
 
   Attributes:
     bytes_fetched: bytes read from the bucket by this handle (listings
-      not counted).
+      not counted; small objects read ahead counted once read).
 
   Raises:
     LocationError: the bucket does not exist, the credentials are refused
@@ -111,8 +113,30 @@ class ObjectStore(HostStore):
     self._announced: collections.Counter = collections.Counter()
     self._ahead = 0  # bytes of started fetches not done with
     self._spare: dict[tuple, list] = {}  # free chunk buffers by shape
-    self.bytes_fetched = 0
-    self._tree = Listing(self.root)
+    self._chunk_bytes = 0
+    # S3: listed and small objects read through the kvstore the chunks
+    # use (tensorstore's threads, no SDK session to build). GCS: fsspec
+    # (emulators ignore the offsets of tensorstore's GCS listing).
+    self._tree = KvListing(self.root, self._kvstore(), _TIMEOUT_S) \
+        if scheme == "s3" else Listing(self.root)
+    if scheme == "s3":
+      self._tree.prefetch([self.root + "/STORE_ID"])
+
+  @property
+  def bytes_fetched(self) -> int:
+    return self._chunk_bytes + self._tree.bytes_read
+
+  def all_rounds(self):
+    # Every CURRENT and manifest it reads, requested at once (S3).
+    pre = getattr(self._tree, "prefetch", None)
+    if pre is not None:
+      urls = []
+      for p in self.procs():
+        pdir = self._pdir(p)
+        urls.append(pdir + "/CURRENT")
+        urls += [f"{pdir}/{n}/manifest.json" for n in self._names(p)]
+      pre(urls)
+    return super().all_rounds()
 
   def _rel(self, path: str) -> str:
     rel = self._tree.rel(path)
@@ -127,10 +151,7 @@ class ObjectStore(HostStore):
     return self._tree.isfile(path) or self._tree.isdir(path)
 
   def _read_small(self, path: str) -> bytes:
-    data = self._tree.read(path)
-    with self._lock:
-      self.bytes_fetched += len(data)
-    return data
+    return self._tree.read(path)
 
   def _current(self, pdir: str) -> str | None:
     try:
@@ -176,14 +197,13 @@ class ObjectStore(HostStore):
                      " which object storage does not hold")
 
   def _kvstore(self):
+    ctx = self._context()  # the chunk reads' too: one connection pool
     with self._lock:
       if self._kv is None:
-        spec = kvstore_spec(self.root)
-        retries = "s3_request_retries" if self.scheme == "s3" \
-            else "gcs_request_retries"
-        spec["context"] = {retries: _RETRIES}
         try:
-          self._kv = ts.KvStore.open(spec).result(timeout=_TIMEOUT_S)
+          self._kv = ts.KvStore.open(
+              kvstore_spec(self.root), context=ctx).result(
+                  timeout=_TIMEOUT_S)
         except Exception as e:
           raise location_error(self.root, e, "opening") from e
       return self._kv
@@ -229,7 +249,7 @@ class ObjectStore(HostStore):
     arr = self._zarr(f.fname, w)
     src = arr[lo:hi].translate_to[(0,) * w.ndim]
     with self._lock:
-      self.bytes_fetched += w.chunk_bytes + 4
+      self._chunk_bytes += w.chunk_bytes + 4
     return ts.array(buf[:hi - lo], copy=False, write=True).write(src)
 
   def _finish(self, f: _Fetch, buf: np.ndarray, done) -> np.ndarray:
@@ -343,7 +363,7 @@ class ObjectStore(HostStore):
       raise StoreError(f"{what}: chunk object {fname} is missing")
     data = np.frombuffer(r.value, np.uint8)
     with self._lock:
-      self.bytes_fetched += data.nbytes
+      self._chunk_bytes += data.nbytes
     if data.nbytes != chunk_bytes + 4:
       raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
                           f" object has {data.nbytes} bytes, not"
