@@ -55,6 +55,7 @@ _TIMEOUT_S = 120.0
 # ObjectStore.prefetch): enough requests in flight to keep a server busy,
 # and the restore's memory beyond its new shards bounded by it.
 _AHEAD_BYTES = 256 << 20
+_WHERES = 1 << 14  # boxes whose place ObjectStore._where remembers
 
 
 class _Fetch:
@@ -114,28 +115,31 @@ class ObjectStore(HostStore):
     self._ahead = 0  # bytes of started fetches not done with
     self._spare: dict[tuple, list] = {}  # free chunk buffers by shape
     self._chunk_bytes = 0
+    self._wheres: dict[tuple, tuple] = {}  # see _where
     # S3: listed and small objects read through the kvstore the chunks
     # use (tensorstore's threads, no SDK session to build). GCS: fsspec
     # (emulators ignore the offsets of tensorstore's GCS listing).
     self._tree = KvListing(self.root, self._kvstore(), _TIMEOUT_S) \
         if scheme == "s3" else Listing(self.root)
-    if scheme == "s3":
-      self._tree.prefetch([self.root + "/STORE_ID"])
+    self._prefetch_small([self.root + "/STORE_ID"])
 
   @property
   def bytes_fetched(self) -> int:
     return self._chunk_bytes + self._tree.bytes_read
 
+  def _prefetch_small(self, urls) -> None:
+    pre = getattr(self._tree, "prefetch", None)  # KvListing's
+    if pre is not None:
+      pre(urls)
+
   def all_rounds(self):
     # Every CURRENT and manifest it reads, requested at once (S3).
-    pre = getattr(self._tree, "prefetch", None)
-    if pre is not None:
-      urls = []
-      for p in self.procs():
-        pdir = self._pdir(p)
-        urls.append(pdir + "/CURRENT")
-        urls += [f"{pdir}/{n}/manifest.json" for n in self._names(p)]
-      pre(urls)
+    urls = []
+    for p in self.procs():
+      pdir = self._pdir(p)
+      urls.append(pdir + "/CURRENT")
+      urls += [f"{pdir}/{n}/manifest.json" for n in self._names(p)]
+    self._prefetch_small(urls)
     return super().all_rounds()
 
   def _rel(self, path: str) -> str:
@@ -385,13 +389,10 @@ class ObjectStore(HostStore):
     restore announces every piece before reading, so that the transfer
     runs ahead of the copies and checks."""
     try:
-      proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+      proc, t, b, held, snap, w = self._where(path, box, proc, step, round)
     except StoreError:  # read_into raises it with its context
       return
-    if "chunk_rows" not in b:
-      return
-    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
-    if not w.ndim or 0 in w.hshape:
+    if w is None or not w.ndim or 0 in w.hshape:
       return
     with self._lock:
       self._announced[_read_key(snap, path, box)] += 1
@@ -404,6 +405,29 @@ class ObjectStore(HostStore):
           self._queue.append(f)
         f.uses += 1
     self._pump()
+
+  def _where(self, path, box, proc, step, round):
+    """:meth:`_locate` and the box's :class:`ChunkWalk` (None: not in
+    chunk files), remembered per handle: the listing and the manifests
+    are read once when the handle opens, so the answer cannot change, and
+    a restore asks twice per piece (:meth:`prefetch`, :meth:`read_into`),
+    which cost 1-2 ms of CPU each (the snapshot's round, the box, the
+    chunk list)."""
+    key = (path, tuple(tuple(int(x) for x in r) for r in box), proc, step,
+           round)
+    with self._lock:
+      got = self._wheres.get(key)
+    if got is not None:
+      return got
+    proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT) \
+        if "chunk_rows" in b else None
+    got = (proc, t, b, held, snap, w)
+    with self._lock:
+      if len(self._wheres) >= _WHERES:
+        self._wheres.clear()
+      self._wheres[key] = got
+    return got
 
   def drop_prefetched(self) -> None:
     """Forgets the announced fetches no read took, and the spare buffers
@@ -425,7 +449,7 @@ class ObjectStore(HostStore):
     each chunk it touches is fetched whole once per ``maps`` (one
     restore), checked, and its rows copied into ``dest``. See
     :meth:`HostStore.read_into`."""
-    proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    proc, t, b, held, snap, w = self._where(path, box, proc, step, round)
     storage = np.dtype(t["storage"])
     shape = tuple(hi - lo for lo, hi in box) + tuple(t["extra"])
     if dest.shape != shape or dest.dtype != storage:
@@ -434,9 +458,8 @@ class ObjectStore(HostStore):
                        f" {storage}{list(shape)}")
     if 0 in shape:
       return 0
-    if "chunk_rows" not in b:
+    if w is None:
       self._array(snap, b["dir"])
-    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
     maps = ChunkMaps() if maps is None else maps
     key = _read_key(snap, path, box)
     with self._lock:  # an announced read takes its chunks' fetches
