@@ -31,8 +31,8 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   by ``determinism.jit``;
 * ``det_gather``: ``det`` with ``determinism._GATHER_INSIDE_JIT`` set: every
   gradient all-gathered inside the step, also the FSDP ones that ``det``
-  leaves in the reduce-scatter layout (the behaviour before; the same as
-  ``det`` in DP);
+  leaves in the reduce-scatter layout (the behaviour before; FSDP cells
+  only: in DP it is ``det``'s program);
 * ``det_scan`` / ``det_unroll``: the same with
   ``determinism._UNROLL_LEVELS`` 0 / 3: each device's subtree as nested
   scans whose carries start at ``-0.0``, or its top three levels unrolled (a
@@ -182,7 +182,7 @@ def programs(mesh, params, fsdp, k, rows, methods):
     vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                             param_shardings=out[1])
     fns["det"] = det.jit(lambda p, b: vg(p, b), out_shardings=out)
-  if "det_gather" in methods:
+  if "det_gather" in methods and fsdp:  # in DP the same program as det
     with mock.patch.object(det, "_GATHER_INSIDE_JIT", True):
       vg_g = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                                 param_shardings=out[1])
