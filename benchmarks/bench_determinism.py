@@ -29,6 +29,10 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   the host);
 * ``det``: :func:`tenplex_jax.determinism.value_and_grad` in a step compiled
   by ``determinism.jit``;
+* ``det_gather``: ``det`` with ``determinism._GATHER_INSIDE_JIT`` set: every
+  gradient all-gathered inside the step, also the FSDP ones that ``det``
+  leaves in the reduce-scatter layout (the behaviour before; FSDP cells
+  only: in DP it is ``det``'s program);
 * ``det_scan`` / ``det_unroll``: the same with
   ``determinism._UNROLL_LEVELS`` 0 / 3: each device's subtree as nested
   scans whose carries start at ``-0.0``, or its top three levels unrolled (a
@@ -86,8 +90,8 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "6m": dict(d=512, ff=2048, blocks=3),
          "25m": dict(d=1024, ff=4096, blocks=3),
          "100m": dict(d=1024, ff=4096, blocks=12)}
-METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_scan",
-           "det_unroll", "det_old")
+METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_gather",
+           "det_scan", "det_unroll", "det_old")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -178,6 +182,11 @@ def programs(mesh, params, fsdp, k, rows, methods):
     vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                             param_shardings=out[1])
     fns["det"] = det.jit(lambda p, b: vg(p, b), out_shardings=out)
+  if "det_gather" in methods and fsdp:  # in DP the same program as det
+    with mock.patch.object(det, "_GATHER_INSIDE_JIT", True):
+      vg_g = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
+                                param_shardings=out[1])
+    fns["det_gather"] = det.jit(lambda p, b: vg_g(p, b), out_shardings=out)
   for name, levels in (("det_scan", 0), ("det_unroll", 3)):
     if name in methods:
       with mock.patch.object(det, "_UNROLL_LEVELS", levels):

@@ -11,6 +11,10 @@ in a fresh process; the time is the restore call alone (imports, device
 set-up and the server are common to all):
 
 * ``store_s3``: ``tj.store.restore(["s3://bench/store"], target)``.
+* ``store_s3_fsspec`` (with ``--before``): ``store_s3`` with the bucket
+  listed and its small objects (``STORE_ID``, ``CURRENT``, manifests) read
+  one by one through s3fs, as before they went through tensorstore's
+  kvstore (:class:`tenplex_jax.cloud.KvListing`): the same run's before.
 * ``orbax_s3``: ``tenplex_jax.orbax.restore("s3://bench/orbax", target)``
   (tensorstore's ocdbt over its s3 kvstore). Orbax 0.12.8 itself cannot
   read ``s3://`` (its tensorstore spec takes only absolute file paths or
@@ -167,7 +171,7 @@ def worker(method, work):
   import tensorstore as ts
   import tenplex_jax.orbax as tjo
   from tenplex_jax.orbax import _read
-  fetched = None
+  fetched = phases = None
   t0 = time.perf_counter()
   c0 = time.process_time()
   if method == "transfer":
@@ -193,8 +197,12 @@ def worker(method, work):
                       "cpu_s": time.process_time() - c0,
                       "fetched_bytes": fetched, "objects": len(keys)}))
     return
-  if method == "store_s3":
+  if method in ("store_s3", "store_s3_fsspec"):
+    from tenplex_jax.store import objects
     from tenplex_jax.store.objects import ObjectStore
+    if method == "store_s3_fsspec":  # the small objects through s3fs
+      from tenplex_jax.cloud import Listing
+      objects.KvListing = lambda url, kv, timeout: Listing(url)
     handles = []
     init = ObjectStore.__init__
 
@@ -205,8 +213,9 @@ def worker(method, work):
     ObjectStore.__init__ = counting  # bytes_fetched: every object read
     t0 = time.perf_counter()
     c0 = time.process_time()
-    out = tj.store.restore(["s3://bench/store"], target)
+    out, rep = tj.store.restore_with_report(["s3://bench/store"], target)
     fetched = sum(h.bytes_fetched for h in handles)
+    phases = rep.seconds
   elif method == "store_local":
     out = tj.store.restore([os.path.join(work, "store")], target)
   elif method == "orbax_s3_unstaged":  # the read path before staging
@@ -251,7 +260,7 @@ def worker(method, work):
     assert a.sharding == target[f"t{i}"].sharding, (method, a.sharding)
     assert _checksum(np.asarray(a)) == sums[i], (method, i)
   print(json.dumps({"method": method, "seconds": secs, "cpu_s": cpu,
-                    "fetched_bytes": fetched}))
+                    "fetched_bytes": fetched, "phases_s": phases}))
 
 
 def stock_orbax_s3_error(target_shape):
@@ -280,6 +289,9 @@ def main():
   p.add_argument("--methods", default=None, help="comma-separated subset"
                  " of the methods (default: all); the ratios need their"
                  " baselines in the same run")
+  p.add_argument("--before", action="store_true", help="also time"
+                 " store_s3 with the small objects read through s3fs"
+                 " (store_s3_fsspec: the path before KvListing)")
   p.add_argument("--serial", action="store_true", help="also time"
                  " orbax_s3 with the staging finished before the reads"
                  " start (no overlap: the path before it)")
@@ -316,7 +328,8 @@ def main():
     fetched = {}
     methods = (tuple(args.methods.split(",")) if args.methods else METHODS) \
         + (("orbax_s3_unstaged",) if args.unstaged else ()) \
-        + (("orbax_s3_serial",) if args.serial else ())
+        + (("orbax_s3_serial",) if args.serial else ()) \
+        + (("store_s3_fsspec",) if args.before else ())
     runs = {m: [] for m in methods}
     details = {m: [] for m in methods}  # restore CPU, load after each run
     for r in range(args.repeat):
@@ -330,7 +343,9 @@ def main():
         runs[m].append(res["seconds"])
         details[m].append({"seconds": res["seconds"],
                            "cpu_s": res.get("cpu_s"),
-                           "load1": os.getloadavg()[0]})
+                           "load1": os.getloadavg()[0],
+                           **({"phases_s": res["phases_s"]}
+                              if res.get("phases_s") else {})})
         if res.get("fetched_bytes") is not None:
           fetched[m] = res["fetched_bytes"]
         print(f"round {r} {m:12s} {res['seconds']:7.2f} s  cpu"
@@ -366,6 +381,14 @@ def main():
       **({"orbax_s3_serial_vs_overlapped":
           med["orbax_s3_serial"] / med["orbax_s3"]} if args.serial
          else {}),
+      **({"store_s3_fsspec_vs_local_plus_transfer":
+          ratio("store_s3_fsspec", "store_local", "transfer"),
+          "store_s3_vs_store_s3_fsspec": ratio("store_s3", "store_s3_fsspec"),
+          "store_s3_fsspec_vs_local_plus_transfer_per_round": [
+              s3 / (lo + tr) for s3, lo, tr in zip(
+                  runs["store_s3_fsspec"], runs.get("store_local", []),
+                  runs.get("transfer", []))]}
+         if "store_s3_fsspec" in runs else {}),
       "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"]
       if "store_s3" in med and "store_local" in med else None,
       # <= 1: a store restore from S3 costs no more than a local one plus
@@ -394,6 +417,13 @@ def main():
         f" {summary['store_s3_vs_local_plus_transfer']} (per round"
         f" {summary['store_s3_vs_local_plus_transfer_per_round']}),"
         f" fetched / state = {summary['fetched_over_state']}")
+  if "store_s3_fsspec" in runs:
+    print("before (small objects through s3fs): store_s3_fsspec /"
+          " (store_local + transfer) ="
+          f" {summary['store_s3_fsspec_vs_local_plus_transfer']} (per round"
+          f" {summary['store_s3_fsspec_vs_local_plus_transfer_per_round']})"
+          f", store_s3 / store_s3_fsspec ="
+          f" {summary['store_s3_vs_store_s3_fsspec']}")
   print(f"stock Orbax from s3://: {stock_err}")
   if args.out:
     with open(args.out, "w") as f:

@@ -2,7 +2,9 @@
 
 The one place that knows how to reach a bucket. Small objects (listings,
 manifests, ``CURRENT``, JSON metadata) go through fsspec (``s3fs``,
-``gcsfs``); array bytes through tensorstore's ``s3``/``gcs`` kvstores.
+``gcsfs``), except a tenplex store's on S3 (:class:`KvListing`: through
+tensorstore, no SDK session to build); array bytes through tensorstore's
+``s3``/``gcs`` kvstores.
 Endpoint and credentials follow each ecosystem's standard environment:
 
 * S3 and S3-compatible stores: the AWS SDK's variables
@@ -30,7 +32,8 @@ import fsspec
 
 from tenplex_jax.errors import LocationError, UsageError
 
-__all__ = ["COMMIT_MARKERS", "OBJECT_SCHEMES", "Listing", "download",
+__all__ = ["COMMIT_MARKERS", "OBJECT_SCHEMES", "KvListing", "Listing",
+           "download",
            "filesystem",
            "fs_path", "join", "kvstore_spec", "location_error", "split_url",
            "upload_tree"]
@@ -212,11 +215,7 @@ class Listing:
     self.sizes = {f[n:]: int(info.get("size") or 0)
                   for f, info in found.items()
                   if f.startswith(self._base + "/")}
-    self.dirs: dict[str, set[str]] = {}
-    for k in self.files:
-      parts = k.split("/")
-      for i in range(len(parts)):
-        self.dirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
+    self.dirs = _dirs(self.files)
     self.bytes_read = 0
 
   def rel(self, url: str) -> str | None:
@@ -254,6 +253,98 @@ class Listing:
       raise location_error(url, e, "reading") from e
     self.bytes_read += len(data)
     return data
+
+
+def _dirs(files) -> dict[str, set[str]]:
+  """Directory -> names in it, of the object keys ``files``."""
+  dirs: dict[str, set[str]] = {}
+  for k in files:
+    parts = k.split("/")
+    for i in range(len(parts)):
+      dirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
+  return dirs
+
+
+class KvListing(Listing):
+  """:class:`Listing`'s tree, listed and read through a tensorstore kvstore
+  (``kv``, opened on ``url``'s prefix) instead of fsspec: one list request
+  (no SDK session to build: s3fs's first call costs 0.3-0.8 s here, most
+  of it CPU), and small objects read concurrently on tensorstore's
+  threads, those :meth:`prefetch` names all in flight at once.
+
+  Used for S3 (:class:`tenplex_jax.store.objects.ObjectStore`); not for
+  GCS emulators, which ignore the ``startOffset``/``endOffset`` of
+  tensorstore's GCS listing. No object sizes (:attr:`sizes` is empty).
+
+  Raises:
+    LocationError: the bucket does not exist, the credentials are refused
+      or the server does not answer.
+  """
+
+  def __init__(self, url: str, kv, timeout: float = 120.0):
+    self.url = url.rstrip("/")
+    self._kv = kv
+    self._timeout = timeout
+    try:
+      keys = kv.list().result(timeout=timeout)
+    except Exception as e:
+      raise location_error(self.url, e, "listing") from e
+    self.files = {k.decode() for k in keys}
+    self.sizes = {}
+    self.dirs = _dirs(self.files)
+    self._bytes = 0
+    self._lock = threading.Lock()
+    self._pending: dict[str, Any] = {}  # key -> read future (prefetch)
+
+  @property
+  def bytes_read(self) -> int:
+    """Bytes of every object read, prefetched ones included once their
+    read is done (whether or not :meth:`read` took them)."""
+    return self._bytes
+
+  def _count(self, fut) -> None:
+    try:
+      r = fut.result()
+    except Exception:  # noqa: BLE001 - raised to the reader, not here
+      return
+    if r.state == "value":
+      with self._lock:
+        self._bytes += len(r.value)
+
+  def prefetch(self, urls) -> None:
+    """Starts reading the listed objects ``urls`` (all at once, on
+    tensorstore's threads); :meth:`read` then takes each one's answer."""
+    for url in urls:
+      rel = self.rel(url)
+      if rel not in self.files:
+        continue
+      with self._lock:
+        if rel in self._pending:
+          continue
+        fut = self._pending[rel] = self._kv.read(rel)
+      fut.add_done_callback(self._count)
+
+  def read(self, url: str) -> bytes:
+    """The bytes of object ``url``; FileNotFoundError if not listed (or
+    deleted since the listing)."""
+    rel = self.rel(url)
+    if rel not in self.files:
+      raise FileNotFoundError(url)
+    with self._lock:
+      fut = self._pending.pop(rel, None)
+    counted = fut is not None
+    if fut is None:
+      fut = self._kv.read(rel)
+    try:
+      r = fut.result(timeout=self._timeout)
+    except Exception as e:
+      raise location_error(url, e, "reading") from e
+    if r.state != "value":
+      raise FileNotFoundError(url)  # deleted since the listing
+    if not counted:
+      with self._lock:
+        self._bytes += len(r.value)
+    return r.value
 
 
 def download(url: str, local: str,

@@ -380,6 +380,24 @@ _EXCHANGE_EVERY_WORKER = False
 # (``det_scan``, ``det_unroll``).
 _UNROLL_LEVELS: int | None = None
 
+# Inside the caller's jit, whether every gradient is all-gathered (True) or
+# the gradients of FSDP params (split over exactly the batch axes, known from
+# ``param_shardings``) keep the reduce-scatter layout, the params' (False),
+# each leaf's top of the tree then in a ``lax.cond`` branch of its own.
+# Read when ``value_and_grad`` is called. None picks by platform: False on
+# CPU (checked bitwise: tests/test_determinism.py), True on GPU, where a
+# conditional reads its predicate on the host (one synchronisation per
+# gradient leaf) and the sharded layout is not checked.
+# benchmarks/bench_determinism.py sets True for ``det_gather``, the "before"
+# of the same run.
+_GATHER_INSIDE_JIT: bool | None = None
+
+
+def _gather_inside_jit(mesh: Mesh) -> bool:
+  if _GATHER_INSIDE_JIT is not None:
+    return bool(_GATHER_INSIDE_JIT)
+  return mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
+
 
 def _unroll_levels(mesh: Mesh) -> int:
   if _UNROLL_LEVELS is not None:
@@ -518,9 +536,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       them from the arrays). With them FSDP params enter the workers as
       shards and are gathered inside each worker (with one worker per
       device, inside its branch: the plain step's memory) instead of before
-      the workers' ``shard_map``. The gradients still come out gathered
-      inside ``jit`` (see ``on_shards``). A leaf's sharding must be the one
-      it has in the step.
+      the workers' ``shard_map``. On CPU the gradients of params split over
+      exactly the batch axes then come out with the params' shardings (a
+      reduce-scatter's layout, each leaf's top of the tree in a
+      ``lax.cond`` branch of its own so that the update cannot fuse with
+      it); the others, and all of them on GPU, come out gathered (see
+      ``on_shards``). A leaf's sharding must be the one it has in the step.
 
   Returns:
     ``f(params, batch, *args) -> (loss, grads)``, usable inside or outside
@@ -646,8 +667,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   # one exchange per step sums the n subtrees (the top of the tree).
   aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
   unroll = _unroll_levels(mesh)
+  gather_inside_jit = _gather_inside_jit(mesh)
 
-  def body_tree(dims, gather, shard_in, params, batch, *args):
+  def body_tree(dims, gather, shard_in, isolate, params, batch, *args):
     d = lax.axis_index(axes) if n > 1 else 0
     local = jax.tree.map(
         lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), batch)
@@ -762,7 +784,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         loss, grads = jax.tree.map(jnp.add, part, (loss, grads))
 
     def top(x, a):
-      # The top of the tree over the n devices' subtrees, one chunk each.
+      # The top of the tree over the n devices' subtrees, one chunk each:
+      # device d receives chunk d of every device's subtree sum and adds
+      # the n chunks by the tree.
       if x.ndim == 0 or a is None:
         size = x.size
         x = jnp.reshape(x, (-1,))
@@ -777,7 +801,31 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       return _tree_list(chunks) / jnp.asarray(virtual_workers, x.dtype)
 
     leaves, treedef = jax.tree_util.tree_flatten(grads)
-    out = [top(x, a) for x, a in zip(leaves, dims)]
+    if not isolate:
+      out = [top(x, a) for x, a in zip(leaves, dims)]
+    else:
+      # FSDP gradients leaving in the reduce-scatter layout inside the
+      # caller's jit: XLA would fuse the top's last addition and the
+      # division by V into the optimizer update that consumes them (on one
+      # mesh; on another, where the leaf is gathered or the state
+      # replicated, the update reads an all-gather's result), and XLA:CPU
+      # then contracts other multiply-adds into fused multiply-adds (the
+      # ZeRO-3 adamw run of tests/test_determinism.py differed from the
+      # static run's). Each leaf's top runs as both branches of a
+      # ``lax.cond`` whose predicate XLA cannot know while compiling, so
+      # the update reads a plain buffer, the branch's output, on every
+      # mesh. The branch holds the all_to_all (the predicate is the same
+      # on every device): its result is the branch's temporary and the
+      # leaf's subtree sum is freed after its branch, so the tops need no
+      # more memory than the gathered path (one cond for all leaves held
+      # every leaf's exchanged chunks at once: 1.5x the gradient).
+      first = next((x for x in leaves if x.size), leaves[0])
+      pred = jnp.isnan(jnp.ravel(first)[0])
+      if n > 1:
+        pred = lax.psum(pred.astype(jnp.int32), axes) > 0
+      out = [lax.cond(pred, lambda y, a=a: top(y, a),
+                      lambda y, a=a: top(y, a), x)
+             for x, a in zip(leaves, dims)]
     # Inside the caller's jit the update consumes the gradients; handing
     # it gathered arrays (an all-gather on every mesh, 1 device included)
     # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
@@ -791,6 +839,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     return loss, out
 
   def run(params, batch, *args, dims=None, shard_in=None, gather=None):
+    isolate = gather is not None and not all(gather)
     global_batch = _check_batch(batch, virtual_workers)
     del global_batch
     arg_specs = tuple(P() for _ in args)
@@ -829,7 +878,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     param_specs = jax.tree_util.tree_unflatten(treedef, [
         P() if a is None else P(*([None] * a), spec_axes) for a in shard_in])
     smap = jax.shard_map(
-        lambda p, b, *a: body_tree(dims, gather, shard_in, p, b, *a),
+        lambda p, b, *a: body_tree(dims, gather, shard_in, isolate, p, b,
+                                   *a),
         mesh=mesh, in_specs=(param_specs, P(spec_axes), *arg_specs),
         out_specs=(P(), out_specs), axis_names=manual, check_vma=False)
     loss, out = smap(params, batch, *args)
@@ -868,11 +918,13 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       leaves, treedef = jax.tree_util.tree_flatten(params)
       specs = treedef.flatten_up_to(param_shardings)
       dims, shard_in = _dims((treedef, tuple(specs)))
-      # The gradients still come out gathered: with them split like the
-      # params (a reduce-scatter's layout) the ZeRO-3 adamw run of
-      # tests/test_determinism.py differed from the static run's update.
+      # The gradients of params split over exactly the batch axes (FSDP)
+      # keep the reduce-scatter layout, the params' (their sums computed in
+      # a conditional's branch, see body_tree); the others are gathered.
+      gather = tuple(s is None or s != a or gather_inside_jit
+                     for a, s in zip(dims, shard_in))
       return run(params, batch, *args, dims=dims, shard_in=shard_in,
-                 gather=(True,) * len(dims))
+                 gather=gather)
     # Outside jit: grads get each param's sharding when it lives on this
     # mesh's devices; otherwise (e.g. an uncommitted array on one device)
     # they come back replicated over the mesh.

@@ -117,6 +117,9 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
     parts = ("relaunch_s", "import_s", "distributed_s", "restore_s", "batch_s")
     assert all(r[k] >= 0 for k in parts), r
     assert r["reconfig_s"] <= r["resize_s"], r
+    # the new step's own parts: on the path after the restore
+    assert (r["first_step_s"], r["first_batch_s"]) == (r["step_s"], r["batch_s"]), r
+    assert r["reconfig_s"] + r["first_step_s"] <= r["resize_s"] + 1e-3, r
     assert set(r["restore_parts_s"]) == {"manifest", "plan", "read", "build", "total"}, r
     assert r["restore_parts_s"]["total"] <= r["restore_s"], r
     # started (by the launcher) before it was ready; the nice it prepared at

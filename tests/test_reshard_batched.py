@@ -328,3 +328,43 @@ def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
   for k in hosts:
     old = rmod._shards_of(tree[k])
     assert [d for d, x in old.items() if x.is_deleted()] == [1, 2]
+
+
+def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
+  # A class of many arrays is cut into groups of at most half the bytes in
+  # flight (unless one array is larger), equal shapes together, so equal
+  # groups share one cut and one glue program; results stay bitwise.
+  monkeypatch.setattr(rmod, "_FLIGHT_MIN", 40 << 10)
+  monkeypatch.setattr(rmod, "_FLIGHT_MAX", 40 << 10)
+  a = Mesh(np.array(DEVS), ("x",))
+  b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
+  hosts = {f"s{i:02d}": (np.arange(64 * 64, dtype=np.float32) * (i + 1))
+           .reshape(64, 64) for i in range(6)}  # 16 KiB each
+  hosts.update({f"w{i}": (np.arange(64 * 256, dtype=np.float32) - i)
+                .reshape(64, 256) for i in range(2)})  # 64 KiB each
+  src = NamedSharding(a, P("x"))
+  target = {k: NamedSharding(b, P("p", "q")) for k in hosts}
+  seen = []
+  real_groups = rmod._groups
+
+  def spy(batch, flight):
+    out = real_groups(batch, flight)
+    seen.append((flight, [(len(m), nb) for _, _, m, nb in out]))
+    return out
+
+  monkeypatch.setattr(rmod, "_groups", spy)
+  for _ in range(2):  # the second call: a fresh source, nothing compiled
+    tree = {k: jax.device_put(v, src) for k, v in hosts.items()}
+    with CompileCounter() as c:
+      out = tj.reshard(tree, target, method="generic")
+      jax.block_until_ready(out)
+    for k, v in out.items():
+      assert v.sharding == target[k]
+      for s in v.addressable_shards:
+        assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
+    flight, groups = seen[-1]
+    assert flight == 40 << 10
+    # Six 16 KiB arrays: one per group (two exceed the 20 KiB cap); the
+    # 64 KiB arrays alone each.
+    assert sorted(groups) == [(1, 16 << 10)] * 6 + [(1, 64 << 10)] * 2
+    assert c.n <= 4 if _ == 0 else c.n == 0, c.n  # two shapes

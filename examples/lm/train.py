@@ -739,7 +739,8 @@ def assemble(records_path, job_dir):
   ``restore_s``; ``reconfig_bytes`` the bytes the new processes read from the
   stores (``network_bytes`` of them from other hosts' store servers). It
   also has ``resize_s`` (save call to the new step's end: compilation and
-  the step included), ``standby`` (whether process 0 was a standby),
+  the step included; ``first_batch_s`` and ``first_step_s``: the new step's
+  ``batch_s`` and ``step_s``), ``standby`` (whether process 0 was a standby),
   ``xla_compiles`` (the step's XLA compilations in process 0; 0 when jax's
   persistent compilation cache had them all), ``xla_compiles_procs`` (each
   process's ``[compilations, cache hits]``) and ``compile_cache_hit`` (no
@@ -813,6 +814,7 @@ def assemble(records_path, job_dir):
                    import_s=pending["import_s"], init_s=pending["init_s"],
                    distributed_s=pending["init_s"], restore_s=pending["restore_s"],
                    resize_s=e["time"] - base, standby=pending["standby"],
+                   first_step_s=e["step_s"], first_batch_s=e["batch_s"],
                    ahead=bool(pending.get("ahead")),
                    xla_compiles_procs=_compiles(job_dir, pending["generation"]),
                    reconfig_bytes=local + net, network_bytes=net,

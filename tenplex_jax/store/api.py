@@ -993,47 +993,66 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   # buffer without another copy (CPU devices alias aligned host memory).
   mine = {d.id for d in jax.local_devices()}
   bufs: dict[tuple[str, Box], np.ndarray] = {}
-  # Large states on CPU: XLA's own buffers, so that the first step after
-  # the restore can donate them (_owned_arrays).
-  owned = _owned_arrays(dst_sds, tinfo, dst_ptc.nbytes)
-  views = {name: _writable(a, np.dtype(tinfo[name]["storage"]))
-           for name, a in owned.items()}
-
-  def alloc(nb: NewBox) -> np.ndarray:
-    info = tinfo[nb.path]
-    if nb.path in views:  # the first holder's buffer; copied to the others
-      buf = bufs[(nb.path, nb.box)] = views[nb.path][nb.holders[0]]
-      return buf
-    # Every byte is written next (the pieces tile the box): populated
-    # below, once a bucket's requests are on their way.
-    buf = bufs[(nb.path, nb.box)] = host_empty(
-        nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
-    return buf
-
-  filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
   maps = ChunkMaps()  # local chunks, each mapped and checked once
-  jobs, planned_net, host_lb, dev_piece = _rank_copies(
-      filled, the_plan, dst_ptc, saved, rid, my_host, maps)
-  per_source = collections.Counter()
-  counts = {"local": 0, "net": 0}
   buckets = [s.handle for s in sources
              if isinstance(s.handle, HostStore) and s.handle.remote]
   if buckets:
-    # Reads from a bucket wait on the network, not on this host: more in
-    # flight, and every piece the first-choice copies read is announced
-    # up front, before the buffers are populated, so that the chunk
-    # objects are fetched in the order the pieces are read, a bounded
-    # window ahead of the copies (ObjectStore.prefetch).
-    workers = max(workers, _OBJECT_WORKERS)
-    for path, box, _, cands, _ in jobs:
+    # Reads from a bucket wait on the network, not on this host: every
+    # piece the first-choice copies read is announced before anything
+    # else (ObjectStore.prefetch), so that the chunk objects are fetched
+    # in the order the pieces are read, a bounded window ahead of the
+    # copies, while the new arrays are allocated (XLA's zeros program: a
+    # compile and a pass over the state, 0.2-0.5 s for 1 GiB here) and
+    # populated. The pieces are those ranked below, found here on
+    # stand-ins of the new boxes (same shapes, no memory).
+    def stand_in(nb: NewBox) -> np.ndarray:
+      info = tinfo[nb.path]
+      return np.broadcast_to(np.empty((), np.dtype(info["storage"])),
+                             nb.shape + tuple(info["extra"]))
+
+    ahead = _rank_copies(fill(new_boxes(the_plan, dst_ptc, mine), stand_in),
+                         the_plan, dst_ptc, saved, rid, my_host, maps)[0]
+    for path, box, _, cands, _ in ahead:
       if cands and cands[0].name not in dead:
         pre = getattr(cands[0], "prefetch", None)
         if pre is not None:
           pre(path, box)
-  # The new boxes' pages made resident in one call each (while a bucket
-  # answers the requests above) instead of a fault per page as they fill.
-  for buf in bufs.values():
-    populate(buf)
+    del ahead
+  try:  # the announced fetches dropped if anything fails before the
+    # reads (which drop them after)
+    # Large states on CPU: XLA's own buffers, so that the first step after
+    # the restore can donate them (_owned_arrays).
+    owned = _owned_arrays(dst_sds, tinfo, dst_ptc.nbytes)
+    views = {name: _writable(a, np.dtype(tinfo[name]["storage"]))
+             for name, a in owned.items()}
+
+    def alloc(nb: NewBox) -> np.ndarray:
+      info = tinfo[nb.path]
+      if nb.path in views:  # the first holder's buffer; copied to the others
+        buf = bufs[(nb.path, nb.box)] = views[nb.path][nb.holders[0]]
+        return buf
+      # Every byte is written next (the pieces tile the box): populated
+      # below, once a bucket's requests are on their way.
+      buf = bufs[(nb.path, nb.box)] = host_empty(
+          nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
+      return buf
+
+    filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
+    jobs, planned_net, host_lb, dev_piece = _rank_copies(
+        filled, the_plan, dst_ptc, saved, rid, my_host, maps)
+    per_source = collections.Counter()
+    counts = {"local": 0, "net": 0}
+    if buckets:
+      workers = max(workers, _OBJECT_WORKERS)  # more reads in flight
+    # The new boxes' pages made resident in one call each (while a bucket
+    # answers the requests above) instead of a fault per page as they fill.
+    for buf in bufs.values():
+      populate(buf)
+  except BaseException:
+    maps.close()
+    for h in buckets:
+      h.drop_prefetched()
+    raise
   try:
     served, errs = fetch_pieces(jobs, workers=workers, dead=dead,
                                 batch_bytes=_BATCH_BYTES,

@@ -14,8 +14,10 @@ a manifest, which no restore uses (the previous round stays the newest)
 and :func:`gc_objects` deletes.
 
 Reading (:class:`ObjectStore`): one listing when the handle opens; small
-objects (manifests, ``CURRENT``, ``STORE_ID``) through fsspec; chunk files
-through tensorstore's ``s3``/``gcs`` kvstore, each fetched whole (a chunk
+objects (manifests, ``CURRENT``, ``STORE_ID``) through tensorstore's ``s3``
+kvstore on S3 (all of a store's at once when its rounds are listed), through
+fsspec on GCS; chunk files through tensorstore's ``s3``/``gcs`` kvstore,
+each fetched whole (a chunk
 is at most 16 MiB and is checked against its crc32c before its bytes are
 used) and only once per restore. Reading never creates or changes an
 object.
@@ -34,8 +36,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from tenplex_jax.cloud import (Listing, filesystem, fs_path, kvstore_spec,
-                               location_error, split_url)
+from tenplex_jax.cloud import (KvListing, Listing, filesystem, fs_path,
+                               kvstore_spec, location_error, split_url)
 from tenplex_jax.errors import ChecksumError, StoreError
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax.store.format import (ChunkMaps, ChunkWalk, HostStore, crc32c,
@@ -53,6 +55,7 @@ _TIMEOUT_S = 120.0
 # ObjectStore.prefetch): enough requests in flight to keep a server busy,
 # and the restore's memory beyond its new shards bounded by it.
 _AHEAD_BYTES = 256 << 20
+_WHERES = 1 << 14  # boxes whose place ObjectStore._where remembers
 
 
 class _Fetch:
@@ -84,7 +87,7 @@ class ObjectStore(HostStore):
 
   Attributes:
     bytes_fetched: bytes read from the bucket by this handle (listings
-      not counted).
+      not counted; small objects read ahead counted once read).
 
   Raises:
     LocationError: the bucket does not exist, the credentials are refused
@@ -111,8 +114,33 @@ class ObjectStore(HostStore):
     self._announced: collections.Counter = collections.Counter()
     self._ahead = 0  # bytes of started fetches not done with
     self._spare: dict[tuple, list] = {}  # free chunk buffers by shape
-    self.bytes_fetched = 0
-    self._tree = Listing(self.root)
+    self._chunk_bytes = 0
+    self._wheres: dict[tuple, tuple] = {}  # see _where
+    # S3: listed and small objects read through the kvstore the chunks
+    # use (tensorstore's threads, no SDK session to build). GCS: fsspec
+    # (emulators ignore the offsets of tensorstore's GCS listing).
+    self._tree = KvListing(self.root, self._kvstore(), _TIMEOUT_S) \
+        if scheme == "s3" else Listing(self.root)
+    self._prefetch_small([self.root + "/STORE_ID"])
+
+  @property
+  def bytes_fetched(self) -> int:
+    return self._chunk_bytes + self._tree.bytes_read
+
+  def _prefetch_small(self, urls) -> None:
+    pre = getattr(self._tree, "prefetch", None)  # KvListing's
+    if pre is not None:
+      pre(urls)
+
+  def all_rounds(self):
+    # Every CURRENT and manifest it reads, requested at once (S3).
+    urls = []
+    for p in self.procs():
+      pdir = self._pdir(p)
+      urls.append(pdir + "/CURRENT")
+      urls += [f"{pdir}/{n}/manifest.json" for n in self._names(p)]
+    self._prefetch_small(urls)
+    return super().all_rounds()
 
   def _rel(self, path: str) -> str:
     rel = self._tree.rel(path)
@@ -127,10 +155,7 @@ class ObjectStore(HostStore):
     return self._tree.isfile(path) or self._tree.isdir(path)
 
   def _read_small(self, path: str) -> bytes:
-    data = self._tree.read(path)
-    with self._lock:
-      self.bytes_fetched += len(data)
-    return data
+    return self._tree.read(path)
 
   def _current(self, pdir: str) -> str | None:
     try:
@@ -176,14 +201,13 @@ class ObjectStore(HostStore):
                      " which object storage does not hold")
 
   def _kvstore(self):
+    ctx = self._context()  # the chunk reads' too: one connection pool
     with self._lock:
       if self._kv is None:
-        spec = kvstore_spec(self.root)
-        retries = "s3_request_retries" if self.scheme == "s3" \
-            else "gcs_request_retries"
-        spec["context"] = {retries: _RETRIES}
         try:
-          self._kv = ts.KvStore.open(spec).result(timeout=_TIMEOUT_S)
+          self._kv = ts.KvStore.open(
+              kvstore_spec(self.root), context=ctx).result(
+                  timeout=_TIMEOUT_S)
         except Exception as e:
           raise location_error(self.root, e, "opening") from e
       return self._kv
@@ -229,7 +253,7 @@ class ObjectStore(HostStore):
     arr = self._zarr(f.fname, w)
     src = arr[lo:hi].translate_to[(0,) * w.ndim]
     with self._lock:
-      self.bytes_fetched += w.chunk_bytes + 4
+      self._chunk_bytes += w.chunk_bytes + 4
     return ts.array(buf[:hi - lo], copy=False, write=True).write(src)
 
   def _finish(self, f: _Fetch, buf: np.ndarray, done) -> np.ndarray:
@@ -343,7 +367,7 @@ class ObjectStore(HostStore):
       raise StoreError(f"{what}: chunk object {fname} is missing")
     data = np.frombuffer(r.value, np.uint8)
     with self._lock:
-      self.bytes_fetched += data.nbytes
+      self._chunk_bytes += data.nbytes
     if data.nbytes != chunk_bytes + 4:
       raise ChecksumError(f"{what}: chunk checksum mismatch: the chunk"
                           f" object has {data.nbytes} bytes, not"
@@ -365,13 +389,10 @@ class ObjectStore(HostStore):
     restore announces every piece before reading, so that the transfer
     runs ahead of the copies and checks."""
     try:
-      proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+      proc, t, b, held, snap, w = self._where(path, box, proc, step, round)
     except StoreError:  # read_into raises it with its context
       return
-    if "chunk_rows" not in b:
-      return
-    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
-    if not w.ndim or 0 in w.hshape:
+    if w is None or not w.ndim or 0 in w.hshape:
       return
     with self._lock:
       self._announced[_read_key(snap, path, box)] += 1
@@ -384,6 +405,29 @@ class ObjectStore(HostStore):
           self._queue.append(f)
         f.uses += 1
     self._pump()
+
+  def _where(self, path, box, proc, step, round):
+    """:meth:`_locate` and the box's :class:`ChunkWalk` (None: not in
+    chunk files), remembered per handle: the listing and the manifests
+    are read once when the handle opens, so the answer cannot change, and
+    a restore asks twice per piece (:meth:`prefetch`, :meth:`read_into`),
+    which cost 1-2 ms of CPU each (the snapshot's round, the box, the
+    chunk list)."""
+    key = (path, tuple(tuple(int(x) for x in r) for r in box), proc, step,
+           round)
+    with self._lock:
+      got = self._wheres.get(key)
+    if got is not None:
+      return got
+    proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT) \
+        if "chunk_rows" in b else None
+    got = (proc, t, b, held, snap, w)
+    with self._lock:
+      if len(self._wheres) >= _WHERES:
+        self._wheres.clear()
+      self._wheres[key] = got
+    return got
 
   def drop_prefetched(self) -> None:
     """Forgets the announced fetches no read took, and the spare buffers
@@ -405,7 +449,7 @@ class ObjectStore(HostStore):
     each chunk it touches is fetched whole once per ``maps`` (one
     restore), checked, and its rows copied into ``dest``. See
     :meth:`HostStore.read_into`."""
-    proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    proc, t, b, held, snap, w = self._where(path, box, proc, step, round)
     storage = np.dtype(t["storage"])
     shape = tuple(hi - lo for lo, hi in box) + tuple(t["extra"])
     if dest.shape != shape or dest.dtype != storage:
@@ -414,9 +458,8 @@ class ObjectStore(HostStore):
                        f" {storage}{list(shape)}")
     if 0 in shape:
       return 0
-    if "chunk_rows" not in b:
+    if w is None:
       self._array(snap, b["dir"])
-    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, _KEYROOT)
     maps = ChunkMaps() if maps is None else maps
     key = _read_key(snap, path, box)
     with self._lock:  # an announced read takes its chunks' fetches
