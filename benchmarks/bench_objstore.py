@@ -263,7 +263,8 @@ def worker(method, work):
     assert a.sharding == target[f"t{i}"].sharding, (method, a.sharding)
     assert _checksum(np.asarray(a)) == sums[i], (method, i)
   print(json.dumps({"method": method, "seconds": secs, "cpu_s": cpu,
-                    "fetched_bytes": fetched, "phases_s": phases}))
+                    "fetched_bytes": fetched, "phases_s": phases,
+                    "tenplex_jax": os.path.dirname(tj.__file__)}))
 
 
 def stock_orbax_s3_error(target_shape):
@@ -354,6 +355,7 @@ def main():
         details[m].append({"seconds": res["seconds"],
                            "cpu_s": res.get("cpu_s"),
                            "load1": os.getloadavg()[0],
+                           "tenplex_jax": res.get("tenplex_jax"),
                            **({"phases_s": res["phases_s"]}
                               if res.get("phases_s") else {})})
         if res.get("fetched_bytes") is not None:
