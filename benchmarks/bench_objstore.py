@@ -15,6 +15,9 @@ set-up and the server are common to all):
   listed and its small objects (``STORE_ID``, ``CURRENT``, manifests) read
   one by one through s3fs, as before they went through tensorstore's
   kvstore (:class:`tenplex_jax.cloud.KvListing`): the same run's before.
+* ``store_s3_base`` (with ``--base-tree DIR``): ``store_s3`` with
+  ``tenplex_jax`` imported from ``DIR`` (e.g. ``git worktree add DIR
+  COMMIT``): another version's store restore, in the same run.
 * ``orbax_s3``: ``tenplex_jax.orbax.restore("s3://bench/orbax", target)``
   (tensorstore's ocdbt over its s3 kvstore). Orbax 0.12.8 itself cannot
   read ``s3://`` (its tensorstore spec takes only absolute file paths or
@@ -197,7 +200,7 @@ def worker(method, work):
                       "cpu_s": time.process_time() - c0,
                       "fetched_bytes": fetched, "objects": len(keys)}))
     return
-  if method in ("store_s3", "store_s3_fsspec"):
+  if method in ("store_s3", "store_s3_fsspec", "store_s3_base"):
     from tenplex_jax.store import objects
     from tenplex_jax.store.objects import ObjectStore
     if method == "store_s3_fsspec":  # the small objects through s3fs
@@ -260,7 +263,8 @@ def worker(method, work):
     assert a.sharding == target[f"t{i}"].sharding, (method, a.sharding)
     assert _checksum(np.asarray(a)) == sums[i], (method, i)
   print(json.dumps({"method": method, "seconds": secs, "cpu_s": cpu,
-                    "fetched_bytes": fetched, "phases_s": phases}))
+                    "fetched_bytes": fetched, "phases_s": phases,
+                    "tenplex_jax": os.path.dirname(tj.__file__)}))
 
 
 def stock_orbax_s3_error(target_shape):
@@ -292,6 +296,9 @@ def main():
   p.add_argument("--before", action="store_true", help="also time"
                  " store_s3 with the small objects read through s3fs"
                  " (store_s3_fsspec: the path before KvListing)")
+  p.add_argument("--base-tree", default=None, help="also time store_s3"
+                 " with tenplex_jax imported from this directory"
+                 " (store_s3_base: another version, same run)")
   p.add_argument("--serial", action="store_true", help="also time"
                  " orbax_s3 with the staging finished before the reads"
                  " start (no overlap: the path before it)")
@@ -329,13 +336,17 @@ def main():
     methods = (tuple(args.methods.split(",")) if args.methods else METHODS) \
         + (("orbax_s3_unstaged",) if args.unstaged else ()) \
         + (("orbax_s3_serial",) if args.serial else ()) \
-        + (("store_s3_fsspec",) if args.before else ())
+        + (("store_s3_fsspec",) if args.before else ()) \
+        + (("store_s3_base",) if args.base_tree else ())
     runs = {m: [] for m in methods}
     details = {m: [] for m in methods}  # restore CPU, load after each run
     for r in range(args.repeat):
       order = methods[r % len(methods):] + methods[:r % len(methods)]
       for m in order:
-        out = subprocess.run(me + ["--worker", m], env=env,
+        wenv = env if m != "store_s3_base" else dict(
+            env, PYTHONPATH=os.path.abspath(args.base_tree) + os.pathsep
+            + env["PYTHONPATH"])
+        out = subprocess.run(me + ["--worker", m], env=wenv,
                              capture_output=True, text=True)
         if out.returncode:
           raise SystemExit(f"{m} failed:\n{out.stderr[-3000:]}")
@@ -344,6 +355,7 @@ def main():
         details[m].append({"seconds": res["seconds"],
                            "cpu_s": res.get("cpu_s"),
                            "load1": os.getloadavg()[0],
+                           "tenplex_jax": res.get("tenplex_jax"),
                            **({"phases_s": res["phases_s"]}
                               if res.get("phases_s") else {})})
         if res.get("fetched_bytes") is not None:
@@ -389,6 +401,15 @@ def main():
                   runs["store_s3_fsspec"], runs.get("store_local", []),
                   runs.get("transfer", []))]}
          if "store_s3_fsspec" in runs else {}),
+      **({"base_tree": args.base_tree,
+          "store_s3_base_vs_local_plus_transfer":
+          ratio("store_s3_base", "store_local", "transfer"),
+          "store_s3_vs_store_s3_base": ratio("store_s3", "store_s3_base"),
+          "store_s3_base_vs_local_plus_transfer_per_round": [
+              s3 / (lo + tr) for s3, lo, tr in zip(
+                  runs["store_s3_base"], runs.get("store_local", []),
+                  runs.get("transfer", []))]}
+         if "store_s3_base" in runs else {}),
       "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"]
       if "store_s3" in med and "store_local" in med else None,
       # <= 1: a store restore from S3 costs no more than a local one plus
@@ -424,6 +445,13 @@ def main():
           f" {summary['store_s3_fsspec_vs_local_plus_transfer_per_round']})"
           f", store_s3 / store_s3_fsspec ="
           f" {summary['store_s3_vs_store_s3_fsspec']}")
+  if "store_s3_base" in runs:
+    print(f"base tree {args.base_tree}: store_s3_base / (store_local +"
+          " transfer) ="
+          f" {summary['store_s3_base_vs_local_plus_transfer']} (per round"
+          f" {summary['store_s3_base_vs_local_plus_transfer_per_round']})"
+          f", store_s3 / store_s3_base ="
+          f" {summary['store_s3_vs_store_s3_base']}")
   print(f"stock Orbax from s3://: {stock_err}")
   if args.out:
     with open(args.out, "w") as f:

@@ -211,12 +211,14 @@ class ReadStats:
 
 def read_source(source: Source, filled: Iterable[Filled], *,
                 inflight_bytes: int = 32 << 20,
-                stats: ReadStats | None = None) -> ReadStats:
+                stats: ReadStats | None = None,
+                min_reads: int = 2) -> ReadStats:
   """Reads every piece of ``filled`` from ``source`` into its view.
 
   Reads overlap (``Source.read_async``), with at most ``inflight_bytes`` of
-  source boxes being read at once (but always two, so that two cores
-  decode). From a source whose boxes are read whole
+  source boxes being read at once, but always ``min_reads`` (default two,
+  so that two cores decode; 1 makes the bound strict but for a box larger
+  than it). From a source whose boxes are read whole
   (``Source.whole_boxes``: compressed chunks) the pieces one source box
   gives the boxes of one tensor are read together: from a source whose
   reads of parts of one box started together share one read of it
@@ -238,7 +240,7 @@ def read_source(source: Source, filled: Iterable[Filled], *,
   def issue(path, reads, cost, tmp=None, scatter=()):
     """Starts ``reads`` ((box, out) of one source box) together."""
     nonlocal inflight
-    while len(pending) >= 2 and inflight + cost > inflight_bytes:
+    while len(pending) >= min_reads and inflight + cost > inflight_bytes:
       retire()
     futs: list = []
     pending.append((futs, cost, tmp, scatter))  # started reads, also on error
@@ -540,7 +542,7 @@ def _impl_name(dtype) -> str:
 
 
 def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
-             mesh: jax.sharding.Mesh | None = None
+             mesh: jax.sharding.Mesh | None = None, min_reads: int = 2
              ) -> tuple[Any, AssembleReport]:
   """Restores ``target``'s arrays from ``source``; call in every process.
 
@@ -561,6 +563,8 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
       at their path when there is one (a whole-array read), else pass
       through.
     inflight_bytes: bound on the source bytes being read at once.
+    min_reads: reads kept in flight even past ``inflight_bytes`` (see
+      :func:`read_source`).
     mesh: the concrete mesh for target shardings on an ``AbstractMesh``
       (default: the mesh in context, ``jax.set_mesh``).
 
@@ -611,7 +615,7 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   ordered = type(source).read_order is not Source.read_order
   st = read_source(source, fill(new_boxes(
       the_plan, dst, mine, source.read_order if ordered else None), alloc),
-                   inflight_bytes=inflight_bytes)
+                   inflight_bytes=inflight_bytes, min_reads=min_reads)
   new_bytes = sum(b.nbytes for b in bufs.values())
   t2 = time.perf_counter()
   # Every shard of every leaf in one batched transfer, then the arrays.

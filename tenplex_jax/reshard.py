@@ -1007,9 +1007,10 @@ def _run_generic(batch: list) -> list:
 # sub-block) moves the packed buffers; one SPMD program over the target mesh
 # unpacks them and joins each array's sub-blocks into its new shard. The
 # number of transfers and program launches is that of one array per group,
-# not per array (lm1b SMALL: 128 transfers and 10 launches per call, against
-# 3,552 and 147 with one array per program). A group holds at most _GROUP_SLICES
-# sub-block slices per program and half the bytes allowed in flight (an eighth
+# not per array (lm1b SMALL with its 5 classes in 5 groups: 128 transfers and
+# 10 launches per call, against 3,552 and 147 with one array per program; cut
+# by bytes as below, 25 groups). A group holds at most _GROUP_SLICES
+# sub-block slices per program and half the bytes allowed in flight (a sixteenth
 # of the state, 4-256 MiB), so no program grows with the state; groups run one
 # after another within that bound, each one's packed copies let go once used,
 # so a call holds its results and a bounded part of the state twice more, not
@@ -1212,39 +1213,50 @@ def _ensure_group_programs(keys: list) -> list:
 
 
 def _flight_bytes(batch: list) -> int:
-  """The bytes of groups whose intermediates may be alive at once: an
-  eighth of the arrays moved, 4 MiB to 256 MiB."""
+  """The bytes of groups whose intermediates may be alive at once: a
+  sixteenth of the arrays moved, 4 MiB to 256 MiB. Smaller groups hold
+  less memory and cost more launches and, where their shapes differ, more
+  programs (lm1b SMALL's cold peak RSS rise with an eighth: 119-123 MiB, a
+  sixteenth: 106-113, a 32nd: 103)."""
   total = sum(x.nbytes for _, x, _ in batch)
-  return min(_FLIGHT_MAX, max(_FLIGHT_MIN, total // 8))
+  return min(_FLIGHT_MAX, max(_FLIGHT_MIN, total // 16))
 
 
 def _groups(batch: list, flight: int) -> list:
   """``batch`` (``(program, array, target)`` triples) split into groups of
-  one class and dtype, each at most _GROUP_SLICES slices per program and
-  ``flight // 2`` bytes (unless one member is larger): ``(key, moves,
-  members, nbytes)`` with ``key`` the programs' cache key. Members are
-  taken in order of shape, so a class of many equal arrays splits into
-  groups of equal shapes, which share their programs."""
+  one class and dtype, each at most _GROUP_SLICES slices per program:
+  ``(key, moves, members, nbytes)`` with ``key`` the programs' cache key.
+  Arrays of a shape that occurs several times in a class go in groups of
+  that shape alone, at most ``flight // 2`` bytes each (unless one array is
+  larger), which share their programs; the others (each a program of its
+  own however they are split) in groups of at most ``flight`` bytes."""
   by_key: dict = {}
   for n, (_, x, s) in enumerate(batch):
     by_key.setdefault((x.sharding, s, x.ndim, x.dtype), []).append(n)
-  cap = max(1, flight // 2)
   out = []
   for (src, dst, ndim, dtype), members in by_key.items():
     moves = _class_moves(src, dst, ndim)
     per = max(1, _GROUP_SLICES // max(len(moves.cut_grid),
                                       len(moves.glue_grid)))
-    members = sorted(members, key=lambda n: tuple(batch[n][1].shape))
-    part, nbytes = [], 0
-    for n in members + [None]:
-      b = 0 if n is None else batch[n][1].nbytes
-      if part and (n is None or len(part) == per or nbytes + b > cap):
-        shapes = tuple(tuple(batch[m][1].shape) for m in part)
-        out.append(((src, dst, dtype, shapes), moves, part, nbytes))
-        part, nbytes = [], 0
-      if n is not None:
-        part.append(n)
-        nbytes += b
+    by_shape: dict = {}
+    for n in members:
+      by_shape.setdefault(tuple(batch[n][1].shape), []).append(n)
+    runs, mixed = [], []
+    for shape in sorted(by_shape):
+      (runs if len(by_shape[shape]) > 1 else mixed).append(by_shape[shape])
+    runs = [(r, flight // 2) for r in runs]
+    runs.append(([n for r in mixed for n in r], flight))
+    for run, cap in runs:
+      part, nbytes = [], 0
+      for n in run + [None]:
+        b = 0 if n is None else batch[n][1].nbytes
+        if part and (n is None or len(part) == per or nbytes + b > cap):
+          shapes = tuple(tuple(batch[m][1].shape) for m in part)
+          out.append(((src, dst, dtype, shapes), moves, part, nbytes))
+          part, nbytes = [], 0
+        if n is not None:
+          part.append(n)
+          nbytes += b
   return out
 
 

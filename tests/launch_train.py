@@ -18,7 +18,8 @@ failure; it writes the same files; ``TRAIN_WAIT_READY=S:G:M``: generation 0
 waits at step S until the M processes of generation G are ready for their
 turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
 with code 3 after step S; KIND ``host`` first deletes its store, as if its
-host were lost; KIND ``midsave`` exits before its ``save_snapshot`` of step
+host were lost; KIND ``server`` first SIGKILLs its store server (its
+store stays); KIND ``midsave`` exits before its ``save_snapshot`` of step
 S, once process 0 has committed that snapshot: a crash in the middle of a
 save round; ``TRAIN_CRASH_ALWAYS=1`` crashes in every generation).
 Process 0 writes ``JOB_DIR/final.json`` at the end.
@@ -47,6 +48,36 @@ n = 12
 def init():
   return {"w": jax.make_array_from_callback(
       (n,), sh, lambda idx: np.arange(n, dtype=np.float32)[idx]), "step": 0}
+
+
+def kill_store_server(store_dir):
+  """SIGKILLs the launcher's store server for ``store_dir`` (a sibling of
+  this process: same parent, ``store serve --dir store_dir``) and waits
+  until it has exited."""
+  pid = None
+  for d in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{d}/cmdline", "rb") as f:
+        argv = f.read().decode().split("\0")
+      with open(f"/proc/{d}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+      continue
+    if (ppid == os.getppid() and "serve" in argv and "--dir" in argv
+        and argv[argv.index("--dir") + 1:][:1] == [store_dir]):
+      pid = int(d)
+  assert pid is not None, f"no store server for {store_dir}"
+  os.kill(pid, signal.SIGKILL)
+  deadline = time.time() + 60
+  while time.time() < deadline:  # until it is a zombie (or reaped)
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+          return
+    except OSError:
+      return
+    time.sleep(0.05)
+  raise TimeoutError(f"store server {pid} still running")
 
 
 def env_int(name):
@@ -128,6 +159,8 @@ while step < total:
     if int(s) == step and int(p) == info["process_id"]:
       if kind == "host":
         shutil.rmtree(info["store"])
+      if kind == "server":
+        kill_store_server(info["store"])
       print(f"launch_train: process {p} crashes at step {step}", flush=True)
       os._exit(3)
   wait_ready = os.environ.get("TRAIN_WAIT_READY")

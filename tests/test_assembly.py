@@ -161,6 +161,57 @@ def test_read_source_groups_pieces_of_one_whole_box():
   assert st.reads == st.pieces == 8 == len(reads)
 
 
+def test_read_source_bounds_the_reads_in_flight():
+  """At most ``inflight_bytes`` of source boxes are read at once, but
+  always ``min_reads``: two by default, one when the bound is strict."""
+  import concurrent.futures
+  full = np.arange(64, dtype=np.float32).reshape(8, 8)
+  state = {"open": 0, "most": 0}
+
+  class Done(concurrent.futures.Future):
+    def result(self, timeout=None):
+      state["open"] -= 1
+      return super().result(timeout)
+
+  class Rows(Source):
+    def tensors(self):
+      return {"w": SourceTensor("w", (8, 8), "float32",
+                                np.dtype(np.float32),
+                                boxes=tuple(((i, i + 1), (0, 8))
+                                            for i in range(8)))}
+
+    def read_into(self, path, box, out):
+      out[...] = full[tuple(slice(a, b) for a, b in box)]
+
+    def read_async(self, path, box, out):
+      self.read_into(path, box, out)
+      state["open"] += 1
+      state["most"] = max(state["most"], state["open"])
+      f = Done()
+      f.set_result(None)
+      return f
+
+  src = Rows()
+  tgt = PTC.from_tree({"w": jax.ShapeDtypeStruct(
+      (8, 8), jnp.float32, sharding=NamedSharding(_mesh((1,), ("t",)),
+                                                  P()))})
+  the_plan = plan(assembly.source_layout(src.tensors()), tgt)
+  for kw, most in (({"inflight_bytes": 16}, 2),
+                   ({"inflight_bytes": 16, "min_reads": 1}, 1),
+                   ({"inflight_bytes": 64, "min_reads": 1}, 2),
+                   ({"inflight_bytes": 96}, 3)):
+    bufs = {}
+    state.update(open=0, most=0)
+    st = assembly.read_source(src, assembly.fill(
+        assembly.new_boxes(the_plan, tgt),
+        lambda nb: bufs.setdefault(nb.box, np.empty(nb.shape, np.float32))),
+        **kw)
+    assert st.reads == 8 and state["open"] == 0
+    assert state["most"] == most, (kw, state["most"])  # each box 32 bytes
+    (box, buf), = bufs.items()
+    assert buf.tobytes() == full.tobytes()
+
+
 def test_sources_module_is_the_interface_only():
   from tenplex_jax import sources
   assert set(sources.__all__) == {"DEVICE", "HOST", "PEER", "PERSISTENT",

@@ -177,6 +177,38 @@ def test_every_failure_kind_is_named_and_recovered_in_seconds(tmp):
       for f in fails))
 
 
+def test_a_store_server_that_died_is_restarted_for_the_next_generation(tmp):
+  # Process 1 of 2 SIGKILLs its store server after its snapshot of step 4
+  # and of step 5 is done, then exits (its store directory stays). The job
+  # shrinks to 1 process, whose restore needs process 1's half of step 4:
+  # it is only in store 1, which only a store server serves to process 0:
+  # the one the launcher started again for slot 1 (a new port).
+  job = os.path.join(tmp, "job")
+  with launcher(tmp, train(7), "--procs", "2", "--on-failure", "shrink",
+                TRAIN_SNAPSHOT_EVERY=2, TRAIN_CRASH="5:1:server"
+                ) as (p, log, seen):
+    rc, out = finish(p, log)
+    seen.update(pids_of(job))
+  assert rc == 0, out[-5000:]
+  assert "the store server of slot 1 died (exit -9); restarting it" in out, \
+      out[-5000:]
+  assert "at step 5; restart 1 of 3 on 1 processes" in out, out[-5000:]
+  rec = json.loads(_text(os.path.join(job, "recovery_1.json")))
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["source"], rec["dead_sources"], rec["lost_processes"]) == \
+      (5, 4, 1, "stores", [], []), rec
+  rep = json.loads(_text(os.path.join(job, "restore_0_1.json")))
+  urls = [u for u in rep["per_source_bytes"] if u.startswith("http")]
+  assert len(urls) == 1 and not rep["from_checkpoint"], rep
+  server_log = _text(os.path.join(job, "server_1.log"))
+  ports = re.findall(r"serving \S+ on http://127\.0\.0\.1:(\d+)",
+                     server_log)  # the first server's, the new one's
+  assert len(set(ports)) == 2 and urls[0].endswith(":" + ports[-1]), (
+      rep, server_log)
+  check_final(job, procs=1, step=7, generation=1)
+  assert not [pid for pid in seen if _alive(pid) and seen.same(pid)], out
+
+
 SLEEPER = [sys.executable, "-c",
            "import os, time; print('pid', os.getpid(), flush=True);"
            " time.sleep(120)"]

@@ -331,9 +331,10 @@ def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
 
 
 def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
-  # A class of many arrays is cut into groups of at most half the bytes in
-  # flight (unless one array is larger), equal shapes together, so equal
-  # groups share one cut and one glue program; results stay bitwise.
+  # Arrays of a shape that repeats go in groups of that shape of at most half
+  # the bytes in flight (unless one array is larger), which share one cut
+  # and one glue program; arrays of shapes seen once go in groups of at most
+  # the bytes in flight. Results stay bitwise.
   monkeypatch.setattr(rmod, "_FLIGHT_MIN", 40 << 10)
   monkeypatch.setattr(rmod, "_FLIGHT_MAX", 40 << 10)
   a = Mesh(np.array(DEVS), ("x",))
@@ -342,6 +343,8 @@ def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
            .reshape(64, 64) for i in range(6)}  # 16 KiB each
   hosts.update({f"w{i}": (np.arange(64 * 256, dtype=np.float32) - i)
                 .reshape(64, 256) for i in range(2)})  # 64 KiB each
+  hosts.update({f"m{i}": (np.arange(64 * 8 * (i + 1), dtype=np.float32))
+                .reshape(64, 8 * (i + 1)) for i in range(4)})  # 2-8 KiB
   src = NamedSharding(a, P("x"))
   target = {k: NamedSharding(b, P("p", "q")) for k in hosts}
   seen = []
@@ -349,11 +352,11 @@ def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
 
   def spy(batch, flight):
     out = real_groups(batch, flight)
-    seen.append((flight, [(len(m), nb) for _, _, m, nb in out]))
+    seen.append((flight, sorted((len(m), nb) for _, _, m, nb in out)))
     return out
 
   monkeypatch.setattr(rmod, "_groups", spy)
-  for _ in range(2):  # the second call: a fresh source, nothing compiled
+  for call in range(2):  # the second call: a fresh source, nothing compiled
     tree = {k: jax.device_put(v, src) for k, v in hosts.items()}
     with CompileCounter() as c:
       out = tj.reshard(tree, target, method="generic")
@@ -365,6 +368,11 @@ def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
     flight, groups = seen[-1]
     assert flight == 40 << 10
     # Six 16 KiB arrays: one per group (two exceed the 20 KiB cap); the
-    # 64 KiB arrays alone each.
-    assert sorted(groups) == [(1, 16 << 10)] * 6 + [(1, 64 << 10)] * 2
-    assert c.n <= 4 if _ == 0 else c.n == 0, c.n  # two shapes
+    # 64 KiB ones alone each; the four shapes seen once (2+4+6+8 = 20 KiB)
+    # in one group.
+    assert groups == sorted([(1, 16 << 10)] * 6 + [(1, 64 << 10)] * 2
+                            + [(4, 20 << 10)]), groups
+    if call == 0:
+      assert 0 < c.n <= 6, c.n  # two shared shapes and one mixed group
+    else:
+      assert c.n == 0, c.n

@@ -1582,19 +1582,20 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       f.write(json.dumps(record) + "\n")
 
   def ensure_servers(count):
-    """Store servers for slots 0..count-1 (restarting dead ones); the URLs
-    of every store that may hold data: those of all slots started so far."""
-    for i in range(count):
-      if i in servers and _exited(servers[i][0]):
-        p = servers.pop(i)[0]
-        _signal_group(p, signal.SIGKILL)  # what it left in its group
-        print(f"tenplex-jax launch: the store server of slot {i} died"
-              f" (exit {p.wait()}); restarting it",
-              file=sys.stderr, flush=True)
+    """Store servers for slots 0..count-1 and for every slot started so far
+    (its store may hold data the next generation restores: a dead server
+    is restarted, also for a slot a shrink dropped); their URLs."""
+    dead = [i for i in sorted(servers) if _exited(servers[i][0])]
+    for i in dead:
+      p = servers.pop(i)[0]
+      _signal_group(p, signal.SIGKILL)  # what it left in its group
+      print(f"tenplex-jax launch: the store server of slot {i} died"
+            f" (exit {p.wait()}); restarting it", file=sys.stderr, flush=True)
     servers.update(_start_servers(
         {i: (os.path.join(job_dir, "store", str(i)),
              os.path.join(job_dir, f"server_{i}.log"))
-         for i in range(count) if i not in servers}, base_env, tls))
+         for i in sorted(set(range(count)) | set(dead))
+         if i not in servers}, base_env, tls))
     return [servers[i][1] for i in sorted(servers)]
 
   def gen_env(i, count, port, g, step, urls, failed=None):

@@ -116,6 +116,7 @@ class ObjectStore(HostStore):
     self._spare: dict[tuple, list] = {}  # free chunk buffers by shape
     self._chunk_bytes = 0
     self._wheres: dict[tuple, tuple] = {}  # see _where
+    self._snap_names: dict[int, list[str]] = {}  # see _names
     # S3: listed and small objects read through the kvstore the chunks
     # use (tensorstore's threads, no SDK session to build). GCS: fsspec
     # (emulators ignore the offsets of tensorstore's GCS listing).
@@ -165,10 +166,17 @@ class ObjectStore(HostStore):
     return parse_current(raw[:4096], pdir)
 
   def _names(self, proc: int) -> list[str]:
-    # Only committed snapshots: the manifest is written last.
-    pdir = self._pdir(proc)
-    return [n for n in super()._names(proc)
-            if self._exists(f"{pdir}/{n}/manifest.json")]
+    # Only committed snapshots: the manifest is written last. Of the
+    # listing made when the handle opened, so found once per process.
+    with self._lock:
+      got = self._snap_names.get(proc)
+    if got is None:
+      pdir = self._pdir(proc)
+      got = [n for n in super()._names(proc)
+             if self._exists(f"{pdir}/{n}/manifest.json")]
+      with self._lock:
+        self._snap_names[proc] = got
+    return list(got)
 
   def is_store(self) -> bool:
     return self._tree.isfile(self.root + "/STORE_ID") or \
