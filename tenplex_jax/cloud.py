@@ -24,7 +24,6 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import fsspec
 
