@@ -26,6 +26,7 @@ tenplex store, its ``/tmp``) is private. Every node's Ray output goes to
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -99,7 +100,11 @@ STARVATION_TOLERANT = {"health_check_timeout_ms": 30_000}
 
 
 class ShareNothingCluster:
-  """Ray nodes in private mount namespaces on loopback addresses."""
+  """Ray nodes in private mount namespaces on loopback addresses.
+
+  ``system_config``: the head's ``ray start --system-config`` (Ray's
+  settings for the whole cluster); default :data:`STARVATION_TOLERANT`,
+  ``{}`` for Ray's own defaults."""
 
   def __init__(self, base: str | None = None, head_ip: str = "127.0.0.2",
                start_timeout: float = 240.0,
@@ -170,7 +175,6 @@ class ShareNothingCluster:
            f"--num-gpus={num_gpus}", "--min-worker-port=0",
            "--max-worker-port=0", *[x for kv in ports.items() for x in kv]]
     if resources:
-      import json
       cmd += ["--resources", json.dumps(resources)]
     if head:
       self.port = free_port(ip)
@@ -178,7 +182,6 @@ class ShareNothingCluster:
       cmd += ["--head", f"--port={self.port}", "--include-dashboard=false",
               f"--temp-dir={self.temp_dir}"]
       if self.system_config:
-        import json
         cmd += ["--system-config", json.dumps(self.system_config)]
     else:
       cmd += [f"--address={self.address}", "--temp-dir=/tmp/ray"]
