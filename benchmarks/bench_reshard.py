@@ -169,7 +169,7 @@ def _method_fn(method: str, dims, src_layout, dst_layout, targets, workdir):
     return call
 
   if method == "memcpy":
-    import tenplex_jax
+    from tenplex_jax import key_path_name, plan
     from tenplex_jax.layout import PTC
 
     def call(state):
@@ -180,10 +180,10 @@ def _method_fn(method: str, dims, src_layout, dst_layout, targets, workdir):
       dst = PTC.from_tree(jax.tree.map(
           lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
           state, targets))
-      p = tenplex_jax.plan(src, dst)
+      p = plan(src, dst)
       flat = {}
       for path_, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        flat[tenplex_jax.key_path_name(path_)] = leaf
+        flat[key_path_name(path_)] = leaf
       pieces = []
       for t in p.transfers():
         if t.local or t.nbytes == 0:
@@ -215,7 +215,7 @@ WARM_CALLS = 5
 
 def worker(method: str, transition: str, size_gib: float, result_path: str,
            check: bool, prefault_gib: float = 0.0) -> None:
-  jax = _configure_jax()
+  _configure_jax()
   import gc
   tr = workload.TRANSITIONS[transition]
   dims = workload.dims_for(size_gib)

@@ -26,7 +26,6 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import fsspec
 

@@ -392,13 +392,6 @@ _UNROLL_LEVELS: int | None = None
 # of the same run.
 _GATHER_INSIDE_JIT: bool | None = None
 
-# How a device's perfect subtrees below the unrolled levels are evaluated:
-# "nested" (scans over the two halves of every node, carries from -0.0) or
-# "stack" (one scan over the workers, a binary-counter stack of partial
-# sums; see ``stack_scan``). The same bits; read when ``value_and_grad`` is
-# called.
-_SCAN_FORM = "nested"
-
 
 def _gather_inside_jit(mesh: Mesh) -> bool:
   if _GATHER_INSIDE_JIT is not None:
@@ -675,7 +668,6 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
   unroll = _unroll_levels(mesh)
   gather_inside_jit = _gather_inside_jit(mesh)
-  scan_form = _SCAN_FORM
 
   def body_tree(dims, gather, shard_in, isolate, params, batch, *args):
     d = lax.axis_index(axes) if n > 1 else 0
@@ -735,46 +727,6 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       acc, _ = lax.scan(half_step, init, jnp.arange(2, dtype=jnp.int32))
       return acc
 
-    def stack_scan(level, j0, xb):
-      # ``perfect``'s subtree as one scan over its 2**level workers (the
-      # ``_SCAN_FORM = "stack"`` alternative to the nested scans): the
-      # partial sums on a stack (per leaf an array (level, ...)); after
-      # worker j, as many merges as j has trailing one bits (a fori_loop,
-      # each merge one IEEE addition stack[i] + cur, left operand first,
-      # rounded at the loop's boundary), the result written to the stack
-      # at its level (at the last worker, into the top slot, whose left
-      # operand it consumed). No -0.0 fill per node and k - 1 additions
-      # instead of 2(k - 1), but one dynamic update slice (a copy of the
-      # worker's gradient) per worker; the same bits
-      # (test_stack_scan_has_the_nested_scans_bits) and the same temp
-      # memory.
-      if level == 0:
-        return worker(j0, xb)
-      stack0 = jax.tree.map(
-          lambda a: jnp.zeros((level,) + a.shape, a.dtype), avals)
-
-      def step(stack, j):
-        g = worker(j0 + j, xb)
-        t = _tree_merges(j)
-
-        def merge(i, cur):
-          return jax.tree.map(
-              lambda st, c: lax.dynamic_index_in_dim(st, i, 0, keepdims=False)
-              + c, stack, cur)
-
-        cur = lax.fori_loop(0, t, merge, g)
-        slot = jnp.minimum(t, level - 1)
-        stack = jax.tree.map(
-            lambda st, c: lax.dynamic_update_index_in_dim(st, c, slot, 0),
-            stack, cur)
-        return stack, None
-
-      stack, _ = lax.scan(step, stack0,
-                          jnp.arange(1 << level, dtype=jnp.int32))
-      return jax.tree.map(lambda st: st[level - 1], stack)
-
-    subtree = stack_scan if scan_form == "stack" else perfect
-
     def counter(leaf_levels):
       # The top levels of the tree unrolled: leaves (perfect subtrees of
       # the given levels, level 0 a single worker) in worker order, each
@@ -794,7 +746,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
           xb, held = lax.optimization_barrier(
               (local, [v for _, v in stack]))
           stack = [(lv, v) for (lv, _), v in zip(stack, held)]
-        stack.append((level, subtree(level, jnp.int32(j0), xb)))
+        stack.append((level, perfect(level, jnp.int32(j0), xb)))
         j0 += 1 << level
         while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
           (lv, left), (_, right) = stack[-2], stack[-1]
@@ -812,7 +764,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       if unroll:
         [(loss, grads)] = counter(leaves_of(k.bit_length() - 1))
       else:
-        loss, grads = subtree(k.bit_length() - 1, jnp.int32(0), local)
+        loss, grads = perfect(k.bit_length() - 1, jnp.int32(0), local)
     else:
       # One device: the whole tree, its left subtrees perfect (the binary
       # representation of V), added from right to left.
@@ -825,7 +777,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       else:
         parts, off = [], 0
         for b in bits:
-          parts.append(subtree(b, jnp.int32(off), local))
+          parts.append(perfect(b, jnp.int32(off), local))
           off += 1 << b
       loss, grads = parts[-1]
       for part in parts[-2::-1]:

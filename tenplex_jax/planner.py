@@ -34,7 +34,7 @@ import json
 from collections.abc import Iterator, Sequence
 
 from tenplex_jax.errors import PlanError
-from tenplex_jax.layout import PTC, Box, Placement, TensorLayout, box_volume, intersect
+from tenplex_jax.layout import PTC, Box, Placement, box_volume, intersect
 
 __all__ = ["Group", "Move", "Plan", "Ring", "Template", "Transfer", "plan"]
 

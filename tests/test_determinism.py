@@ -148,31 +148,6 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
   assert det._unroll_levels(mesh1d(1)) == 0  # CPU: the nested scans
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_stack_scan_has_the_nested_scans_bits(monkeypatch, dtype):
-  # The subtree as one scan over the workers with a stack of partial sums
-  # (no -0.0 carries, one addition per node) against the nested scans:
-  # V = 8 on 1, 2 (FSDP), 4 devices (V/n 8, 4, 2), V = 12 on 1 device
-  # (parts of 8 and 4), V = 16 on 1 device, and under the unrolled top
-  # level (leaves that are stack scans).
-  params, batch = mlp_data(48)
-  params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
-  for v, ns, levels in ((8, (1, 2, 4), 0), (12, (1,), 0), (16, (1,), 1)):
-    rows = 3 * v if v != 16 else 48
-    b_v = jax.tree.map(lambda x: x[:rows], batch)
-    monkeypatch.setattr(det, "_UNROLL_LEVELS", levels)
-    for n in ns:
-      mesh = mesh1d(n)
-      outs = {}
-      for form in ("nested", "stack"):
-        monkeypatch.setattr(det, "_SCAN_FORM", form)
-        f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
-        outs[form] = [np.asarray(x).tobytes() for x in
-                      jax.tree_util.tree_leaves(
-                          f(*place(params, b_v, mesh, fsdp=n == 2)))]
-      assert outs["stack"] == outs["nested"], (v, n, levels)
-
-
 def test_inside_jit_matches_outside():
   params, batch = mlp_data(16)
   mesh1, mesh4 = mesh1d(1), mesh1d(4)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tenplex_jax import PlanError, plan
-from tenplex_jax.layout import PTC, box_volume, named_layout, ptc_from_layouts
+from tenplex_jax.layout import PTC, named_layout, ptc_from_layouts
 
 AXES = ("a", "b", "c")
 

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -21,6 +22,10 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tenplex_jax import ray as tray  # noqa: E402
 from tenplex_jax.data.order import global_batch_ids  # noqa: E402
 from tenplex_jax.search import best_mesh_for, transformer_spec  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "examples", "ray"))
+from share_nothing import STARVATION_TOLERANT  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ray_train.py")
 N, B = 48, 12
@@ -60,16 +65,20 @@ HEAD_IP = "127.0.0.2"
 def cluster():
   """One local cluster for the module (1 CPU per node, each node on its own
   loopback address), torn down with every process it started, also when a
-  test fails."""
+  test fails. Ray's health check as on the share-nothing cluster: a node
+  starved of CPU on a loaded host is not declared dead (a killed one is,
+  within seconds)."""
   c = Cluster(initialize_head=True, head_node_args={
       "num_cpus": 1, "include_dashboard": False,
-      "node_ip_address": HEAD_IP})
+      "node_ip_address": HEAD_IP, "_system_config": STARVATION_TOLERANT})
   c.pids = procs.Seen(_pids(c))
   c.next_ip = 3
   try:
     assert c.address.startswith(HEAD_IP + ":"), c.address
     ray.init(address=c.address, _node_ip_address=HEAD_IP,
              log_to_driver=False)
+    assert ray._config.health_check_timeout_ms() == \
+        STARVATION_TOLERANT["health_check_timeout_ms"]  # the GCS's setting
     yield c
   finally:
     ray.shutdown()

@@ -18,7 +18,8 @@ from ray.util.scheduling_strategies import (  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))), "examples", "ray"))
-from share_nothing import ShareNothingCluster, namespaces_permitted  # noqa: E402
+from share_nothing import (  # noqa: E402
+    STARVATION_TOLERANT, ShareNothingCluster, namespaces_permitted)
 
 from tenplex_jax.data.order import global_batch_ids  # noqa: E402
 
@@ -38,6 +39,8 @@ def sn_cluster():
       c.add_node()
     ray.init(address=c.address, _node_ip_address=c.head_ip,
              log_to_driver=False)
+    assert ray._config.health_check_timeout_ms() == \
+        STARVATION_TOLERANT["health_check_timeout_ms"]  # the GCS's setting
     yield c
   finally:
     ray.shutdown()
@@ -80,7 +83,12 @@ def test_nodes_share_no_memory_or_disk(sn_cluster):
   r = c.run_in(other, ["cat", paths[0]], capture_output=True, text=True,
                timeout=60)
   assert r.returncode != 0 and "No such file" in r.stderr
+  t0 = time.monotonic()
   c.kill_node(writer, wait_dead=True)
+  # Dead within seconds (each health check refused at once: about 5 x 3 s),
+  # though a node that answers them late gets 30 s each (STARVATION_TOLERANT:
+  # 5 x 33 s), and the kill itself waits for the processes' exits.
+  assert time.monotonic() - t0 < 100, time.monotonic() - t0
   assert writer["proc"].poll() is not None
   assert c.left_in(writer) == []  # no process of the node is left
 

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from procs import kill_group, run_all, wait_unreaped  # noqa: E402
-from store_state import SPECS, expected_state, storage_view  # noqa: E402
+from store_state import expected_state, storage_view  # noqa: E402
 
 from tenplex_jax.store.server import free_port  # noqa: E402
 

@@ -26,6 +26,7 @@ tenplex store, its ``/tmp``) is private. Every node's Ray output goes to
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -85,11 +86,29 @@ shutil.rmtree(base, ignore_errors=True)
 """
 
 
+# The GCS health-checks each raylet every ``health_check_period_ms`` and
+# declares the node dead after ``health_check_failure_threshold`` checks in
+# a row fail. A killed node refuses the connection: each check fails at
+# once (dead in about threshold x period). A node starved of CPU (or
+# stopped) accepts it and answers late: each check fails only after
+# ``health_check_timeout_ms``. Ray's 10 s timeout declares a node that
+# answers nothing for about 5 x 13 s dead, and its raylet then exits
+# (on a 2-core host loaded 10-fold, this happened): 30 s keeps a node
+# that answers nothing alive for about 5 x 33 s while a killed one is
+# still dead within seconds.
+STARVATION_TOLERANT = {"health_check_timeout_ms": 30_000}
+
+
 class ShareNothingCluster:
-  """Ray nodes in private mount namespaces on loopback addresses."""
+  """Ray nodes in private mount namespaces on loopback addresses.
+
+  ``system_config``: the head's ``ray start --system-config`` (Ray's
+  settings for the whole cluster); default :data:`STARVATION_TOLERANT`,
+  ``{}`` for Ray's own defaults."""
 
   def __init__(self, base: str | None = None, head_ip: str = "127.0.0.2",
-               start_timeout: float = 240.0):
+               start_timeout: float = 240.0,
+               system_config: dict | None = None):
     # Not under /tmp (every node mounts its own over it, the head's Ray
     # session directory must stay visible to the driver) and short (Ray's
     # socket paths there must stay within AF_UNIX's 107 bytes).
@@ -100,6 +119,8 @@ class ShareNothingCluster:
         [sys.executable, "-c", _REAPER, str(os.getpid()), self.base],
         stdin=subprocess.DEVNULL, start_new_session=True)
     self.head_ip, self.start_timeout = head_ip, start_timeout
+    self.system_config = (STARVATION_TOLERANT if system_config is None
+                          else system_config)
     self.nodes: list[dict] = []
     self.address: str | None = None
     self._next = int(head_ip.rsplit(".", 1)[1])
@@ -154,13 +175,14 @@ class ShareNothingCluster:
            f"--num-gpus={num_gpus}", "--min-worker-port=0",
            "--max-worker-port=0", *[x for kv in ports.items() for x in kv]]
     if resources:
-      import json
       cmd += ["--resources", json.dumps(resources)]
     if head:
       self.port = free_port(ip)
       self.temp_dir = os.path.join(self.base, "h")
       cmd += ["--head", f"--port={self.port}", "--include-dashboard=false",
               f"--temp-dir={self.temp_dir}"]
+      if self.system_config:
+        cmd += ["--system-config", json.dumps(self.system_config)]
     else:
       cmd += [f"--address={self.address}", "--temp-dir=/tmp/ray"]
     script = (  # the working directory first: /tmp may hold its path

@@ -783,7 +783,6 @@ def open_base(src: str, step: int | None, item: str | None,
   """The source of a conversion: an Orbax checkpoint, or a tenplex_jax store
   directory (a :class:`tenplex_jax.store.source.StoreSource`, given the Orbax
   tree metadata a checkpoint would have)."""
-  from tenplex_jax.orbax._read import Location, OrbaxSource, TreeEntry
   from tenplex_jax.store.source import StoreSource
   from tenplex_jax.store.format import HostStore
   path = os.path.abspath(os.fspath(src))
