@@ -418,9 +418,8 @@ class ObjectStore(HostStore):
     """:meth:`_locate` and the box's :class:`ChunkWalk` (None: not in
     chunk files), remembered per handle: the listing and the manifests
     are read once when the handle opens, so the answer cannot change, and
-    a restore asks twice per piece (:meth:`prefetch`, :meth:`read_into`),
-    which cost 1-2 ms of CPU each (the snapshot's round, the box, the
-    chunk list)."""
+    a restore asks twice per piece (:meth:`prefetch`, :meth:`read_into`):
+    the snapshot's round, the box and the chunk list are found once."""
     key = (path, tuple(tuple(int(x) for x in r) for r in box), proc, step,
            round)
     with self._lock:
