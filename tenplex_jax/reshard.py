@@ -1271,8 +1271,8 @@ def _run_generic_packed(batch: list) -> list:
   once they are glued). Before a group is cut, the oldest groups still
   running are waited for until the groups in flight hold at most
   :func:`_flight_bytes`, so a call holds its results and up to twice that in
-  packed copies, not three copies of the state (lm1b SMALL, warm, after
-  ``malloc_trim``: peak RSS rise 2.9-3.2x -> 1.6-2.0x of the state)."""
+  packed copies, not three copies of the state (lm1b SMALL: cold peak RSS
+  rise 3.6-3.9x -> 2.0-2.4x of the state, ``device_put`` 2.0x)."""
   flight = _flight_bytes(batch)
   groups = _groups(batch, flight)
   exes = _ensure_group_programs([k for k, _, _, _ in groups])
