@@ -26,6 +26,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import fsspec
 
