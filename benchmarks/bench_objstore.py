@@ -381,6 +381,20 @@ def main():
     return med[a] / sum(med[x] for x in b) \
         if all(x in med for x in (a, *b)) else None
 
+  def per_round(m):
+    """``m``'s rounds, each against that round's store_local + transfer."""
+    return [s3 / (lo + tr) for s3, lo, tr in zip(
+        runs.get(m, []), runs.get("store_local", []), runs.get("transfer", []))]
+
+  def variant(m):
+    """The summary keys of ``m``, a store_s3 variant, if it ran."""
+    if m not in runs:
+      return {}
+    return {f"{m}_vs_local_plus_transfer":
+                ratio(m, "store_local", "transfer"),
+            f"store_s3_vs_{m}": ratio("store_s3", m),
+            f"{m}_vs_local_plus_transfer_per_round": per_round(m)}
+
   summary = {
       "gib": info["bytes"] / (1 << 30), **info, "repeat": args.repeat,
       "runs_s": runs, "median_s": med, "runs": details,
@@ -393,23 +407,9 @@ def main():
       **({"orbax_s3_serial_vs_overlapped":
           med["orbax_s3_serial"] / med["orbax_s3"]} if args.serial
          else {}),
-      **({"store_s3_fsspec_vs_local_plus_transfer":
-          ratio("store_s3_fsspec", "store_local", "transfer"),
-          "store_s3_vs_store_s3_fsspec": ratio("store_s3", "store_s3_fsspec"),
-          "store_s3_fsspec_vs_local_plus_transfer_per_round": [
-              s3 / (lo + tr) for s3, lo, tr in zip(
-                  runs["store_s3_fsspec"], runs.get("store_local", []),
-                  runs.get("transfer", []))]}
-         if "store_s3_fsspec" in runs else {}),
-      **({"base_tree": args.base_tree,
-          "store_s3_base_vs_local_plus_transfer":
-          ratio("store_s3_base", "store_local", "transfer"),
-          "store_s3_vs_store_s3_base": ratio("store_s3", "store_s3_base"),
-          "store_s3_base_vs_local_plus_transfer_per_round": [
-              s3 / (lo + tr) for s3, lo, tr in zip(
-                  runs["store_s3_base"], runs.get("store_local", []),
-                  runs.get("transfer", []))]}
-         if "store_s3_base" in runs else {}),
+      **variant("store_s3_fsspec"),
+      **({"base_tree": args.base_tree} if "store_s3_base" in runs else {}),
+      **variant("store_s3_base"),
       "store_s3_minus_store_local_s": med["store_s3"] - med["store_local"]
       if "store_s3" in med and "store_local" in med else None,
       # <= 1: a store restore from S3 costs no more than a local one plus
@@ -417,10 +417,7 @@ def main():
       "store_s3_vs_local_plus_transfer":
           ratio("store_s3", "store_local", "transfer"),
       # Per round: each round's store_s3 against that round's baselines.
-      "store_s3_vs_local_plus_transfer_per_round": [
-          s3 / (lo + tr) for s3, lo, tr in zip(
-              runs.get("store_s3", []), runs.get("store_local", []),
-              runs.get("transfer", []))],
+      "store_s3_vs_local_plus_transfer_per_round": per_round("store_s3"),
       "orbax_s3_vs_orbax_local_plus_transfer":
           ratio("orbax_s3", "orbax_local", "transfer"),
       "fetched_bytes": fetched,
