@@ -46,7 +46,6 @@ from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 relative_index)
 from tenplex_jax.planner import Plan, plan
-from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.sources import Source, SourceTensor
 
 __all__ = ["AssembleReport", "NewBox", "ReadStats", "assemble", "fetch_pieces",
@@ -525,6 +524,7 @@ def _is_key_dtype(dtype) -> bool:
 def _physical(leaf) -> tuple[jax.ShapeDtypeStruct, str | None]:
   """The leaf as stored: a key array's key data, with its sharding."""
   if _is_key_dtype(leaf.dtype):
+    from tenplex_jax.reshard import key_data_sharding  # heavy: on use only
     data = jax.eval_shape(jax.random.key_data, leaf)
     s = key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
     return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=s), \

@@ -26,11 +26,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax.orbax._convert import (MappedSource, convert, scan_mapping,
-                                        unscan_mapping)
 from tenplex_jax.orbax._read import (COPY_THREADS, Location, OrbaxSource,
                                      inspect, locate)
 from tenplex_jax.assembly import AssembleReport, assemble, match_target
+
+# The offline converter (and what it imports: rich, the upload code) loads
+# on first use: a restore in a fresh process does not pay for it.
+_CONVERT_NAMES = ("MappedSource", "convert", "scan_mapping",
+                  "unscan_mapping")
+
+
+def __getattr__(name: str) -> Any:
+  if name in _CONVERT_NAMES:
+    from tenplex_jax.orbax import _convert
+    return getattr(_convert, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["Location", "MappedSource", "OrbaxSource", "convert", "inspect",
            "locate", "restore", "restore_with_report", "save",
