@@ -28,8 +28,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import fsspec
-
 from tenplex_jax.errors import LocationError, UsageError
 
 __all__ = ["COMMIT_MARKERS", "OBJECT_SCHEMES", "KvListing", "Listing",
@@ -102,6 +100,7 @@ def filesystem(scheme: str):
   with _FS_LOCK:
     fs = _FILESYSTEMS.get(key)
     if fs is None:
+      import fsspec  # here: a local restore never needs it (0.1-0.3 s)
       fs = _FILESYSTEMS[key] = fsspec.filesystem(
           _FS_PROTOCOL[scheme], use_listings_cache=False,
           skip_instance_cache=True)
@@ -367,7 +366,7 @@ def download(url: str, local: str,
   # one streamed request keeps memory flat and the file a growing prefix.
   kw = {"max_concurrency": 1} if scheme == "s3" else {"concurrency": 1}
   if progress is not None:
-    kw["callback"] = _Progress(progress)
+    kw["callback"] = _progress_callback(progress)
   try:
     fs.get_file(fs_path(url), local, **kw)
   except Exception as e:
@@ -375,15 +374,16 @@ def download(url: str, local: str,
   return os.path.getsize(local)
 
 
-class _Progress(fsspec.callbacks.Callback):
+def _progress_callback(fn: Callable[[], None]):
   """An fsspec callback that calls ``fn()`` as bytes reach the file."""
+  import fsspec.callbacks
 
-  def __init__(self, fn: Callable[[], None]):
-    super().__init__()
-    self._fn = fn
+  class _Progress(fsspec.callbacks.Callback):
 
-  def call(self, *args, **kwargs):
-    self._fn()
+    def call(self, *args, **kwargs):
+      fn()
+
+  return _Progress()
 
 
 #: Files that mark a checkpoint or snapshot complete: uploaded last.

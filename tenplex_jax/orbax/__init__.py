@@ -26,11 +26,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from tenplex_jax.orbax._convert import (MappedSource, convert, scan_mapping,
-                                        unscan_mapping)
 from tenplex_jax.orbax._read import (COPY_THREADS, Location, OrbaxSource,
                                      inspect, locate)
 from tenplex_jax.assembly import AssembleReport, assemble, match_target
+
+# The offline converter (and what it imports: rich, the upload code) loads
+# on first use: a restore in a fresh process does not pay for it.
+_CONVERT_NAMES = ("MappedSource", "convert", "scan_mapping",
+                  "unscan_mapping")
+
+
+def __getattr__(name: str) -> Any:
+  if name in _CONVERT_NAMES:
+    from tenplex_jax.orbax import _convert
+    return getattr(_convert, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["Location", "MappedSource", "OrbaxSource", "convert", "inspect",
            "locate", "restore", "restore_with_report", "save",
@@ -74,8 +84,15 @@ def restore_with_report(path: str, target: Any, *, step: int | None = None,
     # (peak RSS rise 1.24-1.34x -> 1.15-1.20x of the bytes held, at the
     # same CPU time). Chunks up to half the bound still decode two at once.
     return assemble(src, target, inflight_bytes=inflight_bytes, mesh=mesh,
-                    min_reads=1)
+                    min_reads=1, alloc_ahead=_ALLOC_AHEAD)
 
+
+# The new shards' buffers are allocated and their pages made resident on a
+# helper thread, ahead of the reads (tensorstore decodes on its own
+# threads meanwhile): on the restoring thread, populating 84 MiB of buffers
+# took about as long as the reads, and the decode thread waited for it
+# between one tensor's reads and the next.
+_ALLOC_AHEAD = True
 
 _INFLIGHT_MIN, _INFLIGHT_MAX = 4 << 20, 32 << 20
 
@@ -94,20 +111,22 @@ _COPY_THREAD_BYTES = 4 << 20
 
 def _copy_threads(inflight_bytes: int) -> int:
   """tensorstore's decode threads for a restore that reads at most
-  ``inflight_bytes`` at once: one per 4 MiB of them, at least 2 (two cores
-  decode), at most ``COPY_THREADS`` (so 8 from 32 MiB in flight, the bound
-  of every state of 512 MiB or more).
+  ``inflight_bytes`` at once: one per whole 4 MiB of them, at least one, at
+  most ``COPY_THREADS`` (so 8 from 32 MiB in flight, the bound of every
+  state of 512 MiB or more; 1 below 8 MiB, states under 128 MiB).
 
   A decode thread's freed chunk buffers stay in its own malloc arena, so
   every thread that ever decoded holds about a chunk's worth of memory when
   the restore ends; with the reads in flight bounded, more threads than
   reads in flight add that memory and no speed. An 88 MB restore (2-4 MiB
   chunks, 5.3 MiB in flight) peaked at 1.19-1.41x the bytes it holds with
-  8 threads, 1.22-1.33x with 3, 1.15-1.24x with 2 (2-core VM, 3-6
-  processes each).
+  8 threads, 1.22-1.33x with 3, 1.15-1.24x with 2, 1.10-1.15x with 1, at
+  the same CPU time (0.13-0.15 s); a 189 MB one (11.3 MiB in flight) at
+  1.14-1.20x with 3, 1.12-1.16x with 2, 1.06-1.10x with 1 (2-core VM,
+  one process per setting and layout, load ~10). With one decode thread the
+  file reads (their own thread) still overlap the decoding.
   """
-  return int(min(COPY_THREADS, max(2, -(-inflight_bytes
-                                       // _COPY_THREAD_BYTES))))
+  return int(min(COPY_THREADS, max(1, inflight_bytes // _COPY_THREAD_BYTES)))
 
 
 def _target_bytes(target: Any) -> int:
