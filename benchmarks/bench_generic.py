@@ -22,6 +22,17 @@ checked per case: the generic path's compile seconds at most
 ``device_put``'s whole cold call, with its cold call no slower and its warm
 call within 1.2x of ``device_put``'s.
 
+Every worker runs with ``NPROC`` (the CPU client's thread-pool size) at
+least 16: at its default, max(cores, devices) = 8 threads on this 2-core VM,
+``jax.device_put``'s lm1b call (all-to-all programs over groups of 4
+devices) sometimes left one participant of a collective without a thread
+and XLA aborted the process after 40 s (3 of 3 runs under load; 0 of 3 with
+16 threads). Both methods get the same pool.
+
+``--baseline-src DIR`` adds a ``generic (before)`` row per case: the same
+worker importing ``tenplex_jax`` from ``DIR`` (e.g. ``git archive main
+tenplex_jax | tar -x -C DIR``), so before and after come from one run.
+
 Run: ``python benchmarks/bench_generic.py`` (a few minutes on 2 cores).
 """
 
@@ -85,6 +96,9 @@ def _peak_rise(base: int) -> int:
 
 
 def worker(case: str, method: str) -> dict:
+  src = os.environ.get("TENPLEX_BENCH_SRC")
+  if src:  # the executor before, for --baseline-src
+    sys.path.insert(0, src)
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
   jax.config.update("jax_platforms", "cpu")
@@ -145,6 +159,9 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(HERE,
                                                 "bench_generic_result.json"))
   ap.add_argument("--timeout", type=float, default=300)
+  ap.add_argument("--baseline-src", default=None,
+                  help="a directory holding the tenplex_jax package to time"
+                  " as 'generic (before)' in the same run")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
@@ -153,12 +170,20 @@ def main(argv=None) -> int:
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"]
                               if env.get("PYTHONPATH") else "")
+  env["NPROC"] = str(max(16, int(env.get("NPROC", "0") or 0)))
+  env.pop("TENPLEX_BENCH_SRC", None)
+  methods = ["generic", "device_put"]
+  if args.baseline_src:
+    methods.append("generic (before)")
   rows = []
   for case in args.cases.split(","):
-    for method in ("generic", "device_put"):
+    for method in methods:
+      wenv = dict(env)
+      if method == "generic (before)":
+        wenv["TENPLEX_BENCH_SRC"] = os.path.abspath(args.baseline_src)
       try:
         p = subprocess.run([sys.executable, os.path.abspath(__file__),
-                            "--worker", case, method], env=env,
+                            "--worker", case, method.split()[0]], env=wenv,
                            capture_output=True, text=True,
                            timeout=args.timeout)
         r = (json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0
@@ -166,6 +191,7 @@ def main(argv=None) -> int:
                    "failure": p.stderr.strip().splitlines()[-1:]})
       except subprocess.TimeoutExpired:
         r = {"case": case, "method": method, "failure": "timeout"}
+      r["method"] = method
       rows.append(r)
       print(json.dumps(r))
   checks = {}
@@ -197,6 +223,15 @@ def main(argv=None) -> int:
                                 <= d["cold_peak_rss_rise"]),
         "warm_peak_rss_below": (g["warm_peak_rss_rise"]
                                 <= d["warm_peak_rss_rise"])}
+    b = next((r for r in rows if r["case"] == case
+              and r["method"] == "generic (before)" and "failure" not in r),
+             None)
+    if b is not None:
+      checks[case].update({
+          "before_cold_over_device_put": b["cold_seconds"] / d["cold_seconds"],
+          "before_warm_over_device_put": b["warm_seconds"] / d["warm_seconds"],
+          "before_cold_peak_rss_over_device_put": (
+              b["cold_peak_rss_rise"] / max(1, d["cold_peak_rss_rise"]))})
     print(f"{case}: generic / device_put cold"
           f" {checks[case]['cold_generic_over_device_put']:.2f}, warm"
           f" {checks[case]['warm_generic_over_device_put']:.2f} (CPU seconds:"

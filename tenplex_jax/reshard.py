@@ -1019,6 +1019,7 @@ def _run_generic(batch: list) -> list:
 
 _SUB_BYTE = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
 _GROUP_SLICES = 256
+_PAD_WASTE = 8
 _FLIGHT_MIN = 4 << 20
 _FLIGHT_MAX = 256 << 20
 
@@ -1183,30 +1184,37 @@ def _ensure_group_programs(keys: list) -> list:
   target, dtype, shapes)``; those not cached yet are lowered here and
   compiled several at once (XLA compiles without Python's lock)."""
   out: dict = {}
-  todo = []
   with _transitions_lock:
     for k in keys:
       hit = _GROUP_EXES.get(k)
       if hit is not None:
         _GROUP_EXES.move_to_end(k)
         out[k] = hit
-  for k in keys:
-    if k not in out and all(k != t[0] for t in todo):
-      cut, glue, size = _group_programs(*k)
-      platform = next(iter(_platforms(k[0])))
-      todo.append((k, cut, glue, size, platform))
+  todo = [k for k in dict.fromkeys(keys) if k not in out]
   if todo:
-    jobs = [(lo, t[4]) for t in todo for lo in t[1:3]]
-    n = min(len(jobs), _copy_threads())
-    if n <= 1:
-      exes = [_compile(lo, p) for lo, p in jobs]
-    else:
-      with concurrent.futures.ThreadPoolExecutor(
-          n, thread_name_prefix="tenplex-compile") as pool:
-        exes = list(pool.map(lambda j: _compile(*j), jobs))
+    # Each group's programs start compiling as soon as they are lowered,
+    # while the next group is lowered (lowering holds Python's lock,
+    # compiling does not): a cold call costs about the larger of the two
+    # sums, not both.
+    n = _copy_threads()
+    pool = (concurrent.futures.ThreadPoolExecutor(
+        n, thread_name_prefix="tenplex-compile") if n > 1 else None)
+    try:
+      futs = []
+      for k in todo:
+        cut, glue, size = _group_programs(*k)
+        platform = next(iter(_platforms(k[0])))
+        futs.append((k, size) + tuple(
+            pool.submit(_compile, lo, platform) if pool is not None else
+            _compile(lo, platform) for lo in (cut, glue)))
+      done = [(k, size, *(f.result() if pool is not None else f
+                          for f in fs)) for k, size, *fs in futs]
+    finally:
+      if pool is not None:
+        pool.shutdown(wait=True)
     with _transitions_lock:
-      for i, (k, _, _, size, _) in enumerate(todo):
-        out[k] = _GROUP_EXES[k] = (exes[2 * i], exes[2 * i + 1], size)
+      for k, size, cut, glue in done:
+        out[k] = _GROUP_EXES[k] = (cut, glue, size)
       while len(_GROUP_EXES) > max(_GROUP_EXES_MAX, len(keys)):
         _GROUP_EXES.popitem(last=False)
   return [out[k] for k in keys]
@@ -1222,14 +1230,51 @@ def _flight_bytes(batch: list) -> int:
   return min(_FLIGHT_MAX, max(_FLIGHT_MIN, total // 16))
 
 
+def _uniform_split(shapes: dict, size: dict, per: int, flight: int
+                   ) -> int | None:
+  """How many groups of one signature a class's arrays split into, or
+  ``None``: ``shapes`` maps each shape to its arrays, ``size`` to one
+  array's bytes. With ``g`` groups each takes ``ceil(count / g)`` arrays of
+  every shape (the last ones padded by repeating an array), so all ``g``
+  share one cut and one glue program. Taken: the fewest groups of at most
+  ``flight`` bytes, else the smallest groups when they hold at most twice
+  the class's largest array; never more than _GROUP_SLICES slices per
+  program, nor padding above 1/_PAD_WASTE of the class's bytes."""
+  total = sum(len(v) * size[k] for k, v in shapes.items())
+  big = max(size.values())
+  best = None
+  for g in range(1, max(len(v) for v in shapes.values()) + 1):
+    takes = {k: -(-len(v) // g) for k, v in shapes.items()}
+    if sum(takes.values()) > per:
+      continue
+    nbytes = sum(t * size[k] for k, t in takes.items())
+    if (g * nbytes - total) * _PAD_WASTE > total:
+      continue
+    if nbytes <= flight:
+      return g
+    if best is None or nbytes < best[1]:
+      best = (g, nbytes)
+  if best is not None and best[1] <= 2 * big:
+    return best[0]
+  return None
+
+
 def _groups(batch: list, flight: int) -> list:
   """``batch`` (``(program, array, target)`` triples) split into groups of
   one class and dtype, each at most _GROUP_SLICES slices per program:
-  ``(key, moves, members, nbytes)`` with ``key`` the programs' cache key.
-  Arrays of a shape that occurs several times in a class go in groups of
-  that shape alone, at most ``flight // 2`` bytes each (unless one array is
-  larger), which share their programs; the others (each a program of its
-  own however they are split) in groups of at most ``flight`` bytes."""
+  ``(key, moves, members, nbytes)`` with ``key`` the programs' cache key,
+  ``members`` indices into ``batch`` (an index may repeat: padding, whose
+  result is dropped) and ``nbytes`` the bytes the group moves.
+
+  A class's arrays go in groups of one signature where they can (see
+  :func:`_uniform_split`): lm1b's layers, each a few arrays of a few
+  shapes, split into a few equal groups that share their programs, so the
+  programs compiled are those of one group per class however many groups
+  the bytes in flight call for. Otherwise arrays of a shape that occurs
+  several times go in equal groups of that shape alone, at most ``flight
+  // 2`` bytes each (unless one array is larger), which share their
+  programs; the others (each a program of its own however they are split)
+  in groups of at most ``flight`` bytes."""
   by_key: dict = {}
   for n, (_, x, s) in enumerate(batch):
     by_key.setdefault((x.sharding, s, x.ndim, x.dtype), []).append(n)
@@ -1241,22 +1286,51 @@ def _groups(batch: list, flight: int) -> list:
     by_shape: dict = {}
     for n in members:
       by_shape.setdefault(tuple(batch[n][1].shape), []).append(n)
-    runs, mixed = [], []
-    for shape in sorted(by_shape):
-      (runs if len(by_shape[shape]) > 1 else mixed).append(by_shape[shape])
-    runs = [(r, flight // 2) for r in runs]
-    runs.append(([n for r in mixed for n in r], flight))
-    for run, cap in runs:
-      part, nbytes = [], 0
-      for n in run + [None]:
-        b = 0 if n is None else batch[n][1].nbytes
-        if part and (n is None or len(part) == per or nbytes + b > cap):
-          shapes = tuple(tuple(batch[m][1].shape) for m in part)
-          out.append(((src, dst, dtype, shapes), moves, part, nbytes))
-          part, nbytes = [], 0
-        if n is not None:
-          part.append(n)
-          nbytes += b
+    size = {k: batch[v[0]][1].nbytes for k, v in by_shape.items()}
+
+    def emit(parts: list) -> None:
+      """One group of ``parts``, ``(shape, members)`` in shape order."""
+      idx = [n for _, run in parts for n in run]
+      shapes = tuple(k for k, run in parts for _ in run)
+      out.append(((src, dst, dtype, shapes), moves, idx,
+                  sum(size[k] * len(run) for k, run in parts)))
+
+    def padded(run: list, t: int, i: int) -> list:
+      got = run[i * t:(i + 1) * t]
+      return got + [got[-1]] * (t - len(got))
+
+    order = sorted(by_shape)
+    g = _uniform_split(by_shape, size, per, flight)
+    if g is not None:
+      takes = {k: -(-len(by_shape[k]) // g) for k in order}
+      for i in range(g):
+        # A group whose every slot is padding is not needed.
+        if all(i * takes[k] >= len(by_shape[k]) for k in order):
+          continue
+        emit([(k, padded(by_shape[k], takes[k], i)) if
+              i * takes[k] < len(by_shape[k]) else
+              (k, [by_shape[k][-1]] * takes[k]) for k in order])
+      continue
+    mixed = []
+    for k in order:
+      run = by_shape[k]
+      if len(run) == 1:
+        mixed.append(k)
+        continue
+      t = max(1, min(per, (flight // 2) // size[k], len(run)))
+      n_groups = -(-len(run) // t)
+      t = -(-len(run) // n_groups)  # equal groups, the last one padded
+      for i in range(n_groups):
+        emit([(k, padded(run, t, i))])
+    part, nbytes = [], 0
+    for k in mixed + [None]:
+      b = 0 if k is None else size[k]
+      if part and (k is None or len(part) == per or nbytes + b > flight):
+        emit([(m, by_shape[m]) for m in part])
+        part, nbytes = [], 0
+      if k is not None:
+        part.append(k)
+        nbytes += b
   return out
 
 
@@ -1305,6 +1379,8 @@ def _run_generic_packed(batch: list) -> list:
     del ins  # the received buffers go once the glue is done
     pending.append((outs, nbytes))
     for n, new in zip(members, outs):
+      if made[n] is not None:  # padding: a repeat of an array done already
+        continue
       prog, x, _ = batch[n]
       if not prog.reused:
         made[n] = (new, None)

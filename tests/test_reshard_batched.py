@@ -376,3 +376,48 @@ def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
       assert 0 < c.n <= 6, c.n  # two shared shapes and one mixed group
     else:
       assert c.n == 0, c.n
+
+
+def test_generic_uniform_groups_share_one_program_with_padding(monkeypatch):
+  # Five 16 KiB arrays and two 32 KiB ones between the same shardings, 80
+  # KiB in flight: two groups of one signature (three of the first shape
+  # and one of the second each, the second group's third slot padded by
+  # repeating an array), so one cut and one glue program for all; the
+  # padding's result is dropped and every result is bitwise.
+  monkeypatch.setattr(rmod, "_FLIGHT_MIN", 80 << 10)
+  monkeypatch.setattr(rmod, "_FLIGHT_MAX", 80 << 10)
+  a = Mesh(np.array(DEVS), ("x",))
+  b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
+  hosts = {f"s{i}": (np.arange(64 * 64, dtype=np.float32) * (i + 1))
+           .reshape(64, 64) for i in range(5)}
+  hosts.update({f"w{i}": (np.arange(64 * 128, dtype=np.float32) - i)
+                .reshape(64, 128) for i in range(2)})
+  src = NamedSharding(a, P("x"))
+  target = {k: NamedSharding(b, P("p", "q")) for k in hosts}
+  seen = []
+  real_groups = rmod._groups
+
+  def spy(batch, flight):
+    out = real_groups(batch, flight)
+    seen.append([(k, list(m), nb) for k, _, m, nb in out])
+    return out
+
+  monkeypatch.setattr(rmod, "_groups", spy)
+  for call in range(2):
+    tree = {k: jax.device_put(v, src) for k, v in hosts.items()}
+    with CompileCounter() as c:
+      out = tj.reshard(tree, target, method="generic")
+      jax.block_until_ready(out)
+    for k, v in out.items():
+      assert v.sharding == target[k]
+      assert _bits(v) == hosts[k].tobytes(), k
+      for s in v.addressable_shards:
+        assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
+    groups = seen[-1]
+    assert len(groups) == 2 and groups[0][0] == groups[1][0]
+    assert groups[0][0][3] == ((64, 64),) * 3 + ((64, 128),)
+    assert all(nb == 80 << 10 for _, _, nb in groups)
+    # Every array in exactly one group, one of them twice (the padding).
+    members = sorted(n for _, m, _ in groups for n in m)
+    assert len(members) == 8 and len(set(members)) == 7
+    assert c.n == (2 if call == 0 else 0), c.n
