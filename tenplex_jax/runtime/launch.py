@@ -111,6 +111,18 @@ class Controller:
         return int(req["procs"])
     return None
 
+  def wait_turn(self, path: str, ready: float) -> dict:
+    """Marks this prepared process ready (``JOB_DIR/ready_<g>_<p>.txt``)
+    and blocks until the launcher writes its turn to ``path`` (looked for
+    every 2 ms); returns the turn (``handed``, ``saved``, ...)."""
+    with private.open_private(_job_file("ready", "txt")) as f:
+      f.write(repr(ready))
+    while True:
+      try:
+        return json.loads(_text(path))
+      except (OSError, ValueError):
+        time.sleep(0.002)
+
   def leave_for_resize(self, procs: int, step: int) -> None:
     """Ends this process after its resize save (does not return)."""
     job = job_env().job_dir
@@ -537,14 +549,7 @@ def wait_turn() -> dict:
   if not path or _turn.get("seen"):
     return dict(_turn)
   _turn["ready"] = time.time()
-  with private.open_private(_job_file("ready", "txt")) as f:
-    f.write(repr(_turn["ready"]))
-  while True:
-    try:
-      turn = json.loads(_text(path))
-      break
-    except (OSError, ValueError):
-      time.sleep(0.002)
+  turn = controller().wait_turn(path, _turn["ready"])
   _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time(),
                started=turn.get("started"), nice=turn.get("nice", 0))
   # A generation prepared for a failure learns its start and failed step now.
