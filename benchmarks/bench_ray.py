@@ -54,7 +54,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_ray_train.py")
 PHASES = ("save", "relaunch", "imports", "distributed", "setup", "compile",
-          "turn", "restore", "step")
+          "alloc", "turn", "restore", "step")
 START = ("relaunch", "imports", "distributed", "setup")
 MODES = ("tenplex", "ray", "ray", "tenplex")
 

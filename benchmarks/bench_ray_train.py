@@ -127,14 +127,16 @@ else:
       target, jax.ShapeDtypeStruct((BATCH, D), jnp.float32,
                                    sharding=rep)).compile()
   t_compiled = time.time()
-  store.wait_turn()  # at once unless started ahead
-  t_turn = time.time()
+  # (started ahead: allocates the arrays it restores into, then waits for
+  # the turn, then restores)
   state, step = store.restore_or_init(init, target)
   jax.block_until_ready(state)
   t_restored = time.time()
+  turn = store.wait_turn()  # when it waited and saw its turn, if it did
   x = batch(step)
-  marks = [("compile", t_compiled), ("turn", t_turn),
-           ("restore", t_restored)]
+  marks = [("compile", t_compiled),
+           ("alloc", turn.get("ready", t_compiled)),
+           ("turn", turn.get("seen", t_compiled)), ("restore", t_restored)]
 state, loss = compiled(state, x)
 loss = float(loss)  # a global result: every worker has finished the step
 step += 1
