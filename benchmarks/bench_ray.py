@@ -53,8 +53,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_ray_train.py")
-PHASES = ("save", "relaunch", "imports", "distributed", "setup", "restore",
-          "compile", "step")
+PHASES = ("save", "relaunch", "imports", "distributed", "setup", "compile",
+          "alloc", "turn", "restore", "step")
+START = ("relaunch", "imports", "distributed", "setup")
 MODES = ("tenplex", "ray", "ray", "tenplex")
 
 
@@ -71,7 +72,14 @@ def _procs(cluster) -> list:
 
 
 def transitions(rows: list[dict]) -> list[dict]:
-  """Per resize (generation g -> g + 1) the phases at the slowest worker."""
+  """Per resize (generation g -> g + 1) the phases at the slowest worker.
+
+  Each new worker records its milestones in the order its script reached
+  them (``marks``: the phase that ends there, and when). Per milestone the
+  slowest worker's time counts, from the old group's last save on: a phase
+  that a group started ahead finished before that costs the resize nothing
+  (0 here; its own length is in ``ahead``), one that ran across it counts
+  from the save."""
   out = []
   for g in sorted({r["gen"] for r in rows if r["kind"] == "save"}):
     save = [r for r in rows if r["kind"] == "save" and r["gen"] == g]
@@ -80,28 +88,45 @@ def transitions(rows: list[dict]) -> list[dict]:
       continue
     signal_t = min(r["t_signal"] for r in save)
     saved = max(r["t_saved"] for r in save)
-    t_start = max(r["t_start"] for r in new)
-    t_imp = max(r["t_imported"] for r in new)
-    t_init = max(r["t_init"] for r in new)
-    r0 = max(r["t_restore0"] for r in new)
-    r1 = max(r["t_restored"] for r in new)
-    c1 = max(r["t_compiled"] for r in new)
-    f1 = max(r["t_first"] for r in new)
+    names = [m[0] for m in new[0]["marks"]]
+    assert all([m[0] for m in r["marks"]] == names for r in new)
+    at = [max(r["marks"][i][1] for r in new) for i in range(len(names))]
+    phases, ahead, prev, raw_prev = {}, {}, saved, None
+    for name, t in zip(names, at):
+      clipped = max(prev, t)
+      phases[name] = clipped - prev
+      if raw_prev is not None:
+        ahead[name] = t - raw_prev
+      prev, raw_prev = clipped, t
+    f1 = at[-1]
     assert {r["mode"] for r in save} == {r["mode"] for r in new}
     rep = [r["restored"] for r in new if r["restored"]]
-    out.append({
-        "mode": save[0]["mode"], "from": save[0]["procs"],
-        "to": new[0]["procs"], "at_step": save[0]["step"],
-        "save": saved - signal_t, "start": r0 - saved,
-        "relaunch": t_start - saved, "imports": t_imp - t_start,
-        "distributed": t_init - t_imp, "setup": r0 - t_init,
+    # tenplex's restore in parts (its RestoreReport's seconds), slowest
+    # worker: manifests, plan, read (destination buffers and the reads),
+    # build (the arrays).
+    parts = {f"restore_{k}": max(x["seconds"][k] for x in rep)
+             for k in ("manifest", "plan", "read", "build")} if rep else {}
+    row = {"mode": save[0]["mode"], "from": save[0]["procs"],
+           "to": new[0]["procs"], "at_step": save[0]["step"],
+           "save": saved - signal_t, **{p: phases.get(p, 0.0)
+                                        for p in PHASES[1:]}}
+    row.update({
+        "start": sum(row[p] for p in START),
         "standby": all(r["standby"] for r in new),
-        "cache": all(r["cache"] for r in new), "restore": r1 - r0,
-        "compile": c1 - r1, "step": f1 - c1, "total": f1 - signal_t,
+        "prepared": all(r.get("prepared") for r in new),
+        "cache": all(r["cache"] for r in new),
+        "total": f1 - signal_t,
+        # each phase's own length (slowest worker, milestone to milestone),
+        # wherever it fell; the ready margin: the save's end minus the end
+        # of the last phase before the turn (> 0: ready ahead)
+        "ahead": ahead,
+        "ready_margin": (saved - at[names.index("turn") - 1]
+                         if "turn" in names else None),
         "steady_step_s": max(r["step_s"] for r in save),
         "local_bytes": sum(x["local_bytes"] for x in rep) if rep else None,
         "network_bytes": sum(x["network_bytes"] for x in rep) if rep
-        else None})
+        else None, **parts})
+    out.append(row)
   return out
 
 
@@ -150,16 +175,21 @@ def run(args) -> dict:
           return
         m = 2 if j.current["workers"] == 1 else 1
         tenplex = MODES[gen % len(MODES)] == "tenplex"
+        j.standby = 2 if tenplex and args.standby else False
+        j.compilation_cache = tenplex and args.cache
         if tenplex and args.standby and sum(
             s["ready"] is not None for s in j.standbys()) < m:
           return
-        j.standby = 2 if tenplex and args.standby else False
-        j.compilation_cache = tenplex and args.cache
+        if tenplex and args.prepare and not sum(
+            bool(s.get("waiting")) for s in j.standbys()) == m:
+          j.prepare_next(m)  # the next group waits at its turn first
+          return
         asked[gen] = j.request_resize(m)
 
       result = tray.run(
           SCRIPT, [], num_workers=1, job=job, max_restarts=0,
           on_progress=driver, standby=2 if args.standby else False,
+          prepare=args.prepare,
           compilation_cache=args.cache, standby_imports=(
               *tray.STANDBY_IMPORTS, "ray.train", "jax.sharding",
               "tenplex_jax.store.checkpoint"),
@@ -218,6 +248,9 @@ def main() -> None:
                   help="tenplex resizes start fresh worker actors too")
   ap.add_argument("--no-cache", dest="cache", action="store_false",
                   help="no jax persistent compilation cache")
+  ap.add_argument("--no-prepare", dest="prepare", action="store_false",
+                  help="tenplex's next group gets its ranks after the save"
+                  " (not started ahead, waiting at its turn)")
   args = ap.parse_args()
   state_gib = 3 * args.layers * args.dim**2 * 4 / 2**30
   with open("/proc/meminfo") as f:
@@ -238,16 +271,15 @@ def main() -> None:
         r["save"] + r["restore"] for r in rs)
     summary[mode]["n"] = len(rs)
   t, r = summary["tenplex"], summary["ray"]
-  ratios = {"save_restore": r["save_restore"] / t["save_restore"],
-            "start": r["start"] / t["start"],
-            "total": r["total"] / t["total"]}
+  ratios = {k: r[k] / t[k] if t[k] > 0 else float("inf")
+            for k in ("save_restore", "start", "total")}
   names = [p[:8] for p in (*PHASES, "total")]
   print(f"{'mode':8s} {'from':>4s} {'to':>3s} " +
-        " ".join(f"{p:>8s}" for p in names) + " standby cache")
+        " ".join(f"{p:>8s}" for p in names) + " standby prepared cache")
   for x in rows:
     print(f"{x['mode']:8s} {x['from']:4d} {x['to']:3d} " +
           " ".join(f"{x[p]:8.2f}" for p in (*PHASES, "total")) +
-          f" {x['standby']!s:7s} {x['cache']!s:5s}")
+          f" {x['standby']!s:7s} {x['prepared']!s:8s} {x['cache']!s:5s}")
   for mode, s in summary.items():
     print(f"median {mode:8s}: (a) start {s['start']:.2f} s, (b) save +"
           f" restore {s['save_restore']:.2f} s, (c) compile"

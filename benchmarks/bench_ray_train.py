@@ -103,7 +103,8 @@ def batch(step):
 
 
 mode_in = MODES[(gen - 1) % len(MODES)] if gen else None
-t_restore0 = time.time()
+t_setup = time.time()
+step_fn = jax.jit(train_step, donate_argnums=0)
 if mode_in == "ray":  # Ray Train's path: the run's checkpoint, with Orbax
   step = int(os.environ["TENPLEX_START_STEP"])
   ckpt = Checkpoint.from_directory(os.path.join(CKPT, f"step_{step:010d}"))
@@ -111,23 +112,42 @@ if mode_in == "ray":  # Ray Train's path: the run's checkpoint, with Orbax
     ckptr = ocp.StandardCheckpointer()
     state = ckptr.restore(path, target)
     ckptr.close()
+  jax.block_until_ready(state)
+  t_restored = time.time()
+  x = batch(step)
+  compiled = step_fn.lower(state, x).compile()
+  t_compiled = time.time()
+  marks = [("restore", t_restored), ("compile", t_compiled)]
 else:
+  # tenplex: the step needs the state's shapes and shardings only, so it
+  # is compiled (or loaded from the cache) from the restore's target
+  # first; a group the driver started ahead of the resize does that
+  # before the previous group has saved, then waits for its turn.
+  compiled = step_fn.lower(
+      target, jax.ShapeDtypeStruct((BATCH, D), jnp.float32,
+                                   sharding=rep)).compile()
+  t_compiled = time.time()
+  # (started ahead: allocates the arrays it restores into, then waits for
+  # the turn, then restores)
   state, step = store.restore_or_init(init, target)
-jax.block_until_ready(state)
-t_restored = time.time()
-x = batch(step)
-compiled = jax.jit(train_step, donate_argnums=0).lower(state, x).compile()
-t_compiled = time.time()
+  jax.block_until_ready(state)
+  t_restored = time.time()
+  turn = store.wait_turn()  # when it waited and saw its turn, if it did
+  x = batch(step)
+  marks = [("compile", t_compiled),
+           ("alloc", turn.get("ready", t_compiled)),
+           ("turn", turn.get("seen", t_compiled)), ("restore", t_restored)]
 state, loss = compiled(state, x)
 loss = float(loss)  # a global result: every worker has finished the step
 step += 1
 t_first = time.time()
 first = step - 1
-record(kind="start", mode=mode_in, step=step - 1, t_start=T_START,
-       t_imported=T_IMPORTED, t_init=T_INIT, t_restore0=t_restore0,
+record(kind="start", mode=mode_in, step=step - 1, marks=[
+    ("relaunch", T_START), ("imports", T_IMPORTED), ("distributed", T_INIT),
+    ("setup", t_setup), *marks, ("step", t_first)],
        standby="TENPLEX_STANDBY_READY" in os.environ,
+       prepared=os.environ.get("TENPLEX_TURN_FILE") == "ray",
        cache=bool(jax.config.jax_compilation_cache_dir),
-       t_restored=t_restored, t_compiled=t_compiled,
        t_first=t_first, restored=importlib.import_module(
            "tenplex_jax.store.launch").last_restore.get("report"))
 if mode_in == "ray" and proc == 0:  # the consumed checkpoint (not timed)

@@ -70,7 +70,7 @@ from tenplex_jax.errors import NoCopyError, StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.store import private
 from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
-from tenplex_jax.store.api import restore_with_report, save
+from tenplex_jax.store.api import allocate_ahead, restore_with_report, save
 from tenplex_jax.store.server import (CA_ENV, TOKEN_ENV, client_ca, free_port,
                                       new_token, resolve_token)
 
@@ -111,6 +111,18 @@ class Controller:
       if req and req["step"] == step and step > start and req["procs"] != n:
         return int(req["procs"])
     return None
+
+  def wait_turn(self, path: str, ready: float) -> dict:
+    """Marks this prepared process ready (``JOB_DIR/ready_<g>_<p>.txt``)
+    and blocks until the launcher writes its turn to ``path`` (looked for
+    every 2 ms); returns the turn (``handed``, ``saved``, ...)."""
+    with private.open_private(_job_file("ready", "txt")) as f:
+      f.write(repr(ready))
+    while True:
+      try:
+        return json.loads(_text(path))
+      except (OSError, ValueError):
+        time.sleep(0.002)
 
   def leave_for_resize(self, procs: int, step: int) -> None:
     """Ends this process after its resize save (does not return)."""
@@ -538,14 +550,7 @@ def wait_turn() -> dict:
   if not path or _turn.get("seen"):
     return dict(_turn)
   _turn["ready"] = time.time()
-  with private.open_private(_job_file("ready", "txt")) as f:
-    f.write(repr(_turn["ready"]))
-  while True:
-    try:
-      turn = json.loads(_text(path))
-      break
-    except (OSError, ValueError):
-      time.sleep(0.002)
+  turn = controller().wait_turn(path, _turn["ready"])
   _turn.update(handed=turn["handed"], saved=turn.get("saved"), seen=time.time(),
                started=turn.get("started"), nice=turn.get("nice", 0))
   # A generation prepared for a failure learns its start and failed step now.
@@ -630,12 +635,22 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
   """
+  if prepared():
+    # A generation started ahead: the arrays the restore reads into are
+    # allocated (pages resident) before its turn, not after.
+    if target is None:
+      target = jax.eval_shape(init_fn)
+    try:
+      allocate_ahead(target)
+    except Exception:  # noqa: BLE001 - the restore reports a bad target
+      pass
   wait_turn()  # a prepared generation: until the previous one saved
   env = job_env()
   stores = list(env.peers)
   start, failed = env.start_step, env.failed_step
   last_restore.clear()
   if not stores or (start == 0 and failed is None):
+    allocate_ahead(None)  # (drops what was allocated ahead)
     state = init_fn()
     _heartbeat()
     return state, 0

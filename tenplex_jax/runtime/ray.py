@@ -173,8 +173,7 @@ class _WorkerController(Controller):
   def resize_due(self, step: int) -> int | None:
     restored = None
     if self.handle is None:
-      self.handle = _ray.get_actor(job_env().ray_controller,
-                                   namespace=NAMESPACE)
+      self._actor()
       # What this group restored, known to the driver even if it fails
       # later.
       restored = dict(_launch.last_restore)
@@ -183,6 +182,30 @@ class _WorkerController(Controller):
 
   def leave_for_resize(self, procs: int, step: int) -> None:
     raise ResizeExit(procs, step)
+
+  def _actor(self):
+    if self.handle is None:
+      self.handle = _ray.get_actor(job_env().ray_controller,
+                                   namespace=NAMESPACE)
+    return self.handle
+
+  def wait_turn(self, path: str, ready: float) -> dict:
+    """A worker of a group prepared ahead (``TENPLEX_TURN_FILE=ray``):
+    blocks until the controller gives its generation the turn (every
+    worker of the running group has saved)."""
+    gen = job_env().generation
+    while True:
+      turn = _ray.get(self._actor().wait_turn.remote(
+          gen, job_env().proc_id, 10.0))
+      if turn is not None:
+        return turn
+
+  def saved(self, procs: int, step: int) -> None:
+    """Tells the controller this worker saved for a resize to ``procs``
+    workers at ``step`` (the last one gives a prepared group its turn)."""
+    env = job_env()
+    _ray.get(self._actor().saved.remote(env.generation, env.proc_id,
+                                        int(step), int(procs)))
 
 
 def store_actor_name(job: str, node_id: str) -> str:
@@ -223,19 +246,93 @@ class _StoreActor:
       pass
 
 
-@_ray.remote(num_cpus=0)
+@_ray.remote(num_cpus=0, concurrency_groups={"turn": 64})
 class _Controller:
-  """Progress of the workers and the resize decision of the driver."""
+  """Progress of the workers and the resize decision of the driver; the
+  turn of a group prepared ahead (:meth:`wait_turn` runs in its own
+  threads, so that a prepared worker waiting for its turn does not hold up
+  the running group's :meth:`poll`)."""
 
   def __init__(self):
-    self.new_generation(0, 0, {})
+    self.cond = threading.Condition()
+    self.turns: dict[int, dict] = {}  # generation: its turn, once given
+    self.done: dict[int, dict] = {}  # generation: its last state()
+    self.next = None  # (generation, workers, schedule)
+    self.saves: dict[int, int] = {}  # rank: the step it saved at
+    self.waiting: dict[int, set[int]] = {}  # generation: ranks at the turn
+    self.gen = 0
+    self._reset(0, 0, {})
 
-  def new_generation(self, n: int, start: int, schedule: dict) -> None:
+  def _reset(self, n: int, start: int, schedule: dict) -> None:
     self.n, self.start, self.progress = n, start, {}
     self.schedule = {int(k): int(v) for k, v in schedule.items()}
     self.request = None
     self.first_poll = None
     self.restored: dict = {}
+
+  def new_generation(self, n: int, start: int, schedule: dict,
+                     gen: int | None = None) -> None:
+    """Generation ``gen`` (``n`` workers from step ``start``) runs now; a
+    generation that was prepared ahead switched at its turn already."""
+    if gen is not None and gen in self.turns:
+      return
+    self.done[self.gen] = self.state()
+    self.gen = self.gen + 1 if gen is None else int(gen)
+    self._reset(n, start, schedule)
+
+  def prepare(self, gen: int | None, n: int = 0,
+              schedule: dict | None = None) -> None:
+    """Generation ``gen`` (``n`` workers) waits for its turn: given once
+    every worker of the running generation has saved, at one step, for a
+    resize to ``n`` workers (:meth:`saved`). ``None``: none."""
+    self.next = None if gen is None else (int(gen), int(n),
+                                          dict(schedule or {}))
+    self.saves = {}
+
+  def saved(self, gen: int, rank: int, step: int, procs: int) -> bool:
+    """Worker ``rank`` of generation ``gen`` saved at ``step`` for a
+    resize to ``procs`` workers; the last one gives the prepared
+    generation its turn (when it is the one prepared for that)."""
+    nx = self.next
+    if nx is None or gen != self.gen or nx[0] != gen + 1 or procs != nx[1]:
+      return False
+    self.saves[int(rank)] = int(step)
+    if len(self.saves) < self.n or len(set(self.saves.values())) != 1:
+      return False
+    return self.give_turn(nx[0], int(step))
+
+  def give_turn(self, gen: int, start: int) -> bool:
+    """Switches to the prepared generation ``gen``, which starts from step
+    ``start``, and lets its workers restore (at once if they wait);
+    whether ``gen`` has its turn."""
+    nx = self.next
+    if nx is None or nx[0] != gen:
+      return gen in self.turns
+    self.next = None
+    self.done[self.gen] = self.state()
+    self.gen = gen
+    self._reset(nx[1], start, nx[2])
+    with self.cond:
+      self.turns[gen] = {"handed": time.time(),
+                         "env": {"TENPLEX_START_STEP": str(int(start))}}
+      self.cond.notify_all()
+    return True
+
+  @_ray.method(concurrency_group="turn")
+  def wait_turn(self, gen: int, rank: int, timeout: float) -> dict | None:
+    """Generation ``gen``'s turn (``{"handed": t, "env": {start step}}``),
+    waited for up to ``timeout`` seconds by its worker ``rank``; ``None``
+    if not given yet."""
+    with self.cond:
+      self.waiting.setdefault(gen, set()).add(int(rank))
+      self.cond.wait_for(lambda: gen in self.turns, timeout)
+      return self.turns.get(gen)
+
+  @_ray.method(concurrency_group="turn")
+  def waiting_ranks(self, gen: int) -> list[int]:
+    """The workers of generation ``gen`` that reached their turn's wait."""
+    with self.cond:
+      return sorted(self.waiting.get(gen, ()))
 
   def poll(self, rank: int, step: int, restored: dict | None = None
            ) -> int | None:
@@ -259,7 +356,12 @@ class _Controller:
     self.request = (int(procs), at, bool(move))
     return at
 
-  def state(self) -> dict:
+  def state(self, gen: int | None = None) -> dict:
+    """Generation ``gen``'s (default: the running one's) progress, first
+    poll, request and what its worker 0 restored."""
+    if gen is not None and gen != self.gen:
+      return self.done.get(gen, {"progress": {}, "first_poll": None,
+                                 "request": None, "restored": None})
     return {"progress": dict(self.progress), "first_poll": self.first_poll,
             "request": self.request, "restored": self.restored.get(0)}
 
@@ -315,7 +417,8 @@ class _Worker:
       os.environ[STANDBY_READY_ENV] = repr(self.ready)
       os.environ[STANDBY_ASSIGNED_ENV] = repr(time.time())
     _use_compilation_cache(env)
-    use_controller(_WorkerController())  # the driver decides resizes
+    ctrl = _WorkerController()
+    use_controller(ctrl)  # the driver decides resizes
     try:
       if callable(train):
         train(*args)
@@ -325,6 +428,10 @@ class _Worker:
       out["outcome"] = "done"
     except ResizeExit as e:
       out.update(outcome="resize", procs=e.procs, step=e.step)
+      try:  # saved: a group prepared for this resize may restore now
+        ctrl.saved(e.procs, e.step)
+      except Exception:  # noqa: BLE001 - the driver gives the turn then
+        pass
     except SystemExit as e:  # a script's sys.exit(main())
       if e.code not in (None, 0):
         raise RuntimeError(f"{train} exited with status {e.code!r}") from e
@@ -426,7 +533,7 @@ class Job:
                tls_cert: str | None = None, tls_key: str | None = None,
                tls_ca: str | None = None, standby: bool | int = True,
                standby_imports: Sequence[str] | None = None,
-               compilation_cache: bool | str = True):
+               compilation_cache: bool | str = True, prepare: bool = True):
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
@@ -484,6 +591,12 @@ class Job:
     # store actors started ahead on nodes that joined: node -> info() ref
     self._store_pending: dict[str, Any] = {}
     self.compilation_cache = compilation_cache
+    # The next group started ahead of a known resize (standbys handed their
+    # ranks, waiting for the turn in their restore): {"n", "start",
+    # "group": _start_group's answer}.
+    self.prepare = bool(prepare)
+    self._next: dict | None = None
+    self._expect: int | None = None  # prepare_next's size
 
   def request_resize(self, procs: int) -> int:
     """Asks the running group to resize to ``procs`` workers; returns the
@@ -496,6 +609,7 @@ class Job:
     self._most = max(self._most, int(procs))
     if self._standby_ok():
       self._fill_standbys()  # the next group's, if it is larger
+      self._maybe_prepare()  # started now if its standbys are ready
     return at
 
   def slots(self, resources: Mapping[str, float]) -> int:
@@ -526,7 +640,9 @@ class Job:
     drained = sorted(set(self.current.get("nodes", ())) & set(self.draining))
     if drained and not self.current.get("drain"):
       # A planned leave: save to the stores and go on without those nodes
-      # (no failure, no step lost), before the deadline.
+      # (no failure, no step lost), before the deadline; a group prepared
+      # for another resize goes.
+      self._drop_next()
       m = self._target() if self.auto else min(n, self.capacity())
       at = _ray.get(self.ctrl.request_resize.remote(max(1, m), True))
       self.current["drain"] = {
@@ -563,7 +679,11 @@ class Job:
     ``max(largest group so far, the auto-resize's target)`` of them, round
     robin over the alive nodes with room whose store answered (one per
     worker slot at most), none on draining or lost nodes; drops the dead
-    ones and those on nodes that left. Does not wait for them."""
+    ones and those on nodes that left. Does not wait for them. Not while
+    a group prepared ahead waits for its turn (its standbys are taken; the
+    replacements come after its first step)."""
+    if self._next is not None:
+      return
     room = {x["NodeID"]: self.slots(x["Resources"]) for x in _ray.nodes()
             if x["Alive"] and x["NodeID"] not in self.excluded
             and x["NodeID"] not in self.draining}
@@ -601,7 +721,9 @@ class Job:
   def standbys(self) -> list[dict]:
     """The standby workers kept now: per worker its ``node`` and, once its
     imports are done, its ``pid`` and ``ready`` (seconds since the epoch;
-    ``None`` while it imports)."""
+    ``None`` while it imports); those of the group prepared ahead
+    (:meth:`prepare_next`) also with ``prepared`` and ``waiting`` (it
+    reached its restore and waits for its turn)."""
     out = []
     for node, lst in self._standbys.items():
       for _, ref, _ in lst:
@@ -612,6 +734,14 @@ class Job:
           except _ray.exceptions.RayError:
             continue  # dead: replaced at the next fill
         out.append(info)
+    if self._next is not None:  # the group prepared ahead: theirs too
+      rec = self._next["group"][0]
+      waiting = set(_ray.get(self.ctrl.waiting_ranks.remote(
+          rec["generation"])))
+      for i, (node, pid, r) in enumerate(zip(
+          rec["nodes"], rec["standby_pids"], rec["standby_ready_s"])):
+        out.append({"node": node, "pid": pid, "ready": rec["t0"] + r,
+                    "prepared": True, "waiting": i in waiting})
     return out
 
   def drop_standbys(self) -> None:
@@ -729,14 +859,23 @@ class Job:
     if answered and fill and self._standby_ok():
       self._fill_standbys()
 
-  def _generation(self, n: int, start: int, failed: int | None) -> dict:
-    gen = len(self.generations)
+  def _start_group(self, gen: int, n: int, start: int, failed: int | None,
+                   prepared: bool = False) -> tuple[dict, list, list] | None:
+    """Places generation ``gen``'s ``n`` workers (standbys where there
+    are, fresh actors elsewhere), hands them their ranks and starts the
+    script in them; returns ``(record, workers, run refs)``. ``prepared``:
+    ahead of the running group's resize to ``n`` workers (expected at
+    step ``start``; the turn gives the step it came at), from ready
+    standbys only (else ``None``, nothing taken): the script runs up to
+    its restore and waits there for its turn."""
     t0 = time.time()
     deadline = time.monotonic() + 120
     while True:
       stores = self._stores()  # a draining node's serves its shards
       nodes = [x for x in stores if x not in self.draining]
       if not nodes:
+        if prepared:
+          return None
         raise StoreError("no alive Ray node with a CPU for the workers"
                          f" (draining: {sorted(self.draining)})")
       room = {x["NodeID"]: self.slots(x["Resources"])
@@ -745,6 +884,8 @@ class Job:
         break
       # The nodes with room have not answered yet (a node that has just
       # joined starts its store actor first): ask again, for a while.
+      if prepared:
+        return None
       if time.monotonic() > deadline:
         raise StoreError(
             "no alive Ray node whose store answers has room for a worker"
@@ -755,20 +896,34 @@ class Job:
     nodes = [x for x in nodes if room.get(x, 0) > 0]
     fits = sum(room.get(x, 1) for x in nodes)
     if self.auto and self.bounds[0] <= fits < n:
+      if prepared:
+        return None
       # Ray still lists a node killed moments ago, whose store did not
       # answer: as many workers as the answering nodes hold.
       n = fits
     slots = [x for r in range(max(room.get(x, 1) for x in nodes))
              for x in nodes if room.get(x, 1) > r]  # round robin
     placement = [slots[i % len(slots)] for i in range(n)]
+    if prepared:  # every worker a standby whose imports are done
+      need = {x: placement.count(x) for x in set(placement)}
+      for node, k in need.items():
+        pool = self._standbys.get(node, [])
+        if sum(1 for _, ref, _ in pool
+               if _ray.wait([ref], timeout=0)[0]) < k:
+          return None
+    else:
+      self._most = max(self._most, n)
+      if self._standby_ok():
+        self._fill_standbys()
     # Standby workers where there are (started ahead, imports done), fresh
     # actors elsewhere.
-    self._most = max(self._most, n)
-    if self._standby_ok():
-      self._fill_standbys()
     workers, kinds, ready = [], [], []
     for node in placement:
       pool = self._standbys.get(node) if self._standby_ok() else None
+      if prepared:  # the ready ones
+        k = next(i for i, (_, ref, _) in enumerate(pool)
+                 if _ray.wait([ref], timeout=0)[0])
+        pool.insert(0, pool.pop(k))
       if pool:
         a, ref, _ = pool.pop(0)
         workers.append(a)
@@ -779,8 +934,10 @@ class Job:
         kinds.append("fresh")
         ready.append(None)
     rec = {"generation": gen, "workers": n, "start_step": start,
-           "failed_step": failed, "nodes": placement, "t0": t0}
-    self.current = rec
+           "failed_step": failed, "nodes": placement, "t0": t0,
+           "prepared": prepared}
+    if not prepared:
+      self.current = rec
     try:
       refs = [w.address.remote() for w in workers]
       addrs = []
@@ -801,7 +958,13 @@ class Job:
       # resize began).
       rec["standby_ready_s"] = [
           None if r is None else _ray.get(r)["ready"] - t0 for r in ready]
-      _ray.get(self.ctrl.new_generation.remote(n, start, self.schedule))
+      rec["standby_pids"] = [None if r is None else _ray.get(r)["pid"]
+                             for r in ready]
+      if prepared:
+        _ray.get(self.ctrl.prepare.remote(gen, n, self.schedule))
+      else:
+        _ray.get(self.ctrl.new_generation.remote(n, start, self.schedule,
+                                                 gen))
       urls = [stores[a[2]]["url"] for a in addrs]
       peers = sorted({s["url"] for s in stores.values()})
       base = {
@@ -823,12 +986,98 @@ class Job:
         base["TENPLEX_FAILED_STEP"] = str(failed)
       if self.compilation_cache:
         base["TENPLEX_COMPILATION_CACHE"] = "1"
+      if prepared:  # restore_or_init waits for the controller's turn
+        base["TENPLEX_TURN_FILE"] = "ray"
       rec["started_s"] = time.time() - t0
       refs = [w.run.remote(self.train, self.args, {
           **base, "TENPLEX_PROC_ID": str(i),
           "TENPLEX_STORE": stores[addrs[i][2]]["dir"],
           **self._cache_env(stores[addrs[i][2]]["dir"])})
           for i, w in enumerate(workers)]
+    except BaseException:
+      for w in workers:
+        _ray.kill(w, no_restart=True)
+      if prepared:
+        _ray.get(self.ctrl.prepare.remote(None))
+      raise
+    return rec, workers, refs
+
+  def prepare_next(self, procs: int) -> bool:
+    """Starts the next group, of ``procs`` workers, ahead of the resize to
+    that size (whenever it comes: a request, the schedule, the node
+    table), from the standbys whose imports are done: they get their
+    ranks now, start ``jax.distributed`` and run the script up to its
+    restore (e.g. compiling the step from the restore's target), and
+    restore once the running group has saved. Needs ``prepare`` and
+    standbys; returns whether such a group waits now (``False``: not
+    enough ready standbys yet; the driver tries again at its polls while
+    this size stays the expected one). A resize to another size, a drain
+    or a failure ends the prepared group unused."""
+    self._expect = int(procs)
+    self._maybe_prepare()
+    return self._next is not None and self._next["n"] == int(procs)
+
+  def _maybe_prepare(self) -> None:
+    """With ``prepare``: once the running group's next size is known (a
+    request or the schedule, not a drain's move; else
+    :meth:`prepare_next`'s) and standbys with their imports done are there
+    for every worker of it, starts that group ahead
+    (:meth:`_start_group`'s ``prepared``)."""
+    cur = self.current
+    if (not self.prepare or not self._standby_ok() or self._next is not None
+        or "generation" not in cur or cur.get("outcome")):
+      return
+    gen, n, start = cur["generation"], cur["workers"], cur["start_step"]
+    st = _ray.get(self.ctrl.state.remote(gen))
+    furthest = max([start, *st["progress"].values()])
+    plans = [(s, m) for s, m in self.schedule.items()
+             if s > start and s > furthest and m != n]
+    req = st["request"]
+    if req and not req[2] and req[0] != n and req[1] > furthest:
+      plans.append((req[1], req[0]))
+    if plans:
+      at, m = min(plans, key=lambda p: p[0])  # the schedule's first on a tie
+    elif self._expect is not None and self._expect != n:
+      at, m = furthest + _MARGIN, self._expect
+    else:
+      return
+    if self.auto and not self.bounds[0] <= m <= self.bounds[1]:
+      return
+    got = self._start_group(gen + 1, m, at, None, prepared=True)
+    if got is not None:
+      self._next = {"n": m, "group": got}
+
+  def _drop_next(self) -> None:
+    """Ends the group prepared ahead (its resize did not come)."""
+    nxt, self._next = self._next, None
+    if nxt is None:
+      return
+    try:
+      _ray.get(self.ctrl.prepare.remote(None))
+    except _ray.exceptions.RayError:
+      pass
+    for w in nxt["group"][1]:
+      _ray.kill(w, no_restart=True)
+
+  def _generation(self, n: int, start: int, failed: int | None) -> dict:
+    gen = len(self.generations)
+    nxt = self._next
+    if nxt is not None and failed is None and nxt["n"] == n and (
+        nxt["group"][0]["generation"] == gen):
+      self._next = None
+      self._expect = None
+      # Its turn (given by the controller at the last save already, unless
+      # a worker's word did not arrive).
+      _ray.get(self.ctrl.give_turn.remote(gen, start))
+      rec, workers, refs = nxt["group"]
+      rec["start_step"] = start
+      self.current = rec
+    else:
+      self._drop_next()
+      self._expect = None
+      rec, workers, refs = self._start_group(gen, n, start, failed)
+    t0 = rec["t0"]
+    try:
       results, error = [None] * n, None
       pending = list(refs)
       refilled, checked = False, time.monotonic()
@@ -836,7 +1085,7 @@ class Job:
         done, pending = _ray.wait(pending, num_returns=1, timeout=0.5)
         if not done:
           if not refilled and self._standby_ok() and _ray.get(
-              self.ctrl.state.remote())["first_poll"] is not None:
+              self.ctrl.state.remote(gen))["first_poll"] is not None:
             # The group has run its first step: start the standbys of the
             # next one now (not during this group's start on its cores).
             self._fill_standbys()
@@ -849,8 +1098,9 @@ class Job:
             checked = time.monotonic()
           self._watch_nodes(refilled)
           self._autoscale(n)
+          self._maybe_prepare()
           if self.on_progress is not None:
-            st = _ray.get(self.ctrl.state.remote())
+            st = _ray.get(self.ctrl.state.remote(gen))
             self.on_progress(self, max(st["progress"].values(),
                                        default=start))
           continue
@@ -859,7 +1109,7 @@ class Job:
         except _ray.exceptions.RayError as e:
           error = e
           break
-      st = _ray.get(self.ctrl.state.remote())
+      st = _ray.get(self.ctrl.state.remote(gen))
       rec["pids"] = [r["pid"] for r in results if r is not None]
       rec["first_step_s"] = (st["first_poll"] - t0 if st["first_poll"]
                              else None)
@@ -920,6 +1170,7 @@ class Job:
              min(n, len(set(_alive_cpu_nodes()) - self.excluded)) or 1)
       return {"job": self.job, "generations": self.generations}
     finally:
+      self._drop_next()
       self.drop_standbys()
       _ray.kill(self.ctrl)
       if not self.keep_stores:
