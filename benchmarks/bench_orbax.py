@@ -45,17 +45,7 @@ one tensorstore batch), ``own`` (``tenplex`` into the saved layout, in the
 same round as the layout's other methods: the ratio to it, ``vs_own_adjacent``,
 compares runs minutes apart on a loaded machine less than the ratio to the
 ``saved`` row does), ``before`` (``tenplex`` with the ``tenplex_jax`` of
-``--baseline-src DIR``, in the same run), ``noahead`` (``tenplex`` with the
-new shards' buffers allocated on the restoring thread between reads, as
-before ``tenplex_jax.orbax._ALLOC_AHEAD``) and ``orbax`` (Orbax's own
-restore). Each process times its method's own import (``import_seconds``:
-``orbax.checkpoint`` or ``tenplex_jax.orbax``, after jax, numpy and
-tensorstore, which both use) and the restore (``seconds``; outside it,
-both processes have imported both packages and read the checkpoint's
-metadata once); ``first_seconds`` is their sum, what a fresh process pays.
-The peak RSS is reset just before the restore (Linux ``clear_refs``), so the
-rise is the restore's own. ``--div 16`` divides every dimension of the
-leaves by 16 (a 0.7 MB state at 6 layers: fixed costs). Reports
+``--baseline-src DIR``, in the same run) and ``orbax`` (Orbax's own restore). Reports
 wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
 restore in the saved layout, and the worst and median ratio to Orbax over
 the random layouts. Writes benchmarks/bench_orbax_layouts_result.json
@@ -420,8 +410,6 @@ def _layout_restore(args) -> None:
       out = m.restore(1, args=ocp.args.StandardRestore(target))
   else:
     assembly._GROUP_READS = args.method != "per-piece"
-    if args.method == "noahead":  # buffers allocated on the reading thread
-      tor._ALLOC_AHEAD = False
     if args.method == "scratch":
       from tenplex_jax.orbax._read import OrbaxSource
       OrbaxSource.shared_reads = False
