@@ -45,7 +45,15 @@ one tensorstore batch), ``own`` (``tenplex`` into the saved layout, in the
 same round as the layout's other methods: the ratio to it, ``vs_own_adjacent``,
 compares runs minutes apart on a loaded machine less than the ratio to the
 ``saved`` row does), ``before`` (``tenplex`` with the ``tenplex_jax`` of
-``--baseline-src DIR``, in the same run) and ``orbax`` (Orbax's own restore). Reports
+``--baseline-src DIR``, in the same run) and ``orbax`` (Orbax's own
+restore). Each process times its method's own import (``import_seconds``:
+``orbax.checkpoint`` or ``tenplex_jax.orbax``, after jax, numpy and
+tensorstore, which both use) and the restore (``seconds``; outside it,
+both processes have imported both packages and read the checkpoint's
+metadata once); ``first_seconds`` is their sum, what a fresh process pays.
+The peak RSS is reset just before the restore (Linux ``clear_refs``), so the
+rise is the restore's own. ``--div 16`` divides every dimension of the
+leaves by 16 (a 0.7 MB state at 6 layers: fixed costs). Reports
 wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
 restore in the saved layout, and the worst and median ratio to Orbax over
 the random layouts. Writes benchmarks/bench_orbax_layouts_result.json
