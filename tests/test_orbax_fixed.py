@@ -166,3 +166,23 @@ def test_small_restore_on_one_decode_thread(small_ckpt, layout,
     assert got.tobytes() == saved[k].tobytes(), k
     for s in out[k].addressable_shards:
       assert np.asarray(s.data).tobytes() == got[s.index].tobytes(), k
+
+
+@pytest.mark.parametrize("first", ["tenplex_jax.runtime.launch",
+                                   "tenplex_jax.runtime.env",
+                                   "tenplex_jax.cli"])
+def test_a_part_imported_first_loads(first):
+  """With the package's parts loaded on first use, the launcher (whose
+  names the store's face re-exports) imports first in a fresh process, as
+  when ``import tenplex_jax`` loaded the store before it; the CLI builds
+  its parser."""
+  got = _fresh(
+      "import json, importlib\n"
+      "m = importlib.import_module(%r)\n"
+      "from tenplex_jax.cli import build_parser\n"
+      "build_parser()\n"
+      "from tenplex_jax.store import RESIZE_EXIT_CODE\n"
+      "import tenplex_jax.runtime.launch as rl\n"
+      "print(json.dumps({'same': RESIZE_EXIT_CODE == rl.RESIZE_EXIT_CODE}))"
+      % first)
+  assert got == {"same": True}
