@@ -45,9 +45,7 @@ one tensorstore batch), ``own`` (``tenplex`` into the saved layout, in the
 same round as the layout's other methods: the ratio to it, ``vs_own_adjacent``,
 compares runs minutes apart on a loaded machine less than the ratio to the
 ``saved`` row does), ``before`` (``tenplex`` with the ``tenplex_jax`` of
-``--baseline-src DIR``, in the same run), ``noahead`` (``tenplex`` with the
-new shards' buffers allocated on the restoring thread between reads, as
-before ``tenplex_jax.orbax._ALLOC_AHEAD``) and ``orbax`` (Orbax's own
+``--baseline-src DIR``, in the same run) and ``orbax`` (Orbax's own
 restore). Each process times its method's own import (``import_seconds``:
 ``orbax.checkpoint`` or ``tenplex_jax.orbax``, after jax, numpy and
 tensorstore, which both use) and the restore (``seconds``; outside it,
@@ -420,8 +418,6 @@ def _layout_restore(args) -> None:
       out = m.restore(1, args=ocp.args.StandardRestore(target))
   else:
     assembly._GROUP_READS = args.method != "per-piece"
-    if args.method == "noahead":  # buffers allocated on the reading thread
-      tor._ALLOC_AHEAD = False
     if args.method == "scratch":
       from tenplex_jax.orbax._read import OrbaxSource
       OrbaxSource.shared_reads = False

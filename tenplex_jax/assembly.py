@@ -33,8 +33,6 @@ import concurrent.futures as cf
 import dataclasses
 import itertools
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
@@ -50,8 +48,7 @@ from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
 from tenplex_jax.planner import Plan, plan
 from tenplex_jax.sources import Source, SourceTensor
 
-__all__ = ["AssembleReport", "NewBox", "ReadStats", "allocated_ahead",
-           "assemble", "fetch_pieces",
+__all__ = ["AssembleReport", "NewBox", "ReadStats", "assemble", "fetch_pieces",
            "fill", "match_target", "new_boxes", "place", "read_source",
            "shards_of", "source_layout"]
 
@@ -131,52 +128,6 @@ def fill(boxes: Iterable[NewBox], alloc: Callable[[NewBox], np.ndarray]
       if view.size:
         views.append((piece, si, view))
     yield nb, buf, views
-
-
-def allocated_ahead(filled: Iterable[Filled]) -> Iterator[Filled]:
-  """``filled``, run on a helper thread ahead of the caller: the next
-  boxes' buffers are allocated (and their pages made resident) while the
-  caller's reads of earlier ones decode, instead of in between.
-
-  It runs as far ahead as it can: every buffer is one the result keeps, so
-  allocating it early adds nothing to the peak memory (the reads in flight
-  stay bounded by the caller). An error in ``filled`` is raised here; if
-  the caller stops early, the helper stops at its next box.
-  """
-  q: queue.SimpleQueue = queue.SimpleQueue()
-  stop = threading.Event()
-  done = object()
-
-  def run() -> None:
-    try:
-      for item in filled:
-        if stop.is_set():
-          return
-        q.put(item)
-      q.put(done)
-    except BaseException as e:  # noqa: BLE001 - raised in the caller
-      q.put(_Failed(e))
-
-  helper = threading.Thread(target=run, name="tenplex-alloc", daemon=True)
-  helper.start()
-  try:
-    while True:
-      item = q.get()
-      if item is done:
-        return
-      if isinstance(item, _Failed):
-        raise item.error
-      yield item
-  finally:
-    stop.set()
-    helper.join()
-
-
-class _Failed:
-  __slots__ = ("error",)
-
-  def __init__(self, error: BaseException):
-    self.error = error
 
 
 def shards_of(t: TensorLayout, sharding: jax.sharding.Sharding,
@@ -591,8 +542,8 @@ def _impl_name(dtype) -> str:
 
 
 def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
-             mesh: jax.sharding.Mesh | None = None, min_reads: int = 2,
-             alloc_ahead: bool = False) -> tuple[Any, AssembleReport]:
+             mesh: jax.sharding.Mesh | None = None, min_reads: int = 2
+             ) -> tuple[Any, AssembleReport]:
   """Restores ``target``'s arrays from ``source``; call in every process.
 
   Each process reads only the boxes its own devices hold: per tensor, the
@@ -614,9 +565,6 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
     inflight_bytes: bound on the source bytes being read at once.
     min_reads: reads kept in flight even past ``inflight_bytes`` (see
       :func:`read_source`).
-    alloc_ahead: allocate the new boxes' buffers on a helper thread ahead
-      of the reads (:func:`allocated_ahead`), for a source whose reads run
-      on threads of their own.
     mesh: the concrete mesh for target shardings on an ``AbstractMesh``
       (default: the mesh in context, ``jax.set_mesh``).
 
@@ -665,12 +613,9 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
 
   mine = {d.id for d in jax.local_devices()}
   ordered = type(source).read_order is not Source.read_order
-  filled = fill(new_boxes(
-      the_plan, dst, mine, source.read_order if ordered else None), alloc)
-  if alloc_ahead:
-    filled = allocated_ahead(filled)
-  st = read_source(source, filled, inflight_bytes=inflight_bytes,
-                   min_reads=min_reads)
+  st = read_source(source, fill(new_boxes(
+      the_plan, dst, mine, source.read_order if ordered else None), alloc),
+                   inflight_bytes=inflight_bytes, min_reads=min_reads)
   new_bytes = sum(b.nbytes for b in bufs.values())
   t2 = time.perf_counter()
   # Every shard of every leaf in one batched transfer, then the arrays.

@@ -168,59 +168,21 @@ def test_small_restore_on_one_decode_thread(small_ckpt, layout,
       assert np.asarray(s.data).tobytes() == got[s.index].tobytes(), k
 
 
-def test_buffers_allocated_ahead_on_a_helper_thread(small_ckpt,
-                                                    monkeypatch):
-  """restore allocates the new shards' buffers on the helper thread (ahead
-  of the reads), and the result is bitwise the saved state."""
-  import threading
-
-  from tenplex_jax import assembly
-  d, saved = small_ckpt
-  where = []
-  real = assembly.host_empty
-
-  def spy(*a, **kw):
-    where.append(threading.current_thread().name)
-    return real(*a, **kw)
-
-  monkeypatch.setattr(assembly, "host_empty", spy)
-  mesh = Mesh(np.array(jax.devices()[:4]), ("t",))
-  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
-      mesh, P(*([None] * (v.ndim - 1)), "t"))) for k, v in saved.items()}
-  before = threading.active_count()
-  out = tor.restore(d, target)
-  assert where and set(where) == {"tenplex-alloc"}, where
-  assert threading.active_count() <= before  # the helper has ended
-  for k in saved:
-    assert out[k].sharding == target[k].sharding, k
-    assert np.asarray(out[k]).tobytes() == saved[k].tobytes(), k
-
-
-def test_allocated_ahead_raises_the_helpers_error():
-  """An error while allocating ahead reaches the consumer after the items
-  made before it; the helper thread ends; a consumer that stops early stops
-  the helper."""
-  import threading
-
-  from tenplex_jax import assembly
-  made = []
-
-  def boxes(n, fail):
-    for i in range(n):
-      if i == fail:
-        raise MemoryError(f"cannot allocate a host buffer for box {i}")
-      made.append(i)
-      yield i
-
-  got = []
-  with pytest.raises(MemoryError, match="box 3"):
-    for x in assembly.allocated_ahead(boxes(10, 3)):
-      got.append(x)
-  assert got == [0, 1, 2]
-  assert not [t for t in threading.enumerate() if t.name == "tenplex-alloc"]
-  made.clear()
-  it = assembly.allocated_ahead(boxes(10 ** 6, -1))
-  assert next(it) == 0
-  it.close()  # the consumer stops: the helper stops at its next box
-  assert not [t for t in threading.enumerate() if t.name == "tenplex-alloc"]
-  assert len(made) < 10 ** 6
+@pytest.mark.parametrize("first", ["tenplex_jax.runtime.launch",
+                                   "tenplex_jax.runtime.env",
+                                   "tenplex_jax.cli"])
+def test_a_part_imported_first_loads(first):
+  """With the package's parts loaded on first use, the launcher (whose
+  names the store's face re-exports) imports first in a fresh process, as
+  when ``import tenplex_jax`` loaded the store before it; the CLI builds
+  its parser."""
+  got = _fresh(
+      "import json, importlib\n"
+      "m = importlib.import_module(%r)\n"
+      "from tenplex_jax.cli import build_parser\n"
+      "build_parser()\n"
+      "from tenplex_jax.store import RESIZE_EXIT_CODE\n"
+      "import tenplex_jax.runtime.launch as rl\n"
+      "print(json.dumps({'same': RESIZE_EXIT_CODE == rl.RESIZE_EXIT_CODE}))"
+      % first)
+  assert got == {"same": True}

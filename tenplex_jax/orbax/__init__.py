@@ -84,15 +84,8 @@ def restore_with_report(path: str, target: Any, *, step: int | None = None,
     # (peak RSS rise 1.24-1.34x -> 1.15-1.20x of the bytes held, at the
     # same CPU time). Chunks up to half the bound still decode two at once.
     return assemble(src, target, inflight_bytes=inflight_bytes, mesh=mesh,
-                    min_reads=1, alloc_ahead=_ALLOC_AHEAD)
+                    min_reads=1)
 
-
-# The new shards' buffers are allocated and their pages made resident on a
-# helper thread, ahead of the reads (tensorstore decodes on its own
-# threads meanwhile): on the restoring thread, populating 84 MiB of buffers
-# took about as long as the reads, and the decode thread waited for it
-# between one tensor's reads and the next.
-_ALLOC_AHEAD = True
 
 _INFLIGHT_MIN, _INFLIGHT_MAX = 4 << 20, 32 << 20
 
