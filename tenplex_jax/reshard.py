@@ -1184,37 +1184,30 @@ def _ensure_group_programs(keys: list) -> list:
   target, dtype, shapes)``; those not cached yet are lowered here and
   compiled several at once (XLA compiles without Python's lock)."""
   out: dict = {}
+  todo = []
   with _transitions_lock:
     for k in keys:
       hit = _GROUP_EXES.get(k)
       if hit is not None:
         _GROUP_EXES.move_to_end(k)
         out[k] = hit
-  todo = [k for k in dict.fromkeys(keys) if k not in out]
+  for k in keys:
+    if k not in out and all(k != t[0] for t in todo):
+      cut, glue, size = _group_programs(*k)
+      platform = next(iter(_platforms(k[0])))
+      todo.append((k, cut, glue, size, platform))
   if todo:
-    # Each group's programs start compiling as soon as they are lowered,
-    # while the next group is lowered (lowering holds Python's lock,
-    # compiling does not): a cold call costs about the larger of the two
-    # sums, not both.
-    n = _copy_threads()
-    pool = (concurrent.futures.ThreadPoolExecutor(
-        n, thread_name_prefix="tenplex-compile") if n > 1 else None)
-    try:
-      futs = []
-      for k in todo:
-        cut, glue, size = _group_programs(*k)
-        platform = next(iter(_platforms(k[0])))
-        futs.append((k, size) + tuple(
-            pool.submit(_compile, lo, platform) if pool is not None else
-            _compile(lo, platform) for lo in (cut, glue)))
-      done = [(k, size, *(f.result() if pool is not None else f
-                          for f in fs)) for k, size, *fs in futs]
-    finally:
-      if pool is not None:
-        pool.shutdown(wait=True)
+    jobs = [(lo, t[4]) for t in todo for lo in t[1:3]]
+    n = min(len(jobs), _copy_threads())
+    if n <= 1:
+      exes = [_compile(lo, p) for lo, p in jobs]
+    else:
+      with concurrent.futures.ThreadPoolExecutor(
+          n, thread_name_prefix="tenplex-compile") as pool:
+        exes = list(pool.map(lambda j: _compile(*j), jobs))
     with _transitions_lock:
-      for k, size, cut, glue in done:
-        out[k] = _GROUP_EXES[k] = (cut, glue, size)
+      for i, (k, _, _, size, _) in enumerate(todo):
+        out[k] = _GROUP_EXES[k] = (exes[2 * i], exes[2 * i + 1], size)
       while len(_GROUP_EXES) > max(_GROUP_EXES_MAX, len(keys)):
         _GROUP_EXES.popitem(last=False)
   return [out[k] for k in keys]
