@@ -171,6 +171,32 @@ def test_params_sharded_over_tensor_too_and_remat():
   assert not all_gathers(hlo), all_gathers(hlo)[:3]
 
 
+def in_loop_all_reduces(hlo):
+  """The all-reduces the compiled program runs inside the pipeline's loops."""
+  return [line.strip() for line in hlo.splitlines()
+          if (" all-reduce(" in line or " all-reduce-start(" in line) and "while/body" in line]
+
+
+@pytest.mark.parametrize("specs", [None, {"scale": P("stage"), "w1": P("stage", None, "tensor"),
+                                          "b1": P("stage", "tensor"), "w2": P("stage", "tensor")}])
+def test_batch_axes_sum_the_param_gradient_once_outside_the_loops(specs):
+  """With ``batch_axes=("data",)`` the gradients still match the sequential
+  layers, and the params' gradient is no longer summed over 'data' inside the
+  tick and layer loops (left to the compiler, it is: once per layer and tick).
+  With 'tensor' too, only the tensor-parallel all-reduces stay in the loops."""
+  mesh = mesh_of(stage=2, data=2, tensor=2)
+  x = normal(1, (B, D))
+  data_groups = "{{0,2},{1,3},{4,6},{5,7}}"  # stage, data, tensor: data pairs differ by 2
+  before = check_against_sequential(mlp_block, mlp_params(), x, mesh, 4, param_specs=specs)
+  after = check_against_sequential(mlp_block, mlp_params(), x, mesh, 4, param_specs=specs,
+                                   batch_axes=("data",))
+  over_data = lambda lines: [ln for ln in lines if data_groups in ln or "[2,2,2]T(0,2,1)" in ln]
+  assert over_data(in_loop_all_reduces(before)), in_loop_all_reduces(before)[:3]
+  assert not over_data(in_loop_all_reduces(after)), over_data(in_loop_all_reduces(after))[:3]
+  if specs is None:
+    assert not in_loop_all_reduces(after), in_loop_all_reduces(after)[:3]
+
+
 def test_layer_axis_only_sharded_gathers_the_stack():
   """The control: plain jit over params sharded on 'stage' (FSDP over layers)
   all-gathers the stacked layers, which the pipeline never does."""
@@ -215,6 +241,12 @@ def test_errors_name_the_numbers():
     tj.pipeline(lambda p, h: h[:, :3], mlp_params(), x, mesh=mesh)
   with pytest.raises(UsageError, match="positive int"):
     tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, microbatches=0)
+  with pytest.raises(UsageError, match=r"batch_axes \('stage',\) must be distinct mesh axes"):
+    tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, batch_axes=("stage",))
+  with pytest.raises(UsageError, match=r"batch_axes \('rows',\)"):
+    tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, batch_axes=("rows",))
+  with pytest.raises(UsageError, match=r"microbatch's 1 rows \(batch 16 / microbatches=16\).*2 positions"):
+    tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, microbatches=16, batch_axes=("data",))
 
 
 def test_bubble_fraction():
