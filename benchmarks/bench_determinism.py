@@ -35,23 +35,29 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   only: in DP it is ``det``'s program);
 * ``det_scan`` / ``det_unroll``: the same with
   ``determinism._UNROLL_LEVELS`` 0 / 3: each device's subtree as nested
-  scans whose carries start at ``-0.0``, or its top three levels unrolled (a
-  binary-counter stack of partial sums: no loop carries, no fill); ``det``
-  picks by platform (unrolled on GPU). Same bits;
+  scans whose carries start at ``-0.0`` (the CPU default before), or its top
+  three levels unrolled (a binary-counter stack of partial sums: no loop
+  carries, no fill; each worker's conditional waits for the partial sums
+  through its predicate), ``det``'s default. Same bits;
 * ``det_old``: the same with ``determinism._EXCHANGE_EVERY_WORKER`` set, the
   implementation before issue 23 (every worker's gradient flattened and
   exchanged with an ``all_to_all``, summed on a stack): the "before" of the
   same run,
 
-and reports medians and minima, ratios to ``plain``, XLA's per-device buffer
-sizes (``memory_analysis``) of each program, the process's peak RSS and the
-load. It compiles every cell's programs first, then (holding ``--lock``, the
+and reports medians and minima of the wall time and of the process's CPU
+time per call (user + system: the work done, less disturbed by other jobs
+taking the cores), ratios to ``plain`` and to ``plain_acc``, XLA's
+per-device buffer sizes (``memory_analysis``) of each program beside the
+least temp memory any evaluation of the fixed tree needs
+(``tree_temp_bound``), the process's peak RSS and the load. It compiles every cell's programs first, then (holding ``--lock``, the
 machine's benchmark lock, if given) runs the cells; it skips a cell
 (saying why) if 1.3 x (the devices' arguments, outputs and temp buffers of the
 largest program) + 1 GiB would not fit in ``MemAvailable``. With ``--profile``
 it also traces each program of the cells whose ``V/n`` is in
-``--profile-ratios`` and adds up XLA's per-op times by kind: where the time
-goes. Results go to stdout as JSON lines and to ``--out`` (rewritten after
+``--profile-ratios`` and adds up XLA's per-op times by kind (matmuls, tree
+or accumulation additions, collectives, slices, copies, fills, ...; the
+events of conditionals and loops are not counted, their ops are): where the
+time goes, and how much of it is not matmuls. Results go to stdout as JSON lines and to ``--out`` (rewritten after
 every cell, ``"complete": true`` at the end).
 
 The ``100m`` model is 12 blocks of 1024 x 4096 (2 matrices each, residual
@@ -201,6 +207,26 @@ def programs(mesh, params, fsdp, k, rows, methods):
   return fns
 
 
+def tree_temp_bound(params, k: int, fsdp: bool) -> int | None:
+  """The least temp memory per device any evaluation of the fixed tree needs.
+
+  A device's ``k`` workers form a perfect subtree whose leaves are whole
+  gradients, each produced at once by one worker's backward pass; summing
+  them in the tree's order is the black pebble game on a complete binary
+  tree of height ``log2(k)``: ``log2(k) + 1`` gradient-sized buffers live at
+  once, at least. In DP the summed gradient's buffer can be the output
+  (``log2(k)`` of them temporary); in FSDP the output is a ``1/n`` shard, so
+  all ``log2(k) + 1`` are temporary, and the gathered params (needed by every
+  worker) too. ``None`` for ``k = 1`` (no tree on the device).
+  """
+  if k < 2 or k & (k - 1):
+    return None
+  g = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+          for a in jax.tree_util.tree_leaves(params))
+  levels = k.bit_length() - 1
+  return g + (levels + 1) * g if fsdp else levels * g
+
+
 def mem_available() -> int:
   with open("/proc/meminfo") as f:
     for line in f:
@@ -252,6 +278,11 @@ def prepare(size, dt, fsdp, k, args, mesh, methods):
   if "plain" in mem:
     row["temp_ratio_to_plain"] = {
         kk: m["temp"] / max(1, mem["plain"]["temp"]) for kk, m in mem.items()}
+  if "plain_acc" in mem:
+    row["temp_ratio_to_plain_acc"] = {
+        kk: m["temp"] / max(1, mem["plain_acc"]["temp"])
+        for kk, m in mem.items()}
+  row["tree_temp_bound_bytes"] = tree_temp_bound(abstract, k, fsdp)
   need = n * max(sum(m.values()) for m in mem.values())
   avail = mem_available()
   row["estimated_peak_bytes"] = need
@@ -305,20 +336,43 @@ def measure(row, args, mesh):
     print(f"bitwise: {row['bitwise']}", file=sys.stderr, flush=True)
   del outs, ref
   times = {name: [] for name in compiled}
+  cpu = {name: [] for name in compiled}
   for _ in range(args.reps):
     for name, c in compiled.items():  # interleaved
+      r0 = os.times()
       t0 = time.perf_counter()
       jax.block_until_ready(c(params, batch))
       times[name].append(time.perf_counter() - t0)
+      r1 = os.times()
+      cpu[name].append(r1.user - r0.user + r1.system - r0.system)
   row["loadavg_after"] = os.getloadavg()
   med = {name: statistics.median(t) for name, t in times.items()}
   row["seconds"] = med
   # The fastest call: the least disturbed by other jobs on a shared machine.
   row["min_seconds"] = {name: min(t) for name, t in times.items()}
+  # The process's CPU time per call (user + system, every simulated
+  # device's threads): the work done, less sensitive than the wall time to
+  # other jobs taking the cores (not to their cache and memory traffic).
+  row["cpu_seconds"] = {name: statistics.median(t) for name, t in cpu.items()}
+  row["min_cpu_seconds"] = {name: min(t) for name, t in cpu.items()}
   if "plain" in med:
     row["ratio_to_plain"] = {name: t / med["plain"] for name, t in med.items()}
     row["min_ratio_to_plain"] = {
         name: min(t) / min(times["plain"]) for name, t in times.items()}
+  # plain_acc does the deterministic step's per-worker work (k microbatches
+  # of the virtual worker's rows per device, same compiler options) without
+  # the fixed order: det / plain_acc is what the scheme costs beyond the
+  # smaller matmuls.
+  for base in ("plain_acc", "plain"):
+    if base in med:
+      row[f"ratio_to_{base}_by"] = {
+          "median": {n: t / med[base] for n, t in med.items()},
+          "min": {n: min(t) / min(times[base]) for n, t in times.items()},
+          "cpu_median": {n: statistics.median(t)
+                         / statistics.median(cpu[base])
+                         for n, t in cpu.items()},
+          "cpu_min": {n: min(t) / max(1e-9, min(cpu[base]))
+                      for n, t in cpu.items()}}
   if "plain_acc" in med and "det" in med:
     row["det_over_plain_acc"] = med["det"] / med["plain_acc"]
     row["min_det_over_plain_acc"] = (row["min_seconds"]["det"]
@@ -380,13 +434,18 @@ KINDS = (("all-to-all", "exchange (all-to-all)"),
          ("all-reduce", "all-reduce"), ("reduce-scatter", "reduce-scatter"),
          ("collective-permute", "collective-permute"),
          ("ynn_fusion", "matmuls"), ("dot", "matmuls"),
-         ("while", "loops (scan)"),
          ("dynamic-update-slice", "dynamic-update-slice (stack, flatten)"),
          ("add", "adds (tree, accumulation)"),
          ("slice", "slices"), ("pad", "pads"),
          ("concatenate", "concatenates"),
          ("copy", "copies"), ("transpose", "transposes"),
+         ("broadcast", "broadcasts (fills)"),
          ("fusion", "other fusions"))
+# Events that are not XLA ops, or that contain others (a conditional's or a
+# while loop's event spans its branch's or body's ops: counted there).
+SKIP = ("ThunkExecutor", "Wait", "Rendezvous", "$", "Pjit", "Common", "[",
+        "Invoke", "Slinky", "end:", "conditional", "while", "Handle",
+        "Parse", "Allocate", "Python")
 
 
 def profile(compiled, args, steps=3) -> dict:
@@ -410,15 +469,17 @@ def profile(compiled, args, steps=3) -> dict:
       name_ = e["name"]
       if name_.startswith("$api.py") and "block_until_ready" in name_:
         wall += e.get("dur", 0)
-      if name_.startswith(("ThunkExecutor", "Wait", "Rendezvous", "$",
-                           "Pjit", "Common", "[", "Invoke")):
+      if name_.startswith(SKIP):
         continue
-      kind = next((k for key, k in KINDS if key in name_), None)
-      if kind is not None:
-        kinds[kind] += e.get("dur", 0) / steps / 1e3
+      kind = next((k for key, k in KINDS if key in name_),
+                  "other (elementwise)")
+      kinds[kind] += e.get("dur", 0) / steps / 1e3
+    total = sum(kinds.values())
     out[name] = {"wall_ms_per_step": wall / steps / 1e3,
                  "op_ms_per_step_all_devices": dict(
-                     sorted(kinds.items(), key=lambda kv: -kv[1]))}
+                     sorted(kinds.items(), key=lambda kv: -kv[1])),
+                 "op_ms_total": total,
+                 "op_ms_not_matmul": total - kinds.get("matmuls", 0.0)}
   return out
 
 

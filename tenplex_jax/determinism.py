@@ -371,13 +371,13 @@ _EXCHANGE_EVERY_WORKER = False
 # Levels at the top of each device's subtree evaluated unrolled (a
 # binary-counter stack of partial sums, no loop; up to 2**levels workers'
 # programs in the step) above the nested scans. The bits are the same for
-# every value (tests/test_determinism.py). None picks by platform: 3 on GPU
-# (H100, 100M params: 0.72-0.88x the nested scans' step time, the same
-# memory), 0 elsewhere: XLA:CPU drops the optimisation barriers that order
-# the unrolled workers, runs them all before the first addition and holds
-# every worker's gradient at once (temp memory ~V/n gradients instead of
-# log2(V/n) + 1). benchmarks/bench_determinism.py times both
-# (``det_scan``, ``det_unroll``).
+# every value (tests/test_determinism.py). None: 3 on every platform (H100,
+# 100M params: 0.72-0.88x the nested scans' step time, the same memory; on
+# CPU the unrolled workers wait for each other through their conditionals'
+# predicates, ``_ORDER_BY_PREDICATE``, since XLA:CPU drops the optimisation
+# barriers that order them on GPU: without that it ran them all before the
+# first addition and held every worker's gradient at once).
+# benchmarks/bench_determinism.py times both (``det_scan``, ``det_unroll``).
 _UNROLL_LEVELS: int | None = None
 
 # Inside the caller's jit, whether every gradient is all-gathered (True) or
@@ -393,6 +393,12 @@ _UNROLL_LEVELS: int | None = None
 _GATHER_INSIDE_JIT: bool | None = None
 
 
+# Whether each unrolled leaf of the counter (``_UNROLL_LEVELS``) waits for
+# the partial sums before it through its conditional's predicate (a data
+# dependency XLA:CPU keeps, where it drops the optimisation barriers).
+_ORDER_BY_PREDICATE = True
+
+
 def _gather_inside_jit(mesh: Mesh) -> bool:
   if _GATHER_INSIDE_JIT is not None:
     return bool(_GATHER_INSIDE_JIT)
@@ -402,7 +408,8 @@ def _gather_inside_jit(mesh: Mesh) -> bool:
 def _unroll_levels(mesh: Mesh) -> int:
   if _UNROLL_LEVELS is not None:
     return int(_UNROLL_LEVELS)
-  return 3 if mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm") else 0
+  del mesh  # the same on every platform since the workers wait by predicate
+  return 3
 
 
 def _tree_list(xs: Sequence[jax.Array]) -> jax.Array:
@@ -697,7 +704,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       else:
         params = gather_params(params)
 
-    def worker(j, xb):
+    def worker(j, xb, after=None):
       w = (d * k + j).astype(jnp.uint32) if n > 1 else jnp.asarray(
           j, jnp.uint32)
       xs = jax.tree.map(
@@ -705,22 +712,39 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       wargs = list(args)
       for i in rng_argnums:
         wargs[i] = worker_key(args[i], w)
+      p = pred
+      if after is not None and _ORDER_BY_PREDICATE:
+        # The worker's conditional waits for ``after`` (the partial sums
+        # computed so far): its predicate also tests their first elements
+        # for NaN. Both branches are the same code, so the value is that of
+        # the worker alone; the data dependency is what orders the
+        # unrolled workers on XLA:CPU, which drops optimisation barriers.
+        if p is not None:
+          raise AssertionError("ordered workers with collectives inside")
+        firsts = [jnp.ravel(a)[0] for a in jax.tree_util.tree_leaves(after)
+                  if a.size]
+        p = jnp.isnan(jnp.ravel(next(
+            x for x in jax.tree_util.tree_leaves(params)
+            if jnp.issubdtype(x.dtype, jnp.inexact) and x.size))[0])
+        for a in firsts:
+          p = p | jnp.isnan(a)
       return _isolated_value_and_grad(loss_fn, params, xs, wargs,
-                                      prepare=prepare, pred=pred)
+                                      prepare=prepare, pred=p)
 
     avals = jax.eval_shape(lambda j: worker(j, local), jnp.int32(0))
 
-    def perfect(level, j0, xb):
+    def perfect(level, j0, xb, after=None):
       # The perfect subtree over workers j0 .. j0 + 2**level - 1: a scan over
       # its two halves, each added to a carry that starts at -0.0 (x + -0.0
       # is x, bit for bit, also for x = +-0), so the carry ends as
       # left + right: one IEEE addition per node, left operand first.
+      # ``after``: partial sums its first worker waits for (``counter``).
       if level == 0:
-        return worker(j0, xb)
+        return worker(j0, xb, after)
       half = 1 << (level - 1)
 
       def half_step(acc, i):
-        sub = perfect(level - 1, j0 + i * half, xb)
+        sub = perfect(level - 1, j0 + i * half, xb, after)
         return jax.tree.map(jnp.add, acc, sub), None
 
       init = jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype), avals)
@@ -734,10 +758,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       # two top entries while they have the same level. A merge is the
       # node's one IEEE addition, left operand first, as in ``perfect``,
       # without its -0.0 fill and loop-carry copies. The stack enters an
-      # optimisation barrier with the batch the next leaf reads, so the
-      # leaves run one after the other (at most one partial sum per level
-      # is live), and every node's sum leaves a barrier, so it is rounded to
-      # its dtype on its own (never fused with the next node's addition).
+      # optimisation barrier with the batch the next leaf reads, and the
+      # next leaf's first worker's predicate reads the stack's top (XLA:CPU
+      # drops barriers but keeps data dependencies), so the leaves run one
+      # after the other (at most one partial sum per level is live), and
+      # every node's sum leaves a barrier, so it is rounded to its dtype on
+      # its own (never fused with the next node's addition).
       stack: list = []
       j0 = 0
       for level in leaf_levels:
@@ -746,7 +772,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
           xb, held = lax.optimization_barrier(
               (local, [v for _, v in stack]))
           stack = [(lv, v) for (lv, _), v in zip(stack, held)]
-        stack.append((level, perfect(level, jnp.int32(j0), xb)))
+        after = stack[-1][1] if stack else None
+        stack.append((level, perfect(level, jnp.int32(j0), xb, after)))
         j0 += 1 << level
         while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
           (lv, left), (_, right) = stack[-2], stack[-1]

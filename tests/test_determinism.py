@@ -121,8 +121,8 @@ def test_bfloat16_bitwise_across_meshes():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
-  # GPU evaluates the top levels of each device's subtree unrolled (a
-  # binary-counter stack), other platforms as nested scans: the bits must
+  # The top levels of each device's subtree are evaluated unrolled (a
+  # binary-counter stack, the default) or as nested scans: the bits must
   # not depend on it, whatever the mesh (V = 8 on 1, 2, 4 devices: V/n 8, 4,
   # 2; V = 12 on 1 device: a perfect subtree of 8 unrolled then one of 4 as
   # a scan; V = 16 on 1 device with 1 unrolled level: leaves that are
@@ -145,7 +145,7 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
         want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[0])]
         assert got == want, (v, n, lv)
   monkeypatch.setattr(det, "_UNROLL_LEVELS", None)
-  assert det._unroll_levels(mesh1d(1)) == 0  # CPU: the nested scans
+  assert det._unroll_levels(mesh1d(1)) == 3  # CPU too: workers ordered by predicate
 
 
 def test_inside_jit_matches_outside():
