@@ -197,6 +197,23 @@ def test_batch_axes_sum_the_param_gradient_once_outside_the_loops(specs):
     assert not in_loop_all_reduces(after), in_loop_all_reduces(after)[:3]
 
 
+def test_skip_bubbles_matches_sequential_and_runs_fewer_layers():
+  """``skip_bubbles=True``: the stage's layers sit in a conditional (run on the
+  M of the M + S - 1 ticks it has a microbatch); outputs and gradients still
+  match the sequential layers, with the tensor-parallel all-reduces inside it."""
+  mesh = mesh_of(stage=2, data=2, tensor=2)
+  specs = {"scale": P("stage"), "w1": P("stage", None, "tensor"),
+           "b1": P("stage", "tensor"), "w2": P("stage", "tensor")}
+  x = normal(1, (B, D))
+  plain = check_against_sequential(mlp_block, mlp_params(), x, mesh, 4, param_specs=specs,
+                                   batch_axes=("data",))
+  skip = check_against_sequential(mlp_block, mlp_params(), x, mesh, 4, param_specs=specs,
+                                  batch_axes=("data",), skip_bubbles=True)
+  assert " conditional(" not in plain
+  assert skip.count(" conditional(") == 2, skip.count(" conditional(")  # forward, backward
+  assert in_loop_all_reduces(skip)
+
+
 def test_layer_axis_only_sharded_gathers_the_stack():
   """The control: plain jit over params sharded on 'stage' (FSDP over layers)
   all-gathers the stacked layers, which the pipeline never does."""

@@ -132,13 +132,14 @@ class LM(nn.Module):
 
     if c.pipeline and self.mesh is not None and not self.is_initializing():
       # The params are replicated over ``data``: the pipeline sums their
-      # gradient over it once instead of once per layer and tick (unless a
-      # caller's shard_map, determinism's, is already manual over it).
+      # gradient over it once instead of once per layer and tick, and skips
+      # the bubble ticks' layers; not inside determinism's shard_map (manual
+      # over the batch axes), whose bits must not depend on the stage count.
       ctx = jax.sharding.get_abstract_mesh()
-      manual = () if ctx.empty else ctx.manual_axes
-      batch_axes = ("data",) if self.mesh.shape["data"] > 1 and "data" not in manual else ()
+      det = not ctx.empty and bool(ctx.manual_axes)
+      batch_axes = ("data",) if self.mesh.shape["data"] > 1 and not det else ()
       x = tj.pipeline(layer, stack, x, mesh=self.mesh, microbatches=c.microbatches,
-                      remat=c.remat, batch_axes=batch_axes)
+                      remat=c.remat, batch_axes=batch_axes, skip_bubbles=not det)
     else:
       step = jax.checkpoint(layer) if c.remat else layer
       x = jax.lax.scan(lambda h, p: (step(p, h), None), x, stack)[0]
