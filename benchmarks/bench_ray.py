@@ -189,7 +189,7 @@ def run(args) -> dict:
       result = tray.run(
           SCRIPT, [], num_workers=1, job=job, max_restarts=0,
           on_progress=driver, standby=2 if args.standby else False,
-          prepare=args.prepare,
+          prepare=args.prepare, free_arrays=args.free_arrays,
           compilation_cache=args.cache, standby_imports=(
               *tray.STANDBY_IMPORTS, "ray.train", "jax.sharding",
               "tenplex_jax.store.checkpoint"),
@@ -248,6 +248,9 @@ def main() -> None:
                   help="tenplex resizes start fresh worker actors too")
   ap.add_argument("--no-cache", dest="cache", action="store_false",
                   help="no jax persistent compilation cache")
+  ap.add_argument("--no-free", dest="free_arrays", action="store_false",
+                  help="workers keep their arrays after their resize save"
+                  " until they are killed (both ways)")
   ap.add_argument("--no-prepare", dest="prepare", action="store_false",
                   help="tenplex's next group gets its ranks after the save"
                   " (not started ahead, waiting at its turn)")

@@ -398,9 +398,10 @@ def test_tls_store_actors_serve_https_to_the_next_group(cluster, tmp_path):
 def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
   """A 1 -> 2 -> 1 -> 2-worker job on 2 nodes (``schedule``): each group
   holds after its first step until the driver sees the next group's
-  standby workers started with their imports done; every later group is
-  those standbys (their pids, started before the resize: no actor starts
-  on the resize's path), restores the step the previous one saved bitwise
+  standby workers started with their imports done and, handed their ranks
+  ahead of the resize, waiting at their turn in ``restore_or_init``; every
+  later group is those standbys (their pids, started before the resize:
+  no actor starts on the resize's path), restores the step the previous one saved bitwise
   (the script checks every shard against a static run) with each step's
   batch read exactly once, and a group on a mesh the job ran before (the
   second 1- and 2-worker groups) compiles nothing for its first step (jax's
@@ -430,8 +431,12 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
       kept = job.standbys()
       ready = [s for s in kept if s["ready"] is not None]
       # The next group's standbys with their imports done, and every other
-      # one kept ready too (its pid known): the group may take any of them.
-      if len(ready) >= sizes[gen + 1] and len(ready) == len(kept):
+      # one kept ready too (its pid known): the group may take any of them;
+      # the next group started ahead from them (the schedule's next size)
+      # and waiting at its turn.
+      waiting = [s for s in kept if s.get("waiting")]
+      if (len(ready) >= sizes[gen + 1] and len(ready) == len(kept)
+          and len(waiting) == sizes[gen + 1]):
         seen_ready[gen] = {s["pid"] for s in kept}
         started.update(seen_ready[gen])
         open(os.path.join(hold, f"go_{gen}"), "w").close()
@@ -451,6 +456,10 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
       # group held: no process started on the resize's path.
       assert g["standby"] == g["workers"], g
       assert all(r < 0 for r in g["standby_ready_s"]), g
+      # Started ahead (ranks, jax.distributed, the script up to its
+      # restore) while the previous group ran; its turn came at the save.
+      assert g["prepared"], g
+      assert g["first_step_s"] > 0, g
       assert set(g["pids"]) <= seen_ready[k - 1], (g["pids"], seen_ready)
       assert not set(g["pids"]) & set(gens[k - 1]["pids"])
       assert all(r["standby"] for r in g["results"])
