@@ -125,6 +125,27 @@ def test_exited_does_not_reap():
   assert p.returncode == 0 and launch._exited(p)
 
 
+def test_wait_exited_times_out_on_a_live_child_and_wakes_on_its_exit():
+  """The wait blocks on the child's pidfd: it gives up after ``timeout``
+  for a live child, and returns once the child exits (well before the
+  timeout), leaving it unreaped."""
+  p = subprocess.Popen(["sleep", "60"], start_new_session=True)
+  try:
+    t0 = time.monotonic()
+    assert not launch._wait_exited(p, 0.3)
+    assert 0.25 <= time.monotonic() - t0 < 30
+    threading.Timer(0.2, os.kill, (p.pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    assert launch._wait_exited(p, 60)
+    assert time.monotonic() - t0 < 30
+    assert p.returncode is None and _state(p.pid)[0] == "Z"
+  finally:
+    if p.returncode is None:
+      os.killpg(p.pid, signal.SIGKILL)
+      p.wait()
+  assert p.returncode == -signal.SIGKILL
+
+
 def test_in_group():
   p = subprocess.Popen(["sleep", "60"], start_new_session=True)
   try:

@@ -218,12 +218,22 @@ def test_store_on_object_storage_restores_onto_a_new_mesh(scheme, request,
     events.append("read")
     return read_into(self, *a, **kw)
 
+  from tenplex_jax.store import api
+  rank = api._rank_copies
+  ranked = []
+
+  def ranking(*a, **kw):
+    ranked.append(1)
+    return rank(*a, **kw)
+
   monkeypatch.setattr(ObjectStore, "_start", counting)
   monkeypatch.setattr(ObjectStore, "prefetch", spy)
   monkeypatch.setattr(ObjectStore, "read_into", reading)
+  monkeypatch.setattr(api, "_rank_copies", ranking)
   target = _target()
   out, rep = tj.store.restore_with_report([url], target)
   _check(out, want, target)
+  assert len(ranked) == 1  # the copies ranked once, then bound to buffers
   # Every piece was announced before the first read (the transfer runs
   # ahead of the copies), each chunk object fetched once.
   first = events.index("read")

@@ -51,6 +51,7 @@ import faulthandler
 import json
 import os
 import platform
+import select
 import shutil
 import signal
 import subprocess
@@ -751,6 +752,20 @@ def _exited(p: subprocess.Popen) -> bool:
 def _wait_exited(p: subprocess.Popen, timeout: float) -> bool:
   """Waits up to ``timeout`` seconds for ``p`` to exit, without reaping
   it; whether it did."""
+  if _exited(p):
+    return True
+  try:
+    fd = os.pidfd_open(p.pid)  # readable once p exits; reaps nothing
+  except (AttributeError, OSError):  # no pidfd (old kernel, not Linux)
+    fd = None
+  if fd is not None:
+    try:
+      poller = select.poll()
+      poller.register(fd, select.POLLIN)
+      poller.poll(max(0.0, timeout) * 1000)
+    finally:
+      os.close(fd)
+    return _exited(p)
   deadline = time.monotonic() + timeout
   while not _exited(p):
     if time.monotonic() >= deadline:

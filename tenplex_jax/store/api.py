@@ -43,7 +43,8 @@ from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
 from tenplex_jax.plain import decode_plain, encode_plain
 from tenplex_jax.locations import LOCAL, OBJECT, PEER, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, slices_to_box,
-                                box_volume, intersect, key_path_name)
+                                box_volume, intersect, key_path_name,
+                                relative_index)
 from tenplex_jax.planner import plan
 from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.store import checkpoint as ckpt
@@ -845,7 +846,9 @@ def _rank_copies(filled, the_plan, dst_ptc, saved, rid, my_host, maps):
   :func:`tenplex_jax.assembly.fill`): one :class:`StoreCopy` per (store,
   old process) snapshot of round ``rid``, ranked. Returns the
   :func:`tenplex_jax.assembly.fetch_pieces` jobs (large pieces split at
-  chunk rows) and, for the report, the planned network bytes, the host
+  chunk rows), the new box each job's destination lies in (in order, so
+  that jobs ranked on stand-ins can be bound to the real buffers, see
+  :func:`_bind`) and, for the report, the planned network bytes, the host
   lower bound and the bytes of every device's pieces."""
   holding, _, src_ptc, tinfo, _, src2, src_host, _ = saved
   old_proc = src_ptc.process_of
@@ -861,6 +864,7 @@ def _rank_copies(filled, the_plan, dst_ptc, saved, rid, my_host, maps):
     return c
 
   jobs = []  # (path, box, destination view, candidates, piece key)
+  homes = []  # the new box each job's destination lies in
   planned_net = host_lb = dev_piece = 0
   local_boxes: dict[str, list[Box]] = {}  # old boxes this host's stores hold
   for nb, _, views in filled:
@@ -900,7 +904,18 @@ def _rank_copies(filled, the_plan, dst_ptc, saved, rid, my_host, maps):
           if held else None
       for sub, part in _split_rows(piece, view, held, rows):
         jobs.append((nb.path, sub, part, cands, (nb.path, piece)))
-  return jobs, planned_net, host_lb, dev_piece
+        homes.append(nb.box)
+  return jobs, homes, planned_net, host_lb, dev_piece
+
+
+def _bind(jobs, homes, bufs):
+  """The ``jobs`` of :func:`_rank_copies`, ranked on stand-ins, with each
+  destination the real view: a piece's part of its new box's buffer in
+  ``bufs`` (keyed ``(path, box)``; the same view :func:`fill` and
+  :func:`_split_rows` give, as both only slice the box)."""
+  return [(path, sub, bufs[(path, home)][relative_index(sub, home)], cands,
+           key)
+          for (path, sub, _, cands, key), home in zip(jobs, homes)]
 
 
 # A restore of at least this many bytes per process (CPU devices) reads
@@ -996,30 +1011,33 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   maps = ChunkMaps()  # local chunks, each mapped and checked once
   buckets = [s.handle for s in sources
              if isinstance(s.handle, HostStore) and s.handle.remote]
-  if buckets:
-    # Reads from a bucket wait on the network, not on this host: every
-    # piece the first-choice copies read is announced before anything
-    # else (ObjectStore.prefetch), so that the chunk objects are fetched
-    # in the order the pieces are read, a bounded window ahead of the
-    # copies, while the new arrays are allocated (XLA's zeros program: a
-    # compile and a pass over the state, 0.2-0.5 s for 1 GiB here) and
-    # populated. The pieces are those ranked below, found here on
-    # stand-ins of the new boxes (same shapes, no memory).
-    def stand_in(nb: NewBox) -> np.ndarray:
-      info = tinfo[nb.path]
-      return np.broadcast_to(np.empty((), np.dtype(info["storage"])),
-                             nb.shape + tuple(info["extra"]))
 
-    ahead = _rank_copies(fill(new_boxes(the_plan, dst_ptc, mine), stand_in),
-                         the_plan, dst_ptc, saved, rid, my_host, maps)[0]
-    for path, box, _, cands, _ in ahead:
-      if cands and cands[0].name not in dead:
-        pre = getattr(cands[0], "prefetch", None)
-        if pre is not None:
-          pre(path, box)
-    del ahead
-  try:  # the announced fetches dropped if anything fails before the
-    # reads (which drop them after)
+  # The copies are ranked once, on stand-ins of the new boxes (same
+  # shapes, no memory), before any buffer exists; the jobs are bound to
+  # the real buffers once those are allocated (_bind).
+  def stand_in(nb: NewBox) -> np.ndarray:
+    info = tinfo[nb.path]
+    return np.broadcast_to(np.empty((), np.dtype(info["storage"])),
+                           nb.shape + tuple(info["extra"]))
+
+  try:  # the chunk maps closed and the announced fetches dropped if
+    # anything fails before the reads (which do both after)
+    boxes = list(new_boxes(the_plan, dst_ptc, mine))
+    ranked, homes, planned_net, host_lb, dev_piece = _rank_copies(
+        fill(boxes, stand_in), the_plan, dst_ptc, saved, rid, my_host, maps)
+    if buckets:
+      # Reads from a bucket wait on the network, not on this host: every
+      # piece the first-choice copies read is announced before anything
+      # else (ObjectStore.prefetch), so that the chunk objects are fetched
+      # in the order the pieces are read, a bounded window ahead of the
+      # copies, while the new arrays are allocated (XLA's zeros program: a
+      # compile and a pass over the state, 0.2-0.5 s for 1 GiB here) and
+      # populated.
+      for path, box, _, cands, _ in ranked:
+        if cands and cands[0].name not in dead:
+          pre = getattr(cands[0], "prefetch", None)
+          if pre is not None:
+            pre(path, box)
     # Large states on CPU: XLA's own buffers, so that the first step after
     # the restore can donate them (_owned_arrays).
     owned = _owned_arrays(dst_sds, tinfo, dst_ptc.nbytes)
@@ -1037,9 +1055,10 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
           nb.shape + tuple(info["extra"]), np.dtype(info["storage"]))
       return buf
 
-    filled = list(fill(new_boxes(the_plan, dst_ptc, mine), alloc))
-    jobs, planned_net, host_lb, dev_piece = _rank_copies(
-        filled, the_plan, dst_ptc, saved, rid, my_host, maps)
+    for nb in boxes:
+      alloc(nb)
+    jobs = _bind(ranked, homes, bufs)
+    del ranked, homes
     per_source = collections.Counter()
     counts = {"local": 0, "net": 0}
     if buckets:
@@ -1102,7 +1121,6 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
   built.update(zip([i for i, _ in leaves], place([x for _, x in leaves])))
   bufs.clear()
   views.clear()
-  filled.clear()
   out_leaves = [values[i] if i in values else built[i]
                 for i in range(len(flat))]
   tree = jax.tree_util.tree_unflatten(treedef, out_leaves)
