@@ -495,3 +495,61 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
     assert not left(), pids
   finally:
     shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_group_prepared_for_another_size_is_dropped(cluster, tmp_path):
+  """A 2-worker job on 3 nodes: the driver starts a 1-worker group ahead
+  (``Job.prepare_next(1)``), which waits at its turn; then it asks for 3
+  workers instead. The prepared group never restores: its process is
+  gone, the 3-worker group starts as without it (not prepared) and
+  restores the saved step bitwise (the script's check), 0 steps lost,
+  each step's batch exactly once."""
+  _nodes(cluster, 3)
+  total, job_name = 8, "test-prepared-dropped"
+  shm = f"/dev/shm/tenplex-ray-{job_name}"
+  log_dir = str(tmp_path / "logs")
+  hold = str(tmp_path / "hold")
+  os.makedirs(log_dir)
+  os.makedirs(hold)
+  seen = {}
+  try:
+    def driver(job, step):
+      gen = len(job.generations)
+      if gen == 1:
+        open(os.path.join(hold, "go_1"), "w").close()
+        return
+      if "asked" in seen or step < job.current["start_step"] + 1:
+        return
+      kept = job.standbys()
+      if "prepared" not in seen:
+        if any(s["ready"] is not None for s in kept):
+          seen["prepared"] = job.prepare_next(1)
+        return
+      waiting = [s for s in kept if s.get("waiting")]
+      if len(waiting) == 1:
+        seen["pid"] = waiting[0]["pid"]
+        seen["asked"] = job.request_resize(3)
+        open(os.path.join(hold, "go_0"), "w").close()
+
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=2,
+                      job=job_name, on_progress=driver,
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_HOLD": hold})
+    gens = result["generations"]
+    assert seen["prepared"] is True, seen
+    assert [(g["workers"], g["outcome"], g["prepared"]) for g in gens] == [
+        (2, "resize", False), (3, "done", False)], gens
+    assert gens[1]["start_step"] == seen["asked"] == gens[0]["step"]
+    assert gens[1]["restored"]["step"] == gens[1]["start_step"]
+    assert gens[1]["restored"]["source"] == "stores"
+    assert gens[1]["restored"]["report"]["steps_lost"] == 0
+    assert seen["pid"] not in gens[1]["pids"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _alive(seen["pid"]):
+      time.sleep(0.5)
+    assert not _alive(seen["pid"]), seen
+    with open(os.path.join(log_dir, "final.json")) as f:
+      final = json.load(f)
+    assert final["step"] == total and final["procs"] == 3
+    _assert_each_sample_once(_read_ids(log_dir), total)
+  finally:
+    shutil.rmtree(shm, ignore_errors=True)
