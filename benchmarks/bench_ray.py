@@ -13,9 +13,11 @@ shrinks):
 * **tenplex**: every worker saves its shards to its node's tenplex store
   (a detached store actor's ``/dev/shm`` directory); the new group is the
   job's standby workers (started ahead with the imports done), handed
-  their ranks, which restore from the stores (own node first, then the
-  peers' servers) and load the step from jax's persistent compilation
-  cache when the job ran that mesh before;
+  their ranks before the resize (``Job.prepare_next``: they start
+  ``jax.distributed``, build the target and compile the step from it,
+  from jax's persistent compilation cache when the job ran that mesh
+  before, then wait at their turn), which restore from the stores (own
+  node first, then the peers' servers) once the last old worker saved;
 * **ray** (Ray Train's restart from a checkpoint): every worker writes its
   shards into one Orbax checkpoint in the run's storage
   (``RunConfig(storage_path=..., name=...)``, a local disk directory here,
@@ -30,14 +32,19 @@ Per resize, from the signal (``resize_due`` returns the new size) to the
 first step of the new group, split at the slowest worker's timestamps:
 ``save`` (signal -> saved), ``relaunch`` (saved -> the script starts in
 the new workers), ``imports``, ``distributed`` (``jax.distributed``),
-``setup`` (mesh, target), ``restore``, ``compile`` (the step's AOT
-compilation) and ``step`` (the first step); ``start`` = relaunch through
-setup. (a) = start, (b) = save + restore, (c) = compile. Prints per mode
-the medians and the ratios and writes the rows, medians, the load and the
-machine's memory to ``--out`` (and a bar chart beside it).
+``setup`` (mesh, target), ``compile`` (the step's AOT compilation),
+``turn`` (a group started ahead: waiting for the last save), ``restore``
+and ``step`` (the first step), in the order each way's script reaches
+them (Ray Train's restart compiles after its restore); what a group
+started ahead finished before the save ended counts 0 (``transitions``).
+``start`` = relaunch through setup. (a) = start, (b) = save + restore,
+(c) = compile. Prints per mode the medians and the ratios and writes the
+rows, medians, the load and the machine's memory to ``--out`` (and a bar
+chart beside it).
 
 Usage: python benchmarks/bench_ray.py [--resizes 8] [--layers 6] [--dim 4096]
-          [--no-standby] [--no-cache] [--out benchmarks/bench_ray_result.json]
+          [--no-standby] [--no-cache] [--no-prepare] [--no-free]
+          [--out benchmarks/bench_ray_result.json]
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_ray_train.py")
 PHASES = ("save", "relaunch", "imports", "distributed", "setup", "compile",
-          "alloc", "turn", "restore", "step")
+          "turn", "restore", "step")
 START = ("relaunch", "imports", "distributed", "setup")
 MODES = ("tenplex", "ray", "ray", "tenplex")
 
@@ -118,7 +125,7 @@ def transitions(rows: list[dict]) -> list[dict]:
         "total": f1 - signal_t,
         # each phase's own length (slowest worker, milestone to milestone),
         # wherever it fell; the ready margin: the save's end minus the end
-        # of the last phase before the turn (> 0: ready ahead)
+        # of the phase before the turn (> 0: waiting before the save ended)
         "ahead": ahead,
         "ready_margin": (saved - at[names.index("turn") - 1]
                          if "turn" in names else None),
@@ -189,7 +196,7 @@ def run(args) -> dict:
       result = tray.run(
           SCRIPT, [], num_workers=1, job=job, max_restarts=0,
           on_progress=driver, standby=2 if args.standby else False,
-          prepare=args.prepare,
+          prepare=args.prepare, free_arrays=args.free_arrays,
           compilation_cache=args.cache, standby_imports=(
               *tray.STANDBY_IMPORTS, "ray.train", "jax.sharding",
               "tenplex_jax.store.checkpoint"),
@@ -248,6 +255,9 @@ def main() -> None:
                   help="tenplex resizes start fresh worker actors too")
   ap.add_argument("--no-cache", dest="cache", action="store_false",
                   help="no jax persistent compilation cache")
+  ap.add_argument("--no-free", dest="free_arrays", action="store_false",
+                  help="workers keep their arrays after their resize save"
+                  " until they are killed (both ways)")
   ap.add_argument("--no-prepare", dest="prepare", action="store_false",
                   help="tenplex's next group gets its ranks after the save"
                   " (not started ahead, waiting at its turn)")

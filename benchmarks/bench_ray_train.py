@@ -15,8 +15,12 @@ state travels to the next worker group:
   group opens it as a ``ray.train.Checkpoint`` and restores it with Orbax.
 
 Each process appends its timestamps to ``BENCH_OUT/times.jsonl``: the
-signal, the save, the script's start, its imports, ``jax.distributed``, the
-restore, the compilation and the first step. The driver (``bench_ray.py``)
+signal, the save, and its milestones in the order it reached them (the
+script's start, its imports, ``jax.distributed``, the setup, then for
+``ray`` the restore and the compilation; for ``tenplex`` the compilation,
+from the restore's target, the turn, which a group started ahead of the
+resize waits for in ``restore_or_init``, and the restore), then the
+first step. The driver (``bench_ray.py``)
 resizes the group (``request_resize``) while it runs; group ``BENCH_RESIZES``
 (the last) stops after ``BENCH_K`` steps.
 """
@@ -127,16 +131,14 @@ else:
       target, jax.ShapeDtypeStruct((BATCH, D), jnp.float32,
                                    sharding=rep)).compile()
   t_compiled = time.time()
-  # (started ahead: allocates the arrays it restores into, then waits for
-  # the turn, then restores)
+  # (started ahead: waits for its turn, then restores)
   state, step = store.restore_or_init(init, target)
   jax.block_until_ready(state)
   t_restored = time.time()
   turn = store.wait_turn()  # when it waited and saw its turn, if it did
   x = batch(step)
-  marks = [("compile", t_compiled),
-           ("alloc", turn.get("ready", t_compiled)),
-           ("turn", turn.get("seen", t_compiled)), ("restore", t_restored)]
+  marks = [("compile", t_compiled), ("turn", turn.get("seen", t_compiled)),
+           ("restore", t_restored)]
 state, loss = compiled(state, x)
 loss = float(loss)  # a global result: every worker has finished the step
 step += 1

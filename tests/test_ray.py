@@ -398,9 +398,10 @@ def test_tls_store_actors_serve_https_to_the_next_group(cluster, tmp_path):
 def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
   """A 1 -> 2 -> 1 -> 2-worker job on 2 nodes (``schedule``): each group
   holds after its first step until the driver sees the next group's
-  standby workers started with their imports done; every later group is
-  those standbys (their pids, started before the resize: no actor starts
-  on the resize's path), restores the step the previous one saved bitwise
+  standby workers started with their imports done and, handed their ranks
+  ahead of the resize, waiting at their turn in ``restore_or_init``; every
+  later group is those standbys (their pids, started before the resize:
+  no actor starts on the resize's path), restores the step the previous one saved bitwise
   (the script checks every shard against a static run) with each step's
   batch read exactly once, and a group on a mesh the job ran before (the
   second 1- and 2-worker groups) compiles nothing for its first step (jax's
@@ -430,8 +431,12 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
       kept = job.standbys()
       ready = [s for s in kept if s["ready"] is not None]
       # The next group's standbys with their imports done, and every other
-      # one kept ready too (its pid known): the group may take any of them.
-      if len(ready) >= sizes[gen + 1] and len(ready) == len(kept):
+      # one kept ready too (its pid known): the group may take any of them;
+      # the next group started ahead from them (the schedule's next size)
+      # and waiting at its turn.
+      waiting = [s for s in kept if s.get("waiting")]
+      if (len(ready) >= sizes[gen + 1] and len(ready) == len(kept)
+          and len(waiting) == sizes[gen + 1]):
         seen_ready[gen] = {s["pid"] for s in kept}
         started.update(seen_ready[gen])
         open(os.path.join(hold, f"go_{gen}"), "w").close()
@@ -451,6 +456,10 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
       # group held: no process started on the resize's path.
       assert g["standby"] == g["workers"], g
       assert all(r < 0 for r in g["standby_ready_s"]), g
+      # Started ahead (ranks, jax.distributed, the script up to its
+      # restore) while the previous group ran; its turn came at the save.
+      assert g["prepared"], g
+      assert g["first_step_s"] > 0, g
       assert set(g["pids"]) <= seen_ready[k - 1], (g["pids"], seen_ready)
       assert not set(g["pids"]) & set(gens[k - 1]["pids"])
       assert all(r["standby"] for r in g["results"])
@@ -484,5 +493,63 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
     while time.monotonic() < deadline and left():
       time.sleep(0.5)
     assert not left(), pids
+  finally:
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_group_prepared_for_another_size_is_dropped(cluster, tmp_path):
+  """A 2-worker job on 3 nodes: the driver starts a 1-worker group ahead
+  (``Job.prepare_next(1)``), which waits at its turn; then it asks for 3
+  workers instead. The prepared group never restores: its process is
+  gone, the 3-worker group starts as without it (not prepared) and
+  restores the saved step bitwise (the script's check), 0 steps lost,
+  each step's batch exactly once."""
+  _nodes(cluster, 3)
+  total, job_name = 8, "test-prepared-dropped"
+  shm = f"/dev/shm/tenplex-ray-{job_name}"
+  log_dir = str(tmp_path / "logs")
+  hold = str(tmp_path / "hold")
+  os.makedirs(log_dir)
+  os.makedirs(hold)
+  seen = {}
+  try:
+    def driver(job, step):
+      gen = len(job.generations)
+      if gen == 1:
+        open(os.path.join(hold, "go_1"), "w").close()
+        return
+      if "asked" in seen or step < job.current["start_step"] + 1:
+        return
+      kept = job.standbys()
+      if "prepared" not in seen:
+        if any(s["ready"] is not None for s in kept):
+          seen["prepared"] = job.prepare_next(1)
+        return
+      waiting = [s for s in kept if s.get("waiting")]
+      if len(waiting) == 1:
+        seen["pid"] = waiting[0]["pid"]
+        seen["asked"] = job.request_resize(3)
+        open(os.path.join(hold, "go_0"), "w").close()
+
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=2,
+                      job=job_name, on_progress=driver,
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_HOLD": hold})
+    gens = result["generations"]
+    assert seen["prepared"] is True, seen
+    assert [(g["workers"], g["outcome"], g["prepared"]) for g in gens] == [
+        (2, "resize", False), (3, "done", False)], gens
+    assert gens[1]["start_step"] == seen["asked"] == gens[0]["step"]
+    assert gens[1]["restored"]["step"] == gens[1]["start_step"]
+    assert gens[1]["restored"]["source"] == "stores"
+    assert gens[1]["restored"]["report"]["steps_lost"] == 0
+    assert seen["pid"] not in gens[1]["pids"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _alive(seen["pid"]):
+      time.sleep(0.5)
+    assert not _alive(seen["pid"]), seen
+    with open(os.path.join(log_dir, "final.json")) as f:
+      final = json.load(f)
+    assert final["step"] == total and final["procs"] == 3
+    _assert_each_sample_once(_read_ids(log_dir), total)
   finally:
     shutil.rmtree(shm, ignore_errors=True)

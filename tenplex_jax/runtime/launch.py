@@ -70,7 +70,7 @@ from tenplex_jax.errors import NoCopyError, StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.store import private
 from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
-from tenplex_jax.store.api import allocate_ahead, restore_with_report, save
+from tenplex_jax.store.api import restore_with_report, save
 from tenplex_jax.store.server import (CA_ENV, TOKEN_ENV, client_ca, free_port,
                                       new_token, resolve_token)
 
@@ -635,22 +635,12 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
   """
-  if prepared():
-    # A generation started ahead: the arrays the restore reads into are
-    # allocated (pages resident) before its turn, not after.
-    if target is None:
-      target = jax.eval_shape(init_fn)
-    try:
-      allocate_ahead(target)
-    except Exception:  # noqa: BLE001 - the restore reports a bad target
-      pass
   wait_turn()  # a prepared generation: until the previous one saved
   env = job_env()
   stores = list(env.peers)
   start, failed = env.start_step, env.failed_step
   last_restore.clear()
   if not stores or (start == 0 and failed is None):
-    allocate_ahead(None)  # (drops what was allocated ahead)
     state = init_fn()
     _heartbeat()
     return state, 0

@@ -940,7 +940,6 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
   compile, or a persistent cache hit); the same choice in every process
   (it runs the program collectively)."""
   if state_bytes < _OWNED_MIN_BYTES * jax.process_count():
-    _AHEAD.clear()
     return {}
   names = []
   for name, sds in dst_sds.items():
@@ -950,17 +949,8 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
         or any(d.platform != "cpu" for d in sds.sharding.device_set)):
       continue
     names.append(name)
-  out = {}
-  for n in names:  # those allocate_ahead made for this restore
-    a = _AHEAD.pop(n, None)
-    sds = dst_sds[n]
-    if a is not None and (a.shape, a.dtype, a.sharding) == (
-        tuple(sds.shape), jax.numpy.dtype(sds.dtype), sds.sharding):
-      out[n] = a
-  _AHEAD.clear()
-  names = [n for n in names if n not in out]
   if not names:
-    return out
+    return {}
   key = tuple((tuple(dst_sds[n].shape), jax.numpy.dtype(dst_sds[n].dtype),
                dst_sds[n].sharding) for n in names)
   fn = _ZEROS.get(key)
@@ -973,53 +963,7 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
         out_shardings=tuple(sh for _, _, sh in key))
   arrays = fn()
   jax.block_until_ready(arrays)  # written by the reads next
-  return {**out, **dict(zip(names, arrays))}
-
-
-_AHEAD: dict[str, jax.Array] = {}  # by path: allocate_ahead's arrays
-
-
-def allocate_ahead(target: Any, mesh: jax.sharding.Mesh | None = None
-                   ) -> int:
-  """Allocates, ahead of a restore onto ``target``, the arrays it reads
-  into (see ``_owned_arrays``: CPU devices, from ``_OWNED_MIN_BYTES`` per
-  process; no PRNG keys), so that the restore itself neither runs XLA's
-  zeros program nor faults their pages in. A process that waits for its
-  turn (a group started ahead of a resize) calls it before waiting; the
-  next restore uses the arrays whose path, shape, dtype and sharding match
-  (a saved storage dtype of another width, or extra dimensions, leave
-  them unused) and drops the rest. Every process of the job calls it (the
-  zeros program runs on all of them). Returns the bytes allocated in this
-  process.
-  """
-  _AHEAD.clear()
-  if target is None:
-    return 0
-  target = bind_target(target, mesh)
-  leaves = []
-  for kp, x in jax.tree_util.tree_flatten_with_path(target)[0]:
-    sh = getattr(x, "sharding", None)
-    if (isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and sh is not None
-        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-        and all(d.platform == "cpu" for d in sh.device_set)):
-      leaves.append((key_path_name(kp), tuple(x.shape),
-                     jax.numpy.dtype(x.dtype), sh))
-  total = sum(int(np.prod(s)) * d.itemsize for _, s, d, _ in leaves)
-  if not leaves or total < _OWNED_MIN_BYTES * jax.process_count():
-    return 0
-  key = tuple((s, d, sh) for _, s, d, sh in leaves)
-  fn = _ZEROS.get(key)
-  if fn is None:
-    if len(_ZEROS) > 16:
-      _ZEROS.clear()
-    specs = [(s, d) for s, d, _ in key]
-    fn = _ZEROS[key] = jax.jit(
-        lambda: tuple(jax.numpy.zeros(s, d) for s, d in specs),
-        out_shardings=tuple(sh for _, _, sh in key))
-  arrays = fn()
-  jax.block_until_ready(arrays)  # pages resident before the turn
-  _AHEAD.update((name, a) for (name, *_), a in zip(leaves, arrays))
-  return sum(s.data.nbytes for a in arrays for s in a.addressable_shards)
+  return dict(zip(names, arrays))
 
 
 def _writable(arr: jax.Array, storage: np.dtype) -> dict[int, np.ndarray]:
