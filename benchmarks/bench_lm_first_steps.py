@@ -17,8 +17,15 @@ each, gloo collectives, ``jax.distributed``), then in each process:
 * the same step's time in one process with all 8 devices (no gloo), for
   comparison.
 
-  python benchmarks/bench_lm_first_steps.py [--steps 8] [--calls 8] \
-      [--layout data=2,tensor=2,stage=2] [--out benchmarks/bench_lm_first_steps_result.json]
+``--src DIR`` imports the trainer and tenplex_jax from another checkout (a
+baseline commit's tree, e.g. ``git archive COMMIT | tar -x -C DIR``), so a
+before/after pair runs with the same script; ``--procs 2`` skips the
+one-process job. Each step records its wall time and the process's user and
+system CPU seconds (``os.times``).
+
+  python benchmarks/bench_lm_first_steps.py [--steps 8] [--calls 8] [--src DIR] \
+      [--procs 2,1] [--layout data=2,tensor=2,stage=2] \
+      [--out benchmarks/bench_lm_first_steps_result.json]
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if "--src" in sys.argv:  # before jax or the trainer is imported
+  ROOT = pathlib.Path(sys.argv[sys.argv.index("--src") + 1]).resolve()
 
 
 def _free_port():
@@ -86,14 +95,17 @@ def side(args):
   text = fn.as_text()
   out["hlo_collectives"] = {k: text.count(f" {k}(") for k in (
       "all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter")}
+  out["hlo_conditionals"] = text.count(" conditional(")
   state = lm._zeros(abstract)
   tokens, mask = (lm._zeros(b, 1) for b in batch)
   steps = []
   for _ in range(args.steps):
-    c0, t0 = time.process_time(), time.perf_counter()
+    c0, t0, o0 = time.process_time(), time.perf_counter(), os.times()
     state, loss = fn(state, tokens, mask)
     jax.block_until_ready(loss)
-    steps.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0})
+    o1 = os.times()
+    steps.append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                  "user_s": o1.user - o0.user, "sys_s": o1.system - o0.system})
   out["steps"] = steps
   print(json.dumps(out), flush=True)
 
@@ -101,10 +113,13 @@ def side(args):
 def _job(args, n):
   """Runs ``n`` processes of :func:`side`; their JSON lines, by process."""
   port = _free_port()
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
   procs = [subprocess.Popen([sys.executable, __file__, "--side", f"{n},{i},{port}",
                              "--steps", str(args.steps), "--calls", str(args.calls),
-                             "--layout", args.layout, "--config", args.config],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--layout", args.layout, "--config", args.config,
+                             "--src", str(ROOT)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
            for i in range(n)]
   outs = []
   try:
@@ -128,18 +143,24 @@ def main(argv=None):
   ap.add_argument("--layout", default="data=2,tensor=2,stage=2")
   ap.add_argument("--config", default="tiny")
   ap.add_argument("--out", default="benchmarks/bench_lm_first_steps_result.json")
+  ap.add_argument("--src", help="the checkout to import the trainer from (default: this one)")
+  ap.add_argument("--procs", default="2,1", help="the jobs' process counts")
   ap.add_argument("--side", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.side:
     return side(args)
   res = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "layout": args.layout,
-         "config": args.config, "load_before": list(os.getloadavg())}
-  for n in (2, 1):
+         "config": args.config, "src": str(ROOT), "load_before": list(os.getloadavg())}
+  for n in (int(x) for x in args.procs.split(",")):
     outs = _job(args, n)
     walls = [max(o["steps"][k]["wall_s"] for o in outs) for k in range(args.steps)]
     res[f"procs_{n}"] = {
         "per_process": outs, "step_wall_s": walls,
         "first_step_s": walls[0], "later_median_s": statistics.median(walls[1:]),
+        "later_median_cpu_s": statistics.median(  # both processes together
+            sum(o["steps"][k]["cpu_s"] for o in outs) for k in range(1, args.steps)),
+        "later_median_sys_s": statistics.median(
+            sum(o["steps"][k]["sys_s"] for o in outs) for k in range(1, args.steps)),
         "allreduce_first_s": max(o["allreduce_call_s"][0] for o in outs),
         "allreduce_later_median_s": statistics.median(
             max(o["allreduce_call_s"][k] for o in outs) for k in range(1, args.calls))}
