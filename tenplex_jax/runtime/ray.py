@@ -914,6 +914,10 @@ class Job:
             f" {sorted(nodes)} (draining: {sorted(self.draining)})")
       time.sleep(1.0)
     nodes = [x for x in nodes if room.get(x, 0) > 0]
+    if prepared:  # the nodes with the most ready standbys first
+      nodes.sort(key=lambda x: -sum(
+          1 for _, ref, _ in self._standbys.get(x, [])
+          if _ray.wait([ref], timeout=0)[0]))
     fits = sum(room.get(x, 1) for x in nodes)
     if self.auto and self.bounds[0] <= fits < n:
       if prepared:
@@ -1065,7 +1069,14 @@ class Job:
       return
     if self.auto and not self.bounds[0] <= m <= self.bounds[1]:
       return
-    got = self._start_group(gen + 1, m, at, None, prepared=True)
+    ready = sum(1 for lst in self._standbys.values() for _, ref, _ in lst
+                if _ray.wait([ref], timeout=0)[0])
+    if ready < m:  # (checked per node in _start_group)
+      return
+    try:
+      got = self._start_group(gen + 1, m, at, None, prepared=True)
+    except (_ray.exceptions.RayError, TimeoutError):
+      return  # (a standby died on the way: the resize starts the group)
     if got is not None:
       self._next = {"n": m, "group": got}
 
