@@ -1009,13 +1009,14 @@ def _run_generic(batch: list) -> list:
 # number of transfers and program launches is that of one array per group,
 # not per array (lm1b SMALL with its 5 classes in 5 groups: 128 transfers and
 # 10 launches per call, against 3,552 and 147 with one array per program; cut
-# by bytes as below, 25 groups). A group holds at most _GROUP_SLICES
+# by bytes as below, 11 groups of 5 signatures). A group holds at most _GROUP_SLICES
 # sub-block slices per program and half the bytes allowed in flight (a sixteenth
 # of the state, 4-256 MiB), so no program grows with the state; groups run one
 # after another within that bound, each one's packed copies let go once used,
 # so a call holds its results and a bounded part of the state twice more, not
 # three copies of it. A group's programs are compiled once per (shardings,
-# dtype, member shapes), and equal arrays split into equal groups.
+# dtype, member shapes), and a class splits into groups of one signature
+# where it can (_uniform_split), so they share their programs.
 
 _SUB_BYTE = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
 _GROUP_SLICES = 256
