@@ -54,6 +54,7 @@ _VARS = {
     "checkpoint": ("TENPLEX_CHECKPOINT", str),
     "compilation_cache": ("TENPLEX_COMPILATION_CACHE", bool),
     "ray_controller": ("TENPLEX_RAY_CONTROLLER", str),
+    "ray_free_arrays": ("TENPLEX_RAY_FREE_ARRAYS", bool),
     "turn_file": ("TENPLEX_TURN_FILE", str),
     "programs_file": ("TENPLEX_PROGRAMS_FILE", str),
     "for_failure": ("TENPLEX_FOR_FAILURE", bool),
@@ -94,6 +95,7 @@ class JobEnv:
   checkpoint: str | None = None
   compilation_cache: bool = False
   ray_controller: str | None = None
+  ray_free_arrays: bool = False  # a Ray worker frees its arrays once saved
   turn_file: str | None = None
   programs_file: str | None = None
   for_failure: bool = False  # a generation prepared for a failure

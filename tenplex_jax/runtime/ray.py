@@ -444,7 +444,7 @@ class _Worker:
       out["outcome"] = "done"
     except ResizeExit as e:
       out.update(outcome="resize", procs=e.procs, step=e.step)
-      if os.environ.get("TENPLEX_RAY_FREE_ARRAYS") == "1":
+      if job_env().ray_free_arrays:
         _free_arrays()  # before the next group's restore allocates
       try:  # saved: a group prepared for this resize may restore now
         ctrl.saved(e.procs, e.step)
