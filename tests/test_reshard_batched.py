@@ -330,21 +330,15 @@ def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
     assert [d for d, x in old.items() if x.is_deleted()] == [1, 2]
 
 
-def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
-  # Arrays of a shape that repeats go in groups of that shape of at most half
-  # the bytes in flight (unless one array is larger), which share one cut
-  # and one glue program; arrays of shapes seen once go in groups of at most
-  # the bytes in flight. Results stay bitwise.
-  monkeypatch.setattr(rmod, "_FLIGHT_MIN", 40 << 10)
-  monkeypatch.setattr(rmod, "_FLIGHT_MAX", 40 << 10)
+def _generic_twice(monkeypatch, hosts, flight, record):
+  """Reshards ``hosts`` (rows over 8 devices -> blocks over them reversed)
+  twice with ``method="generic"`` and ``flight`` bytes in flight, each call
+  on a fresh source; checks every result's sharding and bits; returns, per
+  call, ``record(flight, groups)`` of its last grouping and its compiles."""
+  monkeypatch.setattr(rmod, "_FLIGHT_MIN", flight)
+  monkeypatch.setattr(rmod, "_FLIGHT_MAX", flight)
   a = Mesh(np.array(DEVS), ("x",))
   b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
-  hosts = {f"s{i:02d}": (np.arange(64 * 64, dtype=np.float32) * (i + 1))
-           .reshape(64, 64) for i in range(6)}  # 16 KiB each
-  hosts.update({f"w{i}": (np.arange(64 * 256, dtype=np.float32) - i)
-                .reshape(64, 256) for i in range(2)})  # 64 KiB each
-  hosts.update({f"m{i}": (np.arange(64 * 8 * (i + 1), dtype=np.float32))
-                .reshape(64, 8 * (i + 1)) for i in range(4)})  # 2-8 KiB
   src = NamedSharding(a, P("x"))
   target = {k: NamedSharding(b, P("p", "q")) for k in hosts}
   seen = []
@@ -352,58 +346,12 @@ def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
 
   def spy(batch, flight):
     out = real_groups(batch, flight)
-    seen.append((flight, sorted((len(m), nb) for _, _, m, nb in out)))
+    seen.append(record(flight, out))
     return out
 
   monkeypatch.setattr(rmod, "_groups", spy)
-  for call in range(2):  # the second call: a fresh source, nothing compiled
-    tree = {k: jax.device_put(v, src) for k, v in hosts.items()}
-    with CompileCounter() as c:
-      out = tj.reshard(tree, target, method="generic")
-      jax.block_until_ready(out)
-    for k, v in out.items():
-      assert v.sharding == target[k]
-      for s in v.addressable_shards:
-        assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
-    flight, groups = seen[-1]
-    assert flight == 40 << 10
-    # Six 16 KiB arrays: one per group (two exceed the 20 KiB cap); the
-    # 64 KiB ones alone each; the four shapes seen once (2+4+6+8 = 20 KiB)
-    # in one group.
-    assert groups == sorted([(1, 16 << 10)] * 6 + [(1, 64 << 10)] * 2
-                            + [(4, 20 << 10)]), groups
-    if call == 0:
-      assert 0 < c.n <= 6, c.n  # two shared shapes and one mixed group
-    else:
-      assert c.n == 0, c.n
-
-
-def test_generic_uniform_groups_share_one_program_with_padding(monkeypatch):
-  # Five 16 KiB arrays and two 32 KiB ones between the same shardings, 80
-  # KiB in flight: two groups of one signature (three of the first shape
-  # and one of the second each, the second group's third slot padded by
-  # repeating an array), so one cut and one glue program for all; the
-  # padding's result is dropped and every result is bitwise.
-  monkeypatch.setattr(rmod, "_FLIGHT_MIN", 80 << 10)
-  monkeypatch.setattr(rmod, "_FLIGHT_MAX", 80 << 10)
-  a = Mesh(np.array(DEVS), ("x",))
-  b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
-  hosts = {f"s{i}": (np.arange(64 * 64, dtype=np.float32) * (i + 1))
-           .reshape(64, 64) for i in range(5)}
-  hosts.update({f"w{i}": (np.arange(64 * 128, dtype=np.float32) - i)
-                .reshape(64, 128) for i in range(2)})
-  src = NamedSharding(a, P("x"))
-  target = {k: NamedSharding(b, P("p", "q")) for k in hosts}
-  seen = []
-  real_groups = rmod._groups
-
-  def spy(batch, flight):
-    out = real_groups(batch, flight)
-    seen.append([(k, list(m), nb) for k, _, m, nb in out])
-    return out
-
-  monkeypatch.setattr(rmod, "_groups", spy)
-  for call in range(2):
+  calls = []
+  for _ in range(2):
     tree = {k: jax.device_put(v, src) for k, v in hosts.items()}
     with CompileCounter() as c:
       out = tj.reshard(tree, target, method="generic")
@@ -413,11 +361,57 @@ def test_generic_uniform_groups_share_one_program_with_padding(monkeypatch):
       assert _bits(v) == hosts[k].tobytes(), k
       for s in v.addressable_shards:
         assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
-    groups = seen[-1]
+    calls.append((seen[-1], c.n))
+  return calls
+
+
+def test_generic_groups_bounded_by_bytes_share_programs(monkeypatch):
+  # Arrays of a shape that repeats go in groups of that shape of at most half
+  # the bytes in flight (unless one array is larger), which share one cut
+  # and one glue program; arrays of shapes seen once go in groups of at most
+  # the bytes in flight. Results stay bitwise.
+  hosts = {f"s{i:02d}": (np.arange(64 * 64, dtype=np.float32) * (i + 1))
+           .reshape(64, 64) for i in range(6)}  # 16 KiB each
+  hosts.update({f"w{i}": (np.arange(64 * 256, dtype=np.float32) - i)
+                .reshape(64, 256) for i in range(2)})  # 64 KiB each
+  hosts.update({f"m{i}": (np.arange(64 * 8 * (i + 1), dtype=np.float32))
+                .reshape(64, 8 * (i + 1)) for i in range(4)})  # 2-8 KiB
+  calls = _generic_twice(
+      monkeypatch, hosts, 40 << 10,
+      lambda flight, out: (flight, sorted((len(m), nb)
+                                          for _, _, m, nb in out)))
+  # The second call: a fresh source, nothing compiled.
+  for call, ((flight, groups), n) in enumerate(calls):
+    assert flight == 40 << 10
+    # Six 16 KiB arrays: one per group (two exceed the 20 KiB cap); the
+    # 64 KiB ones alone each; the four shapes seen once (2+4+6+8 = 20 KiB)
+    # in one group.
+    assert groups == sorted([(1, 16 << 10)] * 6 + [(1, 64 << 10)] * 2
+                            + [(4, 20 << 10)]), groups
+    if call == 0:
+      assert 0 < n <= 6, n  # two shared shapes and one mixed group
+    else:
+      assert n == 0, n
+
+
+def test_generic_uniform_groups_share_one_program_with_padding(monkeypatch):
+  # Five 16 KiB arrays and two 32 KiB ones between the same shardings, 80
+  # KiB in flight: two groups of one signature (three of the first shape
+  # and one of the second each, the second group's third slot padded by
+  # repeating an array), so one cut and one glue program for all; the
+  # padding's result is dropped and every result is bitwise.
+  hosts = {f"s{i}": (np.arange(64 * 64, dtype=np.float32) * (i + 1))
+           .reshape(64, 64) for i in range(5)}
+  hosts.update({f"w{i}": (np.arange(64 * 128, dtype=np.float32) - i)
+                .reshape(64, 128) for i in range(2)})
+  calls = _generic_twice(
+      monkeypatch, hosts, 80 << 10,
+      lambda flight, out: [(k, list(m), nb) for k, _, m, nb in out])
+  for call, (groups, n) in enumerate(calls):
     assert len(groups) == 2 and groups[0][0] == groups[1][0]
     assert groups[0][0][3] == ((64, 64),) * 3 + ((64, 128),)
     assert all(nb == 80 << 10 for _, _, nb in groups)
     # Every array in exactly one group, one of them twice (the padding).
-    members = sorted(n for _, m, _ in groups for n in m)
+    members = sorted(m for _, ms, _ in groups for m in ms)
     assert len(members) == 8 and len(set(members)) == 7
-    assert c.n == (2 if call == 0 else 0), c.n
+    assert n == (2 if call == 0 else 0), n
