@@ -378,7 +378,19 @@ _EXCHANGE_EVERY_WORKER = False
 # barriers that order them on GPU: without that it ran them all before the
 # first addition and held every worker's gradient at once).
 # benchmarks/bench_determinism.py times both (``det_scan``, ``det_unroll``).
+# Except on CPU for small gradients (``_UNROLL_MIN_BYTES``).
 _UNROLL_LEVELS: int | None = None
+
+# On CPU the top levels are unrolled only where one worker's gradient holds
+# at least this many bytes. The unrolled stack compiles up to ``2**levels``
+# copies of the worker's program where the nested scans compile one, and
+# what it saves (the ``-0.0`` fills, the carries' copies) is proportional to
+# the gradient's bytes: on small models the compile dominates (the lm1b
+# SMALL bitwise test: 177 s unrolled against 59 s as scans on the 2-core
+# VM, the same bits), on large ones the step (25M f32 params, 100 MB:
+# 0.76-0.98x the scans' step time, docs/determinism.md). A resize compiles
+# the new mesh's step, so compile time is a cost the job pays again.
+_UNROLL_MIN_BYTES = 64 << 20
 
 # Inside the caller's jit, whether every gradient is all-gathered (True) or
 # the gradients of FSDP params (split over exactly the batch axes, known from
@@ -405,10 +417,13 @@ def _gather_inside_jit(mesh: Mesh) -> bool:
   return mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
 
 
-def _unroll_levels(mesh: Mesh) -> int:
+def _unroll_levels(mesh: Mesh, grad_bytes: int) -> int:
+  """Levels of each device's subtree unrolled, for a worker's gradient of
+  ``grad_bytes`` (see ``_UNROLL_LEVELS`` and ``_UNROLL_MIN_BYTES``)."""
   if _UNROLL_LEVELS is not None:
     return int(_UNROLL_LEVELS)
-  del mesh  # the same on every platform since the workers wait by predicate
+  if mesh.devices.flat[0].platform == "cpu" and grad_bytes < _UNROLL_MIN_BYTES:
+    return 0
   return 3
 
 
@@ -673,10 +688,10 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   # device): then each device sums its own workers locally (the subtree) and
   # one exchange per step sums the n subtrees (the top of the tree).
   aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
-  unroll = _unroll_levels(mesh)
   gather_inside_jit = _gather_inside_jit(mesh)
 
-  def body_tree(dims, gather, shard_in, isolate, params, batch, *args):
+  def body_tree(dims, gather, shard_in, isolate, unroll, params, batch,
+                *args):
     d = lax.axis_index(axes) if n > 1 else 0
     local = jax.tree.map(
         lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), batch)
@@ -904,9 +919,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       shard_in = (None,) * len(leaves)
     param_specs = jax.tree_util.tree_unflatten(treedef, [
         P() if a is None else P(*([None] * a), spec_axes) for a in shard_in])
+    unroll = _unroll_levels(mesh, sum(
+        math.prod(x.shape) * jnp.dtype(jnp.result_type(x)).itemsize
+        for x in leaves))
     smap = jax.shard_map(
-        lambda p, b, *a: body_tree(dims, gather, shard_in, isolate, p, b,
-                                   *a),
+        lambda p, b, *a: body_tree(dims, gather, shard_in, isolate, unroll,
+                                   p, b, *a),
         mesh=mesh, in_specs=(param_specs, P(spec_axes), *arg_specs),
         out_specs=(P(), out_specs), axis_names=manual, check_vma=False)
     loss, out = smap(params, batch, *args)

@@ -145,7 +145,11 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
         want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[0])]
         assert got == want, (v, n, lv)
   monkeypatch.setattr(det, "_UNROLL_LEVELS", None)
-  assert det._unroll_levels(mesh1d(1)) == 3  # CPU too: workers ordered by predicate
+  # CPU: unrolled (workers ordered by predicate) from _UNROLL_MIN_BYTES of
+  # gradient per worker; below, the nested scans (one copy to compile).
+  big = det._UNROLL_MIN_BYTES
+  assert det._unroll_levels(mesh1d(1), big) == 3
+  assert det._unroll_levels(mesh1d(1), big - 1) == 0
 
 
 def test_inside_jit_matches_outside():
