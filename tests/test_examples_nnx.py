@@ -174,6 +174,9 @@ def _pipelined_without_gathering_the_stack(hlo):
   return bool(forward) and bool(backward) and not whole
 
 
+# The CLI test reuses the steps the test before compiled (the trainer's
+# compiled-step cache): on one xdist worker it takes a second, not minutes.
+@pytest.mark.xdist_group("nnx_deterministic")
 def test_deterministic_pipelined_over_2_and_4_stages_is_bitwise_the_static_run():
   """``--deterministic 8``: each virtual worker's slice runs through the
   pipeline over ``stage`` (2, then 4 stages, then 1), and the losses at every
@@ -205,6 +208,7 @@ def test_deterministic_pipelined_over_2_and_4_stages_is_bitwise_the_static_run()
     assert _pipelined_without_gathering_the_stack(steps[shape].as_text()), shape
 
 
+@pytest.mark.xdist_group("nnx_deterministic")
 def test_deterministic_cli_prints_the_bitwise_line(tmp_path, capsys):
   """The trainer's own check: ``--deterministic 8`` over the same schedule
   prints that losses and final params are bitwise the static run's, and its
