@@ -29,6 +29,9 @@ devices) sometimes left one participant of a collective without a thread
 and XLA aborted the process after 40 s (3 of 3 runs under load; 0 of 3 with
 16 threads). Both methods get the same pool.
 
+``--trim-first`` calls glibc's ``malloc_trim(0)`` in every worker just
+before each call's RSS baseline (see ``_peak_reset``), for every method.
+
 ``--baseline-src DIR`` adds a ``generic (before)`` row per case: the same
 worker importing ``tenplex_jax`` from ``DIR`` (e.g. ``git archive main
 tenplex_jax | tar -x -C DIR``), so before and after come from one run.
@@ -85,7 +88,17 @@ def _status_kib(field: str) -> int:
 
 
 def _peak_reset() -> int:
-  """Resets the process's peak RSS to its RSS now; returns that RSS."""
+  """Resets the process's peak RSS to its RSS now; returns that RSS.
+
+  With ``--trim-first`` (every method's workers alike) the C heap's free
+  pages go back to the kernel first (glibc ``malloc_trim(0)``), so memory
+  the process freed before the call (building the state) is not resident
+  at the reset and cannot be reused: the rise is then the call's own
+  footprint, which the generic executor's trim after compiling cannot lower
+  by giving back memory freed before the call."""
+  if os.environ.get("TENPLEX_BENCH_TRIM_FIRST"):
+    import ctypes
+    ctypes.CDLL(None).malloc_trim(0)
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
   return _status_kib("VmRSS") << 10
@@ -162,6 +175,9 @@ def main(argv=None) -> int:
   ap.add_argument("--baseline-src", default=None,
                   help="a directory holding the tenplex_jax package to time"
                   " as 'generic (before)' in the same run")
+  ap.add_argument("--trim-first", action="store_true",
+                  help="malloc_trim(0) before every timed call's RSS"
+                  " baseline, in every method's workers")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
@@ -172,6 +188,9 @@ def main(argv=None) -> int:
                               if env.get("PYTHONPATH") else "")
   env["NPROC"] = str(max(16, int(env.get("NPROC", "0") or 0)))
   env.pop("TENPLEX_BENCH_SRC", None)
+  env.pop("TENPLEX_BENCH_TRIM_FIRST", None)
+  if args.trim_first:
+    env["TENPLEX_BENCH_TRIM_FIRST"] = "1"
   methods = ["generic", "device_put"]
   if args.baseline_src:
     methods.append("generic (before)")
@@ -245,7 +264,8 @@ def main(argv=None) -> int:
           f" {d['cold_peak_rss_rise'] / 2**20:.0f} MiB, warm"
           f" {g['warm_peak_rss_rise'] / 2**20:.0f} against"
           f" {d['warm_peak_rss_rise'] / 2**20:.0f} MiB")
-  doc = {"load": os.getloadavg(), "results": rows, "checks": checks}
+  doc = {"load": os.getloadavg(), "trim_first": args.trim_first,
+         "results": rows, "checks": checks}
   with open(args.out, "w") as f:
     json.dump(doc, f, indent=1)
   print("| case | method | cold s | cold compiles | warm s | warm compiles |"

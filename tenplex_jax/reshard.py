@@ -739,6 +739,31 @@ _PLAIN_JIT = object()
 _PROGRAMS_MAX = 256
 
 
+try:  # glibc: hands the free pages of every malloc arena back to the kernel
+  import ctypes
+  _malloc_trim = ctypes.CDLL(None).malloc_trim
+  _malloc_trim.argtypes = [ctypes.c_size_t]
+  _malloc_trim.restype = ctypes.c_int
+except (OSError, AttributeError):  # pragma: no cover - not glibc
+  _malloc_trim = None
+
+
+def _trim_heap() -> None:
+  """Returns the C heap's free pages to the kernel after compiling.
+
+  XLA compiles on the threads of :func:`_ensure_group_programs`, each with
+  a malloc arena of its own; what a compile frees stays resident in those
+  arenas, where the results (allocated on other threads) cannot reuse it.
+  On lm1b SMALL's cold generic call that was ~20 MiB of the peak above the
+  78 MiB of results (the peak RSS rise 95-109 MiB, ``jax.device_put``'s
+  84-88). ``malloc_trim(0)`` gives back every free page of every arena
+  (the compiles' and any the process freed before the call), in ~20 ms
+  there; it runs only after a compile, never on a warm call. A no-op
+  without glibc."""
+  if _malloc_trim is not None:
+    _malloc_trim(0)
+
+
 def _compile(lowered, platform: str):
   """``lowered`` compiled with the fast options its platform takes."""
   opts = (_FAST_COMPILE_CPU if platform == "cpu" else
@@ -781,6 +806,7 @@ def _ensure_programs(jobs: list) -> None:
     with concurrent.futures.ThreadPoolExecutor(
         n, thread_name_prefix="tenplex-compile") as pool:
       exes = list(pool.map(lambda t: _compile(t[1], t[2]), todo))
+  _trim_heap()
   for (key, _, _), exe in zip(todo, exes):
     _programs[key] = exe
   while len(_programs) > max(_PROGRAMS_MAX, len(jobs)):
@@ -1206,11 +1232,14 @@ def _ensure_group_programs(keys: list) -> list:
       with concurrent.futures.ThreadPoolExecutor(
           n, thread_name_prefix="tenplex-compile") as pool:
         exes = list(pool.map(lambda j: _compile(*j), jobs))
+    done = [(t[0], t[3]) for t in todo]
+    del jobs, todo  # the lowered modules go before the heap is trimmed
     with _transitions_lock:
-      for i, (k, _, _, size, _) in enumerate(todo):
+      for i, (k, size) in enumerate(done):
         out[k] = _GROUP_EXES[k] = (exes[2 * i], exes[2 * i + 1], size)
       while len(_GROUP_EXES) > max(_GROUP_EXES_MAX, len(keys)):
         _GROUP_EXES.popitem(last=False)
+    _trim_heap()
   return [out[k] for k in keys]
 
 

@@ -415,3 +415,50 @@ def test_generic_uniform_groups_share_one_program_with_padding(monkeypatch):
     members = sorted(m for _, ms, _ in groups for m in ms)
     assert len(members) == 8 and len(set(members)) == 7
     assert n == (2 if call == 0 else 0), n
+
+
+def test_generic_trims_the_heap_after_compiling_only(monkeypatch):
+  # A cold generic call hands the C heap's free pages back (malloc_trim)
+  # once its programs are compiled and before any group runs, so what the
+  # compiles freed does not stay in the peak under the results; a warm call
+  # (nothing compiled) does not trim. Results stay bitwise.
+  hosts, _, target = _rows_to_cols_tree(3, rows=64, cols=72)
+  a = Mesh(np.array(DEVS), ("x",))
+  rmod._GROUP_EXES.clear()
+  events = []
+  real_ensure = rmod._ensure_group_programs
+  real_send = rmod._send
+
+  def ensure(keys):
+    events.append("ensure")
+    return real_ensure(keys)
+
+  def send(arrays, devices):
+    events.append("send")
+    return real_send(arrays, devices)
+
+  def trim(pad):
+    assert pad == 0
+    # The programs are compiled and cached when the heap is trimmed.
+    events.append(("trim", len(rmod._GROUP_EXES)))
+    return 1
+
+  monkeypatch.setattr(rmod, "_ensure_group_programs", ensure)
+  monkeypatch.setattr(rmod, "_send", send)
+  monkeypatch.setattr(rmod, "_malloc_trim", trim)
+  for call in range(2):
+    tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+            for k, v in hosts.items()}
+    events.clear()
+    with CompileCounter() as c:
+      out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
+    trims = [e for e in events if isinstance(e, tuple)]
+    if call == 0:
+      assert c.n > 0
+      assert trims == [("trim", 1)], events
+      assert events.index(trims[0]) < events.index("send"), events
+    else:
+      assert c.n == 0 and trims == [], events
+    for k, v in out.items():
+      assert v.sharding == target[k]
+      assert _bits(v) == hosts[k].tobytes(), k
