@@ -125,9 +125,6 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
     # started (by the launcher) before it was ready; the nice it prepared at
     assert r["ahead_lead_s"] >= r["ahead_margin_s"], r
     assert r["ahead_s"]["nice"] in (0, 10), r
-    # the old processes, stopped at the hand-over, exited only once the new
-    # generation's first step was done (not beside its restore and step)
-    assert r["old_exit_s"] >= r["resize_s"] - 0.01, r
   np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
   assert log["max_abs_param_diff"] < 1e-5
 

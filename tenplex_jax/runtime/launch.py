@@ -1760,12 +1760,12 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       print(f"tenplex-jax launch: generation {a.gen} ({a.n} processes)"
             " prepared for a failure", flush=True)
 
-  def release_held(cur, force=False):
+  def release_held(cur):
     """Lets the old processes stopped at the hand-over go on to exit once
     the new generation stepped or died, or after ``_EXIT_HOLD`` seconds;
     whether it did."""
     since, step, a = cur["held"]
-    if not force and time.time() - since < _EXIT_HOLD and a.alive():
+    if time.time() - since < _EXIT_HOLD and a.alive():
       try:
         if int(_text(os.path.join(job_dir, "progress_0"))) <= step:
           return False
@@ -1806,7 +1806,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     # shutdown, the interpreter's exit) would take the cores from the new
     # generation's restore and first step: they stay stopped until it has
     # stepped (its process 0's progress past the resize step) or died, at
-    # most _EXIT_HOLD seconds.
+    # most _EXIT_HOLD seconds. Best effort: one already in the kernel's
+    # exit (a single process has no shutdown to wait for) cannot be held.
     for c in children:
       if c.code is None:
         _signal_group(c.popen, signal.SIGSTOP)
