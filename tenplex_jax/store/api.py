@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -527,7 +528,8 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
   """
   by_id: dict[str, _Source] = {}
   unreachable = {}
-  for loc in locations:
+
+  def probe(loc):  # (handle, error): each location's manifests, in parallel
     h = None
     try:
       h = open_store(loc, timeout=timeout, retries=retries, token=token,
@@ -537,22 +539,31 @@ def _gather(locations: Sequence[str], timeout: float, retries: int,
         sid = h.identity()
       else:
         sid = h.store_id or "url:" + h.url
-      ms, problems = h.all_rounds()
-    except private.UnsafePathError:
-      _close(list(by_id.values()))
-      raise  # refused, not unreachable: the operator must fix it
-    except StoreError as e:
-      if isinstance(e, TLSError):
-        _close(list(by_id.values()))
-        close = getattr(h, "close", None)
-        if close:
-          close()
-        raise
-      unreachable[loc] = str(e)
+      return (h, sid, *h.all_rounds()), None
+    except (private.UnsafePathError, StoreError) as e:
       close = getattr(h, "close", None)
       if close:
         close()
+      return None, e
+
+  if len(locations) > 1:
+    with ThreadPoolExecutor(min(len(locations), 8)) as ex:
+      probed = list(ex.map(probe, locations))
+  else:
+    probed = [probe(loc) for loc in locations]
+  fatal = next((e for _, e in probed if isinstance(e, (
+      private.UnsafePathError, TLSError))), None)
+  if fatal is not None:  # refused, not unreachable: the operator must fix it
+    for got, _ in probed:
+      close = got and getattr(got[0], "close", None)
+      if close:
+        close()
+    raise fatal
+  for loc, (got, err) in zip(locations, probed):
+    if err is not None:
+      unreachable[loc] = str(err)
       continue
+    h, sid, ms, problems = got
     local = isinstance(h, HostStore) and not h.remote
     src = _Source(loc, h, {k: {round_id(m): m for m in v}
                            for k, v in ms.items()}, local,
