@@ -70,7 +70,7 @@ from tenplex_jax.errors import NoCopyError, StoreError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.store import private
 from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
-from tenplex_jax.store.api import restore_with_report, save
+from tenplex_jax.store.api import compile_restore, restore_with_report, save
 from tenplex_jax.store.server import (CA_ENV, TOKEN_ENV, client_ca, free_port,
                                       new_token, resolve_token)
 
@@ -635,6 +635,15 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
   """
+  if prepared():
+    # A generation started ahead: the restore's allocation program is
+    # compiled (or loaded from the cache) before its turn, not after.
+    if target is None:
+      target = jax.eval_shape(init_fn)
+    try:
+      compile_restore(target)
+    except Exception:  # noqa: BLE001 - the restore reports a bad target
+      pass
   wait_turn()  # a prepared generation: until the previous one saved
   env = job_env()
   stores = list(env.peers)

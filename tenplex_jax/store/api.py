@@ -964,6 +964,15 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
     return {}
   key = tuple((tuple(dst_sds[n].shape), jax.numpy.dtype(dst_sds[n].dtype),
                dst_sds[n].sharding) for n in names)
+  arrays = _zeros_program(key)()
+  jax.block_until_ready(arrays)  # written by the reads next
+  return dict(zip(names, arrays))
+
+
+def _zeros_program(key: tuple, compiled: bool = False):
+  """The zeros program of ``_owned_arrays`` for ``key`` (per array: shape,
+  dtype, sharding), kept per process; ``compiled``: compiled now (ahead of
+  time) if it is not yet."""
   fn = _ZEROS.get(key)
   if fn is None:
     if len(_ZEROS) > 16:
@@ -972,9 +981,43 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
     fn = _ZEROS[key] = jax.jit(
         lambda: tuple(jax.numpy.zeros(s, d) for s, d in specs),
         out_shardings=tuple(sh for _, _, sh in key))
-  arrays = fn()
-  jax.block_until_ready(arrays)  # written by the reads next
-  return dict(zip(names, arrays))
+  if compiled and not isinstance(fn, jax.stages.Compiled):
+    fn = _ZEROS[key] = fn.lower().compile()
+  return fn
+
+
+def compile_restore(target: Any, mesh: jax.sharding.Mesh | None = None
+                    ) -> bool:
+  """Compiles, ahead of a restore onto ``target``, the program that
+  allocates the arrays it reads into (``_owned_arrays``: CPU devices, from
+  ``_OWNED_MIN_BYTES`` per process), or loads it from jax's persistent
+  compilation cache, so that the restore only runs it. Allocates nothing
+  (the pages are faulted in by the restore, as without it). A process that
+  waits for its turn (a group started ahead of a resize) calls it before
+  waiting. It assumes every array leaf of ``target`` is saved in its own
+  dtype; a restore that finds otherwise compiles its own program, as
+  without this call. Returns whether a program was compiled or loaded.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> compile_restore({"w": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    False
+  """
+  target = bind_target(target, mesh)
+  key = []
+  for _, x in jax.tree_util.tree_flatten_with_path(target)[0]:
+    sh = getattr(x, "sharding", None)
+    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or sh is None:
+      continue
+    if (jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        or any(d.platform != "cpu" for d in sh.device_set)):
+      continue
+    key.append((tuple(x.shape), jax.numpy.dtype(x.dtype), sh))
+  total = sum(int(np.prod(s)) * d.itemsize for s, d, _ in key)
+  if not key or total < _OWNED_MIN_BYTES * jax.process_count():
+    return False
+  _zeros_program(tuple(key), compiled=True)
+  return True
 
 
 def _writable(arr: jax.Array, storage: np.dtype) -> dict[int, np.ndarray]:
