@@ -145,7 +145,11 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
         want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[0])]
         assert got == want, (v, n, lv)
   monkeypatch.setattr(det, "_UNROLL_LEVELS", None)
-  assert det._unroll_levels(mesh1d(1)) == 3  # CPU too: workers ordered by predicate
+  # The default on CPU: unrolled for float32 (the workers ordered by
+  # predicate), the scans for 16-bit floats (faster there).
+  assert det._unroll_levels(mesh1d(1), params) == (3 if dtype == jnp.float32 else 0)
+  assert det._unroll_levels(mesh1d(1), params, 2) == 2
+  assert det._isolate_by_cond(mesh1d(1))  # barriers do not isolate on CPU
 
 
 def test_inside_jit_matches_outside():
