@@ -38,7 +38,12 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   scans whose carries start at ``-0.0`` (the CPU default before), or its top
   three levels unrolled (a binary-counter stack of partial sums: no loop
   carries, no fill; each worker's conditional waits for the partial sums
-  through its predicate), ``det``'s default. Same bits;
+  through its predicate), ``det``'s default (on CPU for float32 only:
+  16-bit float params default to the scans there). Same bits;
+* ``det_cond`` / ``det_barrier``: the same with
+  ``determinism._ISOLATE_BY_COND`` True / False: each worker isolated by a
+  ``lax.cond`` (the CPU default) or by optimisation barriers only (the GPU
+  default: no predicate read on the host; on CPU barriers do not isolate);
 * ``det_old``: the same with ``determinism._EXCHANGE_EVERY_WORKER`` set, the
   implementation before issue 23 (every worker's gradient flattened and
   exchanged with an ``all_to_all``, summed on a stack): the "before" of the
@@ -97,7 +102,7 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "25m": dict(d=1024, ff=4096, blocks=3),
          "100m": dict(d=1024, ff=4096, blocks=12)}
 METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_gather",
-           "det_scan", "det_unroll", "det_old")
+           "det_scan", "det_unroll", "det_cond", "det_barrier", "det_old")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -193,9 +198,12 @@ def programs(mesh, params, fsdp, k, rows, methods):
       vg_g = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                                 param_shardings=out[1])
     fns["det_gather"] = det.jit(lambda p, b: vg_g(p, b), out_shardings=out)
-  for name, levels in (("det_scan", 0), ("det_unroll", 3)):
+  for name, attr, value in (("det_scan", "_UNROLL_LEVELS", 0),
+                            ("det_unroll", "_UNROLL_LEVELS", 3),
+                            ("det_cond", "_ISOLATE_BY_COND", True),
+                            ("det_barrier", "_ISOLATE_BY_COND", False)):
     if name in methods:
-      with mock.patch.object(det, "_UNROLL_LEVELS", levels):
+      with mock.patch.object(det, attr, value):
         vg_l = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                                   param_shardings=out[1])
       fns[name] = det.jit(lambda p, b, vg_l=vg_l: vg_l(p, b),
@@ -369,7 +377,7 @@ def measure(row, args, mesh):
           "median": {n: t / med[base] for n, t in med.items()},
           "min": {n: min(t) / min(times[base]) for n, t in times.items()},
           "cpu_median": {n: statistics.median(t)
-                         / statistics.median(cpu[base])
+                         / max(1e-9, statistics.median(cpu[base]))
                          for n, t in cpu.items()},
           "cpu_min": {n: min(t) / max(1e-9, min(cpu[base]))
                       for n, t in cpu.items()}}
@@ -400,7 +408,7 @@ def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
   op (each node rounded to the dtype), and divided by ``V``.
   """
   res = {}
-  for name in ("det_scan", "det_unroll"):
+  for name in ("det_scan", "det_unroll", "det_cond", "det_barrier"):
     if name in outs:
       res[f"det_equals_{name}"] = _bits(outs["det"]) == _bits(outs[name])
   one = Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -419,10 +427,12 @@ def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
     for i in range(len(leaves[0])):
       total = det.tree_sum(jnp.stack([lv[i] for lv in leaves]))
       ref.append(total / jnp.asarray(v, total.dtype))
-  got = jax.tree_util.tree_leaves(outs["det"])
-  res["det_equals_tree_of_single_workers"] = (
-      [np.asarray(jax.device_get(x)).tobytes() for x in got]
-      == [np.asarray(x).tobytes() for x in ref])
+  want = [np.asarray(x).tobytes() for x in ref]
+  for name in ("det", "det_cond", "det_barrier"):
+    if name in outs:
+      got = jax.tree_util.tree_leaves(outs[name])
+      res[f"{name}_equals_tree_of_single_workers"] = (
+          [np.asarray(jax.device_get(x)).tobytes() for x in got] == want)
   del fsdp
   return res
 
@@ -501,8 +511,9 @@ def main(argv=None) -> int:
                   help=f"a subset of {','.join(METHODS)}")
   ap.add_argument("--check-bits", action="store_true",
                   help="also check det bit for bit against det_scan,"
-                       " det_unroll and"
-                       " against V single-worker steps summed by tree_sum")
+                       " det_unroll, det_cond, det_barrier and (det,"
+                       " det_cond, det_barrier) against V single-worker"
+                       " steps summed by tree_sum")
   ap.add_argument("--compile-only", action="store_true",
                   help="print XLA's buffer sizes and the memory estimate only")
   ap.add_argument("--profile", action="store_true",
@@ -528,8 +539,12 @@ def main(argv=None) -> int:
 
   def write(done):
     # After every cell, so that a run stopped early keeps what it measured.
-    result = {"machine": f"{os.cpu_count()} cores, {args.devices} simulated"
-                         " CPU devices",
+    dev = jax.devices()[0]
+    result = {"machine": (f"{os.cpu_count()} cores, {args.devices} simulated"
+                          " CPU devices" if dev.platform == "cpu" else
+                          f"{os.cpu_count()} cores, {args.devices} x"
+                          f" {dev.device_kind}"),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "command": command, "complete": done,
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
               "jax": jax.__version__, "rows": rows, "profiles": profiles}

@@ -371,12 +371,15 @@ _EXCHANGE_EVERY_WORKER = False
 # Levels at the top of each device's subtree evaluated unrolled (a
 # binary-counter stack of partial sums, no loop; up to 2**levels workers'
 # programs in the step) above the nested scans. The bits are the same for
-# every value (tests/test_determinism.py). None: 3 on every platform (H100,
-# 100M params: 0.72-0.88x the nested scans' step time, the same memory; on
-# CPU the unrolled workers wait for each other through their conditionals'
+# every value (tests/test_determinism.py). None: 3 (H100, 100M params:
+# 0.72-0.88x the nested scans' step time, the same memory; on CPU the
+# unrolled workers wait for each other through their conditionals'
 # predicates, ``_ORDER_BY_PREDICATE``, since XLA:CPU drops the optimisation
 # barriers that order them on GPU: without that it ran them all before the
-# first addition and held every worker's gradient at once).
+# first addition and held every worker's gradient at once), except on CPU
+# when a param is a 16-bit float: 0 there (25M bfloat16 on 2 CPU devices:
+# the unrolled stack took 1.09-1.42x the scans' CPU time, float32
+# 0.76-0.98x; docs/determinism.md).
 # benchmarks/bench_determinism.py times both (``det_scan``, ``det_unroll``).
 # Except on CPU for small gradients (``_UNROLL_MIN_BYTES``).
 _UNROLL_LEVELS: int | None = None
@@ -391,6 +394,17 @@ _UNROLL_LEVELS: int | None = None
 # 0.76-0.98x the scans' step time, docs/determinism.md). A resize compiles
 # the new mesh's step, so compile time is a cost the job pays again.
 _UNROLL_MIN_BYTES = 64 << 20
+
+# How each virtual worker's ``value_and_grad`` is kept apart from what
+# consumes its gradient (``_isolated_value_and_grad``): True, both branches
+# of a ``lax.cond`` on a predicate XLA cannot know while compiling; False,
+# optimisation barriers around it. None picks by platform: the conditional
+# on CPU (XLA:CPU expands barriers before fusion, so they do not isolate
+# there), barriers on GPU (a conditional reads its predicate on the host:
+# one synchronisation per worker, 1.22-1.25x a 100M step on an H100).
+# benchmarks/bench_determinism.py times both (``det_cond``,
+# ``det_barrier``) and checks their bits (``--check-bits``).
+_ISOLATE_BY_COND: bool | None = None
 
 # Inside the caller's jit, whether every gradient is all-gathered (True) or
 # the gradients of FSDP params (split over exactly the batch axes, known from
@@ -414,17 +428,36 @@ _ORDER_BY_PREDICATE = True
 def _gather_inside_jit(mesh: Mesh) -> bool:
   if _GATHER_INSIDE_JIT is not None:
     return bool(_GATHER_INSIDE_JIT)
+  return _is_gpu(mesh)
+
+
+def _is_gpu(mesh: Mesh) -> bool:
   return mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm")
 
 
-def _unroll_levels(mesh: Mesh, grad_bytes: int) -> int:
-  """Levels of each device's subtree unrolled, for a worker's gradient of
-  ``grad_bytes`` (see ``_UNROLL_LEVELS`` and ``_UNROLL_MIN_BYTES``)."""
-  if _UNROLL_LEVELS is not None:
-    return int(_UNROLL_LEVELS)
-  if mesh.devices.flat[0].platform == "cpu" and grad_bytes < _UNROLL_MIN_BYTES:
+def _unroll_levels(mesh: Mesh, params: Any = (), setting: int | None = None,
+                   grad_bytes: int | None = None) -> int:
+  """``setting`` (``_UNROLL_LEVELS`` as read when ``value_and_grad`` was
+  called), else by platform, the params' dtypes and a worker's gradient
+  bytes (``grad_bytes``; default: the params' own)."""
+  if setting is not None:
+    return int(setting)
+  leaves = jax.tree_util.tree_leaves(params)
+  if grad_bytes is None:
+    grad_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                     for x in leaves)
+  if mesh.devices.flat[0].platform == "cpu" and (
+      grad_bytes < _UNROLL_MIN_BYTES or any(
+          jnp.issubdtype(x.dtype, jnp.floating)
+          and jnp.dtype(x.dtype).itemsize < 4 for x in leaves)):
     return 0
   return 3
+
+
+def _isolate_by_cond(mesh: Mesh) -> bool:
+  if _ISOLATE_BY_COND is not None:
+    return bool(_ISOLATE_BY_COND)
+  return not _is_gpu(mesh)
 
 
 def _tree_list(xs: Sequence[jax.Array]) -> jax.Array:
@@ -442,7 +475,8 @@ def _tree_list(xs: Sequence[jax.Array]) -> jax.Array:
 def _isolated_value_and_grad(loss_fn: Callable, params: Any, xs: Any,
                              wargs: Sequence[Any],
                              prepare: Callable[[Any], Any] | None = None,
-                             pred: jax.Array | None = None) -> tuple:
+                             pred: jax.Array | None = None,
+                             by_cond: bool = True) -> tuple:
   """One virtual worker's ``value_and_grad``, compiled apart from its context.
 
   XLA:CPU expands optimisation barriers before fusion, so a worker's
@@ -459,6 +493,10 @@ def _isolated_value_and_grad(loss_fn: Callable, params: Any, xs: Any,
   reused for the gradients) instead of operands live through the whole
   branch. A branch with collectives needs a predicate that is the same on
   every device: ``pred`` (else the NaN test of the local params).
+
+  ``by_cond=False`` (GPU, ``_ISOLATE_BY_COND``): no conditional, the worker
+  between optimisation barriers only (XLA:GPU keeps them through fusion; a
+  conditional would read its predicate on the host).
   """
   floats = [x for x in jax.tree_util.tree_leaves(params)
             if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
@@ -478,6 +516,8 @@ def _isolated_value_and_grad(loss_fn: Callable, params: Any, xs: Any,
   if loss_aval.shape != ():
     raise UsageError(f"loss_fn must return a scalar, got shape"
                      f" {loss_aval.shape}")
+  if not by_cond:
+    return lax.optimization_barrier(left(ops))
   if pred is None:
     if not floats:
       return lax.optimization_barrier(left(ops))
@@ -636,7 +676,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       wargs = list(args)
       for i in rng_argnums:
         wargs[i] = worker_key(args[i], w)
-      loss, grads = _isolated_value_and_grad(loss_fn, params, xs, wargs)
+      loss, grads = _isolated_value_and_grad(loss_fn, params, xs, wargs,
+                                             by_cond=by_cond)
       return _flatten(groups, jax.tree_util.tree_leaves(grads), loss)
 
     def push(stack, sp, chunk, w):
@@ -688,9 +729,11 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   # device): then each device sums its own workers locally (the subtree) and
   # one exchange per step sums the n subtrees (the top of the tree).
   aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
+  unroll_setting = _UNROLL_LEVELS
+  by_cond = _isolate_by_cond(mesh)
   gather_inside_jit = _gather_inside_jit(mesh)
 
-  def body_tree(dims, gather, shard_in, isolate, unroll, params, batch,
+  def body_tree(dims, gather, shard_in, isolate, grad_bytes, params, batch,
                 *args):
     d = lax.axis_index(axes) if n > 1 else 0
     local = jax.tree.map(
@@ -700,6 +743,10 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # one worker per device inside its branch (the gathered params are the
     # branch's temporaries, their buffers reused for the gradients, as in a
     # plain step), with several once before the workers' loop.
+    # The evaluation of the subtree (``_UNROLL_LEVELS``, read when
+    # ``value_and_grad`` was called; by default from the params' dtypes and
+    # a worker's gradient bytes, the whole params').
+    unroll = _unroll_levels(mesh, params, unroll_setting, grad_bytes)
     prepare, pred = None, None
     if any(a is not None for a in shard_in):
       pleaves, ptree = jax.tree_util.tree_flatten(params)
@@ -711,11 +758,13 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
 
       if k == 1:
         prepare = gather_params
-        # The branch holds collectives: every device must take the same one.
-        first = next(x for x in pleaves
-                     if jnp.issubdtype(x.dtype, jnp.inexact) and x.size)
-        pred = lax.psum(jnp.isnan(jnp.ravel(first)[0]).astype(jnp.int32),
-                        axes) > 0
+        if by_cond:
+          # The branch holds collectives: every device must take the same
+          # one.
+          first = next(x for x in pleaves
+                       if jnp.issubdtype(x.dtype, jnp.inexact) and x.size)
+          pred = lax.psum(jnp.isnan(jnp.ravel(first)[0]).astype(jnp.int32),
+                          axes) > 0
       else:
         params = gather_params(params)
 
@@ -728,7 +777,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       for i in rng_argnums:
         wargs[i] = worker_key(args[i], w)
       p = pred
-      if after is not None and _ORDER_BY_PREDICATE:
+      if after is not None and _ORDER_BY_PREDICATE and by_cond:
         # The worker's conditional waits for ``after`` (the partial sums
         # computed so far): its predicate also tests their first elements
         # for NaN. Both branches are the same code, so the value is that of
@@ -744,7 +793,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         for a in firsts:
           p = p | jnp.isnan(a)
       return _isolated_value_and_grad(loss_fn, params, xs, wargs,
-                                      prepare=prepare, pred=p)
+                                      prepare=prepare, pred=p,
+                                      by_cond=by_cond)
 
     avals = jax.eval_shape(lambda j: worker(j, local), jnp.int32(0))
 
@@ -919,12 +969,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       shard_in = (None,) * len(leaves)
     param_specs = jax.tree_util.tree_unflatten(treedef, [
         P() if a is None else P(*([None] * a), spec_axes) for a in shard_in])
-    unroll = _unroll_levels(mesh, sum(
+    grad_bytes = sum(
         math.prod(x.shape) * jnp.dtype(jnp.result_type(x)).itemsize
-        for x in leaves))
+        for x in leaves)
     smap = jax.shard_map(
-        lambda p, b, *a: body_tree(dims, gather, shard_in, isolate, unroll,
-                                   p, b, *a),
+        lambda p, b, *a: body_tree(dims, gather, shard_in, isolate,
+                                   grad_bytes, p, b, *a),
         mesh=mesh, in_specs=(param_specs, P(spec_axes), *arg_specs),
         out_specs=(P(), out_specs), axis_names=manual, check_vma=False)
     loss, out = smap(params, batch, *args)

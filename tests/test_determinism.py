@@ -145,11 +145,17 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
         want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[0])]
         assert got == want, (v, n, lv)
   monkeypatch.setattr(det, "_UNROLL_LEVELS", None)
-  # CPU: unrolled (workers ordered by predicate) from _UNROLL_MIN_BYTES of
-  # gradient per worker; below, the nested scans (one copy to compile).
+  # The default on CPU: unrolled for float32 (the workers ordered by
+  # predicate) from _UNROLL_MIN_BYTES of gradient per worker; the scans for
+  # 16-bit floats (faster there) and for smaller gradients (one copy of the
+  # worker to compile).
   big = det._UNROLL_MIN_BYTES
-  assert det._unroll_levels(mesh1d(1), big) == 3
-  assert det._unroll_levels(mesh1d(1), big - 1) == 0
+  f32 = dtype == jnp.float32
+  assert det._unroll_levels(mesh1d(1), params, grad_bytes=big) == (3 if f32 else 0)
+  assert det._unroll_levels(mesh1d(1), params, grad_bytes=big - 1) == 0
+  assert det._unroll_levels(mesh1d(1), params) == 0  # this MLP is small
+  assert det._unroll_levels(mesh1d(1), params, 2) == 2
+  assert det._isolate_by_cond(mesh1d(1))  # barriers do not isolate on CPU
 
 
 def test_inside_jit_matches_outside():
