@@ -700,8 +700,6 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
 # ------------------------------------------------------------ the launcher
 
 _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping processes
-_EXIT_HOLD = 2.0  # at most this long the old processes' exit waits for the
-# new generation's first step after a hand-over
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -1135,7 +1133,6 @@ def _stop(children: list[_Child], wake: threading.Event,
   for c in children:
     if c.code is None:
       _signal_group(c.popen, signal.SIGTERM)
-      _signal_group(c.popen, signal.SIGCONT)  # one stopped at a hand-over
       sent[c.index] = signal.SIGTERM
   deadline = time.time() + grace
   while any(c.code is None for c in children) and time.time() < deadline:
@@ -1769,22 +1766,6 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       print(f"tenplex-jax launch: generation {a.gen} ({a.n} processes)"
             " prepared for a failure", flush=True)
 
-  def release_held(cur):
-    """Lets the old processes stopped at the hand-over go on to exit once
-    the new generation stepped or died, or after ``_EXIT_HOLD`` seconds;
-    whether it did."""
-    since, step, a = cur["held"]
-    if time.time() - since < _EXIT_HOLD and a.alive():
-      try:
-        if int(_text(os.path.join(job_dir, "progress_0"))) <= step:
-          return False
-      except (OSError, ValueError):
-        return False
-    cur["held"] = None
-    for c in children:
-      _signal_group(c.popen, signal.SIGCONT)
-    return True
-
   def hand_over(cur):
     """Hands the turn to the generation started ahead for the resize the
     running one saved for, as soon as every process saved (before they
@@ -1811,16 +1792,6 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       return
     a.hand(saved)
     cur.update(handed=a, handed_info=info)
-    # The old processes have saved; what is left of them (jax.distributed's
-    # shutdown, the interpreter's exit) would take the cores from the new
-    # generation's restore and first step: they stay stopped until it has
-    # stepped (its process 0's progress past the resize step) or died, at
-    # most _EXIT_HOLD seconds. Best effort: one already in the kernel's
-    # exit (a single process has no shutdown to wait for) cannot be held.
-    for c in children:
-      if c.code is None:
-        _signal_group(c.popen, signal.SIGSTOP)
-    cur["held"] = (time.time(), int(info["step"]), a)
     if prepare_nice:  # the old processes' exit (jax.distributed's shutdown)
       base = os.getpriority(os.PRIO_PROCESS, 0)  # gives way to the new ones
       for c in children:
@@ -1872,9 +1843,6 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
           record = None
 
       def poll():
-        if cur.get("held"):  # the old processes' exit waits (hand_over)
-          if not release_held(cur):
-            return 0.01
         if prepare_ahead > 0:
           prepare(cur)
           hand_over(cur)
