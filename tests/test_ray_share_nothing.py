@@ -91,6 +91,13 @@ def test_nodes_share_no_memory_or_disk(sn_cluster):
   assert time.monotonic() - t0 < 100, time.monotonic() - t0
   assert writer["proc"].poll() is not None
   assert c.left_in(writer) == []  # no process of the node is left
+  # A node's processes are those in its namespace and its session: the
+  # kernel gives a new namespace a dead one's id (a later node, also of
+  # another cluster, gets the killed writer's), so a record whose namespace
+  # id is now another node's (here: other's, with the writer's session)
+  # names none of that node's processes (nor does a reaper's).
+  assert c._members(other)
+  assert c._members({**other, "proc": writer["proc"]}) == []
 
 
 def test_teardown_leaves_nothing():

@@ -66,18 +66,23 @@ while os.path.isdir(base) and os.getppid() == parent:  # (not by pid:
   time.sleep(1)  # a dead parent's pid can be another process's)
 try:
   with open(os.path.join(base, "namespaces")) as f:
-    spaces = {x.strip() for x in f if x.strip()}
+    nodes = {tuple(x.split()) for x in f if len(x.split()) == 2}
 except OSError:
-  spaces = set()
-spaces.discard(os.readlink("/proc/self/ns/mnt"))
+  nodes = set()
+ours = os.readlink("/proc/self/ns/mnt")
 for _ in range(50):
   left = 0
   for d in os.listdir("/proc"):
     try:
-      if d.isdigit() and os.readlink("/proc/%s/ns/mnt" % d) in spaces:
+      ns = os.readlink("/proc/%s/ns/mnt" % d) if d.isdigit() else ours
+      if ns == ours:
+        continue
+      with open("/proc/%s/stat" % d) as f:
+        sid = f.read().rsplit(")", 1)[1].split()[3]
+      if (ns, sid) in nodes:  # a node's namespace and session both
         os.kill(int(d), signal.SIGKILL)
         left += 1
-    except OSError:
+    except (OSError, IndexError):
       pass
   if not left:
     break
@@ -204,7 +209,7 @@ class ShareNothingCluster:
     node["ns"] = self._namespace(proc)
     if node["ns"]:
       with open(os.path.join(self.base, "namespaces"), "a") as f:
-        f.write(node["ns"] + "\n")
+        f.write(f"{node['ns']} {proc.pid}\n")
     node["node_id"] = self._wait_alive(node)
     return node
 
@@ -295,17 +300,29 @@ class ShareNothingCluster:
 
   @staticmethod
   def _members(node: dict) -> list[int]:
-    """Every process in ``node``'s mount namespace (Ray's workers make
-    their own process groups)."""
+    """Every process in ``node``'s mount namespace and session (Ray's
+    workers make their own process groups, none its own session).
+
+    Not by the namespace alone: the kernel gives a new namespace the
+    lowest free id, so a node started after another's end gets the dead
+    one's id (``mnt:[...]``) at once, in this cluster or another (seen:
+    three nodes of one cluster, and nodes of the clusters before it, with
+    the same id). The session is that of the node's ``unshare``
+    (``start_new_session``): its pid, which the same wrap of pid numbers
+    would have to give a later node's ``unshare`` too."""
     ns, out = node.get("ns"), []
     if ns is None:  # its pid only while unreaped: then no one else's
       return [] if node["proc"].poll() is not None else [node["proc"].pid]
+    sid = str(node["proc"].pid)
     for d in os.listdir("/proc"):
       if d.isdigit():
         try:
-          if os.readlink(f"/proc/{d}/ns/mnt") == ns:
-            out.append(int(d))
-        except OSError:
+          if os.readlink(f"/proc/{d}/ns/mnt") != ns:
+            continue
+          with open(f"/proc/{d}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[3] == sid:
+              out.append(int(d))
+        except (OSError, IndexError):
           pass
     return out
 
