@@ -10,25 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 api = importlib.import_module("tenplex_jax.store.api")
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class _Compiles:
-  """Counts XLA backend compilations (jax's monitoring events)."""
-
-  def __init__(self):
-    self.n = 0
-
-  def __call__(self, event, duration, **kw):
-    if event == COMPILE_EVENT:
-      self.n += 1
-
-  def __enter__(self):
-    jax.monitoring.register_event_duration_secs_listener(self)
-    return self
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self)
+from test_reshard_batched import CompileCounter as _Compiles  # noqa: E402
 
 
 def _state(sh):
