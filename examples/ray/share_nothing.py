@@ -77,12 +77,10 @@ for _ in range(50):
       ns = os.readlink("/proc/%s/ns/mnt" % d) if d.isdigit() else ours
       if ns == ours:
         continue
-      with open("/proc/%s/stat" % d) as f:
-        sid = f.read().rsplit(")", 1)[1].split()[3]
-      if (ns, sid) in nodes:  # a node's namespace and session both
+      if (ns, str(os.getsid(int(d)))) in nodes:  # namespace and session
         os.kill(int(d), signal.SIGKILL)
         left += 1
-    except (OSError, IndexError):
+    except OSError:
       pass
   if not left:
     break
@@ -313,16 +311,14 @@ class ShareNothingCluster:
     ns, out = node.get("ns"), []
     if ns is None:  # its pid only while unreaped: then no one else's
       return [] if node["proc"].poll() is not None else [node["proc"].pid]
-    sid = str(node["proc"].pid)
+    sid = node["proc"].pid
     for d in os.listdir("/proc"):
       if d.isdigit():
         try:
-          if os.readlink(f"/proc/{d}/ns/mnt") != ns:
-            continue
-          with open(f"/proc/{d}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[3] == sid:
-              out.append(int(d))
-        except (OSError, IndexError):
+          if (os.readlink(f"/proc/{d}/ns/mnt") == ns
+              and os.getsid(int(d)) == sid):
+            out.append(int(d))
+        except OSError:  # ended meanwhile
           pass
     return out
 
