@@ -8,7 +8,8 @@ file one node writes to its ``/dev/shm`` or ``/tmp`` is invisible to the
 others; what a node held is gone with its processes (the namespace and its
 tmpfs mounts die with the last of them). The code (this checkout, the
 Python environment) is on the shared root file system, as in a container
-image.
+image; where it lies under ``/tmp`` those directories are bound back into
+each node's private ``/tmp``.
 
 The driver runs on the head "host": the head's Ray session directory
 (``temp_dir``, its sockets and logs) is a host directory the driver reads,
@@ -102,6 +103,24 @@ shutil.rmtree(base, ignore_errors=True)
 STARVATION_TOLERANT = {"health_check_timeout_ms": 30_000}
 
 
+def _code_dirs_under_tmp() -> list[str]:
+  """The top directories under ``/tmp`` that hold this process's code (its
+  import path, Python and environment, e.g. a checkout and its venv made
+  with ``mktemp -d``): each node gets them back over its private ``/tmp``,
+  the rest of which it does not see."""
+  import tenplex_jax
+  paths = [*sys.path, sys.prefix, sys.exec_prefix, sys.executable,
+           os.path.dirname(os.path.dirname(tenplex_jax.__file__))]
+  tops = set()
+  for p in paths:
+    if not p:
+      continue
+    rel = os.path.relpath(os.path.realpath(p), "/tmp")
+    if rel != "." and not rel.startswith(".."):
+      tops.add(os.path.join("/tmp", rel.split(os.sep)[0]))
+  return sorted(t for t in tops if os.path.isdir(t))
+
+
 class ShareNothingCluster:
   """Ray nodes in private mount namespaces on loopback addresses.
 
@@ -188,11 +207,21 @@ class ShareNothingCluster:
         cmd += ["--system-config", json.dumps(self.system_config)]
     else:
       cmd += [f"--address={self.address}", "--temp-dir=/tmp/ray"]
-    script = (  # the working directory first: /tmp may hold its path
+    # The working directory first (/tmp may hold its path); then the code
+    # directories under /tmp are bound back over the private /tmp, through
+    # a bind of the host's /tmp made before it is covered.
+    code = _code_dirs_under_tmp()
+    keep = "".join(
+        f" mkdir -p {shlex.quote(d)}; mount --bind .host-tmp/"
+        f"{shlex.quote(os.path.relpath(d, '/tmp'))} {shlex.quote(d)};"
+        for d in code)
+    script = (
         f"set -e; mount -t tmpfs tmpfs {shlex.quote(work)};"
         f" cd {shlex.quote(work)};"
-        " mount -t tmpfs tmpfs /dev/shm; mount -t tmpfs tmpfs /tmp;"
-        f" exec {shlex.join(cmd)}")
+        + (" mkdir .host-tmp; mount --bind /tmp .host-tmp;" if code else "")
+        + " mount -t tmpfs tmpfs /dev/shm; mount -t tmpfs tmpfs /tmp;"
+        + (keep + " umount .host-tmp; rmdir .host-tmp;" if code else "")
+        + f" exec {shlex.join(cmd)}")
     log_path = os.path.join(self.base, f"node-{k}.log")
     with open(log_path, "ab") as log:
       proc = subprocess.Popen(
