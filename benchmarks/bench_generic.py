@@ -33,6 +33,9 @@ and XLA aborted the process after 40 s (3 of 3 runs under load; 0 of 3 with
 ``--trim-first`` calls glibc's ``malloc_trim(0)`` in every worker just
 before each call's RSS baseline (see ``_peak_reset``), for every method.
 
+``--alternate N`` adds, per case, one process timing N rounds of warm calls
+that alternate the two methods call by call (see ``worker_alternate``).
+
 ``--baseline-src DIR`` adds a ``generic (before)`` row per case: the same
 worker importing ``tenplex_jax`` from ``DIR`` (e.g. ``git archive main
 tenplex_jax | tar -x -C DIR``), so before and after come from one run.
@@ -170,6 +173,44 @@ def worker(case: str, method: str) -> dict:
   return out
 
 
+def worker_alternate(case: str, rounds: int) -> dict:
+  """Both methods in one process, warm, call by call: a cold call of each
+  first (compiles), then ``rounds`` rounds of one generic and one
+  ``device_put`` call (the order swapped every round), each on a fresh
+  copy of the source, the previous result dropped. The two methods then
+  see the same process, heap and load, which fresh processes per method do
+  not (their warm times differ by more than the methods do under load)."""
+  import statistics
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_platforms", "cpu")
+  import tenplex_jax as tj
+  from bench_transitions import _fresh_copy
+  state, target = _case(jax, case)
+  jax.block_until_ready(state)
+  calls = {"generic": lambda s: tj.reshard(s, target, method="generic"),
+           "device_put": lambda s: jax.device_put(s, target)}
+  for call in calls.values():
+    jax.block_until_ready(call(state))
+  times = {m: [] for m in calls}
+  for i in range(rounds):
+    for m in (("generic", "device_put") if i % 2 == 0 else
+              ("device_put", "generic")):
+      fresh = _fresh_copy(jax, state)
+      jax.block_until_ready(fresh)
+      _peak_reset()
+      t0 = time.perf_counter()
+      res = jax.block_until_ready(calls[m](fresh))
+      times[m].append(time.perf_counter() - t0)
+      del res, fresh
+  g, d = times["generic"], times["device_put"]
+  return {"case": case, "rounds": rounds, "seconds": times,
+          "median_seconds": {m: statistics.median(v) for m, v in
+                             times.items()},
+          "generic_over_device_put": statistics.median(g) / statistics.median(d),
+          "each_round_generic_over_device_put": [a / b for a, b in zip(g, d)]}
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--cases", default="lm1b,pieces")
@@ -182,10 +223,18 @@ def main(argv=None) -> int:
   ap.add_argument("--trim-first", action="store_true",
                   help="malloc_trim(0) before every timed call's RSS"
                   " baseline, in every method's workers")
+  ap.add_argument("--alternate", type=int, default=0, metavar="N",
+                  help="also time N rounds of warm calls alternating the"
+                  " two methods in one process per case")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+  ap.add_argument("--worker-alternate", nargs=2, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
     print(json.dumps(worker(*args.worker)))
+    return 0
+  if args.worker_alternate:
+    case, rounds = args.worker_alternate
+    print(json.dumps(worker_alternate(case, int(rounds))))
     return 0
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"]
@@ -272,8 +321,29 @@ def main(argv=None) -> int:
           f" {d['cold_peak_rss_rise'] / 2**20:.0f} MiB, warm"
           f" {g['warm_peak_rss_rise'] / 2**20:.0f} against"
           f" {d['warm_peak_rss_rise'] / 2**20:.0f} MiB")
+  alternate = []
+  for case in args.cases.split(",") if args.alternate else ():
+    try:
+      p = subprocess.run([sys.executable, os.path.abspath(__file__),
+                          "--worker-alternate", case, str(args.alternate)],
+                         env=env, capture_output=True, text=True,
+                         timeout=args.timeout)
+      r = (json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0
+           else {"case": case, "failure": p.stderr.strip().splitlines()[-1:]})
+    except subprocess.TimeoutExpired:
+      r = {"case": case, "failure": "timeout"}
+    alternate.append(r)
+    if "failure" in r:
+      print(f"{case}, alternating: {r['failure']}")
+      continue
+    print(f"{case}, alternating in one process, {r['rounds']} rounds:"
+          f" generic {r['median_seconds']['generic']:.3f} s,"
+          f" device_put {r['median_seconds']['device_put']:.3f} s (medians),"
+          f" {r['generic_over_device_put']:.2f}x; rounds: "
+          + ", ".join(f"{x:.2f}" for x in
+                      r["each_round_generic_over_device_put"]))
   doc = {"load": os.getloadavg(), "trim_first": args.trim_first,
-         "results": rows, "checks": checks}
+         "results": rows, "checks": checks, "alternate": alternate}
   with open(args.out, "w") as f:
     json.dump(doc, f, indent=1)
   print("| case | method | cold s | cold compiles | warm s (median) |"
