@@ -207,7 +207,8 @@ def worker_alternate(case: str, rounds: int) -> dict:
   return {"case": case, "rounds": rounds, "seconds": times,
           "median_seconds": {m: statistics.median(v) for m, v in
                              times.items()},
-          "generic_over_device_put": statistics.median(g) / statistics.median(d),
+          "generic_over_device_put": (statistics.median(g)
+                                      / statistics.median(d)),
           "each_round_generic_over_device_put": [a / b for a, b in zip(g, d)]}
 
 

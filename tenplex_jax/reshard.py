@@ -1040,11 +1040,11 @@ def _run_generic(batch: list) -> list:
 # flight (a sixteenth of the bytes the targets receive, replicas counted,
 # 4-256 MiB; all of them up to 16 MiB), so no program grows with the state;
 # groups run one after another within that bound, each one's packed copies
-# let go once used,
-# so a call holds its results and a bounded part of the state twice more, not
-# three copies of it. A group's programs are compiled once per (shardings,
-# dtype, member shapes), and a class splits into groups of one signature
-# where it can (_uniform_split), so they share their programs.
+# let go once used, so a call holds its results and a bounded part of the
+# state twice more, not three copies of it. A group's programs are compiled
+# once per (shardings, dtype, member shapes), and a class splits into groups
+# of one signature where it can (_uniform_split), so they share their
+# programs.
 
 _SUB_BYTE = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
 _GROUP_SLICES = 256
@@ -1252,7 +1252,7 @@ def _received_bytes(x: jax.Array, s: Sharding) -> int:
   source's) undercounts a target that copies a leaf onto several devices
   (lm1b SMALL's ``(1, 2, 4)``: 78 MiB of results from 51 MiB)."""
   shard = s.shard_shape(x.shape)
-  return (x.dtype.itemsize * math.prod(shard) * len(s.device_set))
+  return x.dtype.itemsize * math.prod(shard) * len(s.device_set)
 
 
 def _flight_bytes(batch: list) -> int:
