@@ -3,8 +3,9 @@
 Counts XLA compilations (jax's ``/jax/core/compile/backend_compile_duration``
 monitoring events) and times ``reshard(..., method="generic")`` against
 ``jax.device_put`` on the same transitions, each (case, method) in a fresh
-process, cold (first call) and warm (same transition on a fresh copy of the
-source):
+process, cold (first call) and warm (the same transition five times in a
+row, each on a fresh copy of the source; every call's time is kept, the
+median reported):
 
 * ``lm1b``: flax's lm1b train state (``SMALL``, 51 MiB, 125 leaves) from
   ``(data, fsdp, tensor) = (1, 8, 1)`` to ``(1, 2, 4)`` over the devices in
@@ -32,6 +33,9 @@ and XLA aborted the process after 40 s (3 of 3 runs under load; 0 of 3 with
 ``--trim-first`` calls glibc's ``malloc_trim(0)`` in every worker just
 before each call's RSS baseline (see ``_peak_reset``), for every method.
 
+``--alternate N`` adds, per case, one process timing N rounds of warm calls
+that alternate the two methods call by call (see ``worker_alternate``).
+
 ``--baseline-src DIR`` adds a ``generic (before)`` row per case: the same
 worker importing ``tenplex_jax`` from ``DIR`` (e.g. ``git archive main
 tenplex_jax | tar -x -C DIR``), so before and after come from one run.
@@ -55,6 +59,7 @@ for p in (ROOT, HERE, os.path.join(ROOT, "tests")):
     sys.path.insert(0, p)
 
 EVENT = "/jax/core/compile/backend_compile_duration"
+WARM_CALLS = 5
 
 
 def _case(jax, name):
@@ -145,7 +150,7 @@ def worker(case: str, method: str) -> dict:
   out["cold_compile_seconds"] = secs[0]
   n[0] = 0
   warm, warm_cpu, warm_rise = [], [], []
-  for _ in range(3):
+  for _ in range(WARM_CALLS):
     fresh = _fresh_copy(jax, state)
     jax.block_until_ready(fresh)
     base = _peak_reset()
@@ -156,14 +161,55 @@ def worker(case: str, method: str) -> dict:
     warm_cpu.append(time.process_time() - c0)
     warm_rise.append(_peak_rise(base))
     del res, fresh
-  out["warm_seconds"] = sorted(warm)[1]
-  out["warm_cpu_seconds"] = sorted(warm_cpu)[1]
-  out["warm_peak_rss_rise"] = sorted(warm_rise)[1]
+  mid = len(warm) // 2  # medians
+  out["warm_seconds"] = sorted(warm)[mid]
+  out["warm_cpu_seconds"] = sorted(warm_cpu)[mid]
+  out["warm_peak_rss_rise"] = sorted(warm_rise)[mid]
   out["cold_peak_rss_over_state"] = out["cold_peak_rss_rise"] / out["bytes"]
   out["warm_peak_rss_over_state"] = out["warm_peak_rss_rise"] / out["bytes"]
   out["warm_all_seconds"] = warm
+  out["warm_all_peak_rss_rise"] = warm_rise
   out["warm_compiles"] = n[0]
   return out
+
+
+def worker_alternate(case: str, rounds: int) -> dict:
+  """Both methods in one process, warm, call by call: a cold call of each
+  first (compiles), then ``rounds`` rounds of one generic and one
+  ``device_put`` call (the order swapped every round), each on a fresh
+  copy of the source, the previous result dropped. The two methods then
+  see the same process, heap and load, which fresh processes per method do
+  not (their warm times differ by more than the methods do under load)."""
+  import statistics
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_platforms", "cpu")
+  import tenplex_jax as tj
+  from bench_transitions import _fresh_copy
+  state, target = _case(jax, case)
+  jax.block_until_ready(state)
+  calls = {"generic": lambda s: tj.reshard(s, target, method="generic"),
+           "device_put": lambda s: jax.device_put(s, target)}
+  for call in calls.values():
+    jax.block_until_ready(call(state))
+  times = {m: [] for m in calls}
+  for i in range(rounds):
+    for m in (("generic", "device_put") if i % 2 == 0 else
+              ("device_put", "generic")):
+      fresh = _fresh_copy(jax, state)
+      jax.block_until_ready(fresh)
+      _peak_reset()
+      t0 = time.perf_counter()
+      res = jax.block_until_ready(calls[m](fresh))
+      times[m].append(time.perf_counter() - t0)
+      del res, fresh
+  g, d = times["generic"], times["device_put"]
+  return {"case": case, "rounds": rounds, "seconds": times,
+          "median_seconds": {m: statistics.median(v) for m, v in
+                             times.items()},
+          "generic_over_device_put": (statistics.median(g)
+                                      / statistics.median(d)),
+          "each_round_generic_over_device_put": [a / b for a, b in zip(g, d)]}
 
 
 def main(argv=None) -> int:
@@ -178,10 +224,18 @@ def main(argv=None) -> int:
   ap.add_argument("--trim-first", action="store_true",
                   help="malloc_trim(0) before every timed call's RSS"
                   " baseline, in every method's workers")
+  ap.add_argument("--alternate", type=int, default=0, metavar="N",
+                  help="also time N rounds of warm calls alternating the"
+                  " two methods in one process per case")
   ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+  ap.add_argument("--worker-alternate", nargs=2, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.worker:
     print(json.dumps(worker(*args.worker)))
+    return 0
+  if args.worker_alternate:
+    case, rounds = args.worker_alternate
+    print(json.dumps(worker_alternate(case, int(rounds))))
     return 0
   env = dict(os.environ)
   env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"]
@@ -230,6 +284,10 @@ def main(argv=None) -> int:
         "compile_budget_met": g["cold_compile_seconds"] <= d["cold_seconds"],
         "cold_not_slower": g["cold_seconds"] <= d["cold_seconds"],
         "warm_within_1_2x": g["warm_seconds"] <= 1.2 * d["warm_seconds"],
+        # Call by call (the i-th warm call of each method's process).
+        "warm_each_generic_over_device_put": [
+            a / b for a, b in zip(g["warm_all_seconds"],
+                                  d["warm_all_seconds"])],
         "warm_cpu_generic_over_device_put": (
             g["warm_cpu_seconds"] / d["warm_cpu_seconds"]),
         "cold_cpu_generic_over_device_put": (
@@ -264,20 +322,44 @@ def main(argv=None) -> int:
           f" {d['cold_peak_rss_rise'] / 2**20:.0f} MiB, warm"
           f" {g['warm_peak_rss_rise'] / 2**20:.0f} against"
           f" {d['warm_peak_rss_rise'] / 2**20:.0f} MiB")
+  alternate = []
+  for case in args.cases.split(",") if args.alternate else ():
+    try:
+      p = subprocess.run([sys.executable, os.path.abspath(__file__),
+                          "--worker-alternate", case, str(args.alternate)],
+                         env=env, capture_output=True, text=True,
+                         timeout=args.timeout)
+      r = (json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0
+           else {"case": case, "failure": p.stderr.strip().splitlines()[-1:]})
+    except subprocess.TimeoutExpired:
+      r = {"case": case, "failure": "timeout"}
+    alternate.append(r)
+    if "failure" in r:
+      print(f"{case}, alternating: {r['failure']}")
+      continue
+    print(f"{case}, alternating in one process, {r['rounds']} rounds:"
+          f" generic {r['median_seconds']['generic']:.3f} s,"
+          f" device_put {r['median_seconds']['device_put']:.3f} s (medians),"
+          f" {r['generic_over_device_put']:.2f}x; rounds: "
+          + ", ".join(f"{x:.2f}" for x in
+                      r["each_round_generic_over_device_put"]))
   doc = {"load": os.getloadavg(), "trim_first": args.trim_first,
-         "results": rows, "checks": checks}
+         "results": rows, "checks": checks, "alternate": alternate}
   with open(args.out, "w") as f:
     json.dump(doc, f, indent=1)
-  print("| case | method | cold s | cold compiles | warm s | warm compiles |"
+  print("| case | method | cold s | cold compiles | warm s (median) |"
+        " warm s, call by call | warm compiles |"
         " peak RSS rise cold / warm, MiB (x state) |")
-  print("|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "failure" in r:
-      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | |")
+      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | | |")
       continue
     print(f"| {r['case']} ({r['leaves']} arrays, {r['bytes'] >> 20} MiB) |"
           f" {r['method']} | {r['cold_seconds']:.3f} | {r['cold_compiles']} |"
-          f" {r['warm_seconds']:.3f} | {r['warm_compiles']} |"
+          f" {r['warm_seconds']:.3f} |"
+          f" {', '.join(f'{w:.3f}' for w in r['warm_all_seconds'])} |"
+          f" {r['warm_compiles']} |"
           f" {r['cold_peak_rss_rise'] / 2**20:.0f}"
           f" ({r['cold_peak_rss_over_state']:.2f}) /"
           f" {r['warm_peak_rss_rise'] / 2**20:.0f}"

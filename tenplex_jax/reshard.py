@@ -1035,19 +1035,22 @@ def _run_generic(batch: list) -> list:
 # number of transfers and program launches is that of one array per group,
 # not per array (lm1b SMALL with its 5 classes in 5 groups: 128 transfers and
 # 10 launches per call, against 3,552 and 147 with one array per program; cut
-# by bytes as below, 11 groups of 5 signatures). A group holds at most _GROUP_SLICES
-# sub-block slices per program and half the bytes allowed in flight (a sixteenth
-# of the state, 4-256 MiB), so no program grows with the state; groups run one
-# after another within that bound, each one's packed copies let go once used,
-# so a call holds its results and a bounded part of the state twice more, not
-# three copies of it. A group's programs are compiled once per (shardings,
-# dtype, member shapes), and a class splits into groups of one signature
-# where it can (_uniform_split), so they share their programs.
+# by bytes as below, 19 groups of 5 signatures). A group holds at most
+# _GROUP_SLICES sub-block slices per program and half the bytes allowed in
+# flight (a sixteenth of the bytes the targets receive, replicas counted,
+# 4-256 MiB; all of them up to 16 MiB), so no program grows with the state;
+# groups run one after another within that bound, each one's packed copies
+# let go once used, so a call holds its results and a bounded part of the
+# state twice more, not three copies of it. A group's programs are compiled
+# once per (shardings, dtype, member shapes), and a class splits into groups
+# of one signature where it can (_uniform_split), so they share their
+# programs.
 
 _SUB_BYTE = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"})
 _GROUP_SLICES = 256
 _PAD_WASTE = 8
 _FLIGHT_MIN = 4 << 20
+_FLIGHT_WHOLE = 16 << 20
 _FLIGHT_MAX = 256 << 20
 
 
@@ -1243,13 +1246,28 @@ def _ensure_group_programs(keys: list) -> list:
   return [out[k] for k in keys]
 
 
+def _received_bytes(x: jax.Array, s: Sharding) -> int:
+  """The bytes the target ``s`` holds of ``x``, every replica counted: what
+  a group's received copies and results take, where ``x.nbytes`` (the
+  source's) undercounts a target that copies a leaf onto several devices
+  (lm1b SMALL's ``(1, 2, 4)``: 78 MiB of results from 51 MiB)."""
+  shard = s.shard_shape(x.shape)
+  return x.dtype.itemsize * math.prod(shard) * len(s.device_set)
+
+
 def _flight_bytes(batch: list) -> int:
-  """The bytes of groups whose intermediates may be alive at once: a
-  sixteenth of the arrays moved, 4 MiB to 256 MiB. Smaller groups hold
-  less memory and cost more launches and, where their shapes differ, more
-  programs (lm1b SMALL's cold peak RSS rise with an eighth: 119-123 MiB, a
-  sixteenth: 106-113, a 32nd: 103)."""
-  total = sum(x.nbytes for _, x, _ in batch)
+  """The received bytes (see :func:`_received_bytes`) of groups whose
+  intermediates may be alive at once: all of them where the batch receives
+  at most _FLIGHT_WHOLE (one group per class: a small state's warm call is
+  its launches, 2 per group), else a sixteenth, _FLIGHT_MIN to
+  _FLIGHT_MAX. Smaller groups hold less memory and cost more launches and,
+  where their shapes differ, more programs (lm1b SMALL, 78 MiB received:
+  groups of 7-12 MiB, bounded by a sixteenth of the source's bytes, left a
+  cold call's RSS 116-120 MiB above where it started, groups of at most a
+  sixteenth of the received bytes 100-105 MiB; ``jax.device_put`` 115-120)."""
+  total = sum(_received_bytes(x, s) for _, x, s in batch)
+  if total <= _FLIGHT_WHOLE:
+    return max(total, 1)
   return min(_FLIGHT_MAX, max(_FLIGHT_MIN, total // 16))
 
 
@@ -1287,7 +1305,8 @@ def _groups(batch: list, flight: int) -> list:
   one class and dtype, each at most _GROUP_SLICES slices per program:
   ``(key, moves, members, nbytes)`` with ``key`` the programs' cache key,
   ``members`` indices into ``batch`` (an index may repeat: padding, whose
-  result is dropped) and ``nbytes`` the bytes the group moves.
+  result is dropped) and ``nbytes`` the bytes the group's targets receive
+  (see :func:`_received_bytes`), in which ``flight`` is counted too.
 
   A class's arrays go in groups of one signature where they can (see
   :func:`_uniform_split`): lm1b's layers, each a few arrays of a few
@@ -1309,7 +1328,8 @@ def _groups(batch: list, flight: int) -> list:
     by_shape: dict = {}
     for n in members:
       by_shape.setdefault(tuple(batch[n][1].shape), []).append(n)
-    size = {k: batch[v[0]][1].nbytes for k, v in by_shape.items()}
+    size = {k: _received_bytes(batch[v[0]][1], dst)
+            for k, v in by_shape.items()}
 
     def emit(parts: list) -> None:
       """One group of ``parts``, ``(shape, members)`` in shape order."""

@@ -332,11 +332,12 @@ def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
 
 def _generic_twice(monkeypatch, hosts, flight, record):
   """Reshards ``hosts`` (rows over 8 devices -> blocks over them reversed)
-  twice with ``method="generic"`` and ``flight`` bytes in flight, each call
-  on a fresh source; checks every result's sharding and bits; returns, per
+  twice with ``method="generic"`` and ``flight`` bytes in flight (however
+  small the state), each call on a fresh source; checks every result's sharding and bits; returns, per
   call, ``record(flight, groups)`` of its last grouping and its compiles."""
   monkeypatch.setattr(rmod, "_FLIGHT_MIN", flight)
   monkeypatch.setattr(rmod, "_FLIGHT_MAX", flight)
+  monkeypatch.setattr(rmod, "_FLIGHT_WHOLE", 0)
   a = Mesh(np.array(DEVS), ("x",))
   b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
   src = NamedSharding(a, P("x"))
@@ -415,6 +416,78 @@ def test_generic_uniform_groups_share_one_program_with_padding(monkeypatch):
     members = sorted(m for _, ms, _ in groups for m in ms)
     assert len(members) == 8 and len(set(members)) == 7
     assert n == (2 if call == 0 else 0), n
+
+
+def _spy_groups(monkeypatch):
+  """Records ``(flight, groups)`` of every grouping the generic path makes."""
+  seen = []
+  real_groups = rmod._groups
+
+  def spy(batch, flight):
+    out = real_groups(batch, flight)
+    seen.append((flight, out))
+    return out
+
+  monkeypatch.setattr(rmod, "_groups", spy)
+  return seen
+
+
+def test_generic_groups_bounded_by_the_bytes_targets_receive(monkeypatch):
+  # A target that copies every array onto 4 devices receives 4x the
+  # source's bytes: groups (and the bytes in flight) count those, so no
+  # group's received copies exceed the bound. Results stay bitwise.
+  monkeypatch.setattr(rmod, "_FLIGHT_WHOLE", 0)
+  monkeypatch.setattr(rmod, "_FLIGHT_MIN", 64 << 10)
+  monkeypatch.setattr(rmod, "_FLIGHT_MAX", 64 << 10)
+  seen = _spy_groups(monkeypatch)
+  a = Mesh(np.array(DEVS), ("x",))
+  b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
+  hosts = {f"w{i}": (np.arange(64 * 64, dtype=np.float32) * (i + 1))
+           .reshape(64, 64) for i in range(8)}  # 16 KiB each, 64 KiB held
+  tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+          for k, v in hosts.items()}
+  target = {k: NamedSharding(b, P("p")) for k in hosts}
+  out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
+  for k, v in out.items():
+    assert v.sharding == target[k]
+    for s in v.addressable_shards:
+      assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
+  (flight, groups), = seen
+  assert flight == 64 << 10
+  # Each array: 16 KiB held, 64 KiB received (2 row blocks x 4 copies).
+  assert sorted(nb for _, _, _, nb in groups) == [64 << 10] * 8, groups
+  assert sorted(n for _, _, m, _ in groups for n in m) == list(range(8))
+
+
+def test_generic_small_state_moves_in_one_group(monkeypatch):
+  # A batch that receives at most _FLIGHT_WHOLE bytes runs as one group per
+  # class (one cut and one glue launch), however many shapes it has: the
+  # bytes in flight are all of it. Above that, the usual bound splits it.
+  seen = _spy_groups(monkeypatch)
+  hosts = {f"w{i:02d}": (np.arange(64 * (64 + 8 * i), dtype=np.float32)
+                         - i).reshape(64, -1) for i in range(12)}
+  a = Mesh(np.array(DEVS), ("x",))
+  cols = NamedSharding(Mesh(np.array(DEVS[::-1]), ("x",)), P(None, "x"))
+  target = {k: cols for k in hosts}
+  received = sum(v.nbytes for v in hosts.values())
+
+  def run():
+    tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+            for k, v in hosts.items()}
+    out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
+    for k, v in out.items():
+      assert v.sharding == target[k]
+      assert _bits(v) == hosts[k].tobytes(), k
+    return seen[-1]
+
+  monkeypatch.setattr(rmod, "_FLIGHT_MIN", 64 << 10)
+  monkeypatch.setattr(rmod, "_FLIGHT_MAX", 64 << 10)
+  flight, groups = run()
+  assert flight == received and len(groups) == 1, (flight, groups)
+  monkeypatch.setattr(rmod, "_FLIGHT_WHOLE", received - 1)
+  flight, groups = run()
+  assert flight == 64 << 10 and len(groups) > 1, (flight, groups)
+  assert all(nb <= flight for _, _, _, nb in groups), groups
 
 
 def test_generic_trims_the_heap_after_compiling_only(monkeypatch):
