@@ -43,7 +43,7 @@ rows, medians, the load and the machine's memory to ``--out`` (and a bar
 chart beside it).
 
 Usage: python benchmarks/bench_ray.py [--resizes 8] [--layers 6] [--dim 4096]
-          [--no-standby] [--no-cache] [--no-prepare] [--no-free]
+          [--no-standby] [--no-cache] [--no-prepare] [--no-free] [--allocate-ahead]
           [--out benchmarks/bench_ray_result.json]
 """
 
@@ -197,6 +197,7 @@ def run(args) -> dict:
           SCRIPT, [], num_workers=1, job=job, max_restarts=0,
           on_progress=driver, standby=2 if args.standby else False,
           prepare=args.prepare, free_arrays=args.free_arrays,
+          allocate_ahead=args.allocate_ahead,
           compilation_cache=args.cache, standby_imports=(
               *tray.STANDBY_IMPORTS, "ray.train", "jax.sharding",
               "tenplex_jax.store.checkpoint"),
@@ -261,6 +262,9 @@ def main() -> None:
   ap.add_argument("--no-prepare", dest="prepare", action="store_false",
                   help="tenplex's next group gets its ranks after the save"
                   " (not started ahead, waiting at its turn)")
+  ap.add_argument("--allocate-ahead", action="store_true",
+                  help="tenplex's group started ahead also allocates its"
+                  " restore's arrays before its turn")
   args = ap.parse_args()
   state_gib = 3 * args.layers * args.dim**2 * 4 / 2**30
   with open("/proc/meminfo") as f:

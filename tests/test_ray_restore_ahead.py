@@ -57,3 +57,69 @@ def test_compile_restore_below_the_owned_size_compiles_nothing(monkeypatch):
     assert not api.compile_restore(
         {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sh)})
   assert c.n == 0 and not api._ZEROS
+
+
+def _pointers(tree):
+  return {k: sorted(s.data.unsafe_buffer_pointer()
+                    for s in a.addressable_shards) for k, a in tree.items()}
+
+
+def test_restore_into_arrays_allocated_ahead(tmp, monkeypatch):
+  # compile_restore(allocate=True): the restore reads into the arrays
+  # allocated ahead (the same buffers), runs and compiles no zeros
+  # program of its own, and restores the leaves bit for bit.
+  old = Mesh(np.array(jax.devices()[:2]), ("x",))
+  new = Mesh(np.array(jax.devices()[:4]), ("x",))
+  state = _state(NamedSharding(old, P("x")))
+  api.save(state, tmp, step=3)
+  target = _target(_state(NamedSharding(new, P("x"))))
+  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1024)
+  monkeypatch.setattr(api, "_ZEROS", {})
+  monkeypatch.setattr(api, "_AHEAD", {})
+  with _Compiles() as first:
+    api.restore_with_report([tmp], target)
+  api._ZEROS.clear()
+  jax.clear_caches()
+  assert api.compile_restore(target, allocate=True)
+  (ahead,) = api._AHEAD.values()
+  want = {k: sorted(s.data.unsafe_buffer_pointer()
+                    for s in a.addressable_shards)
+          for k, a in zip(("b", "w"), ahead)}  # the leaves in path order
+  # zeros (read through views: np.asarray would cache a copy on the array)
+  assert all(not v.any() for a in ahead
+             for v in api._writable(a, np.dtype(a.dtype)).values())
+  (fn,) = api._ZEROS.values()
+  runs = []
+  monkeypatch.setitem(api._ZEROS, next(iter(api._ZEROS)),
+                      lambda: runs.append(1) or fn())
+  del ahead
+  with _Compiles() as c:
+    out, report = api.restore_with_report([tmp], target)
+  assert c.n == max(first.n - 1, 0) and not runs and not api._AHEAD
+  assert _pointers(out) == want
+  assert report.step == 3
+  for k in state:
+    assert out[k].sharding == target[k].sharding
+    assert np.asarray(out[k]).tobytes() == np.asarray(state[k]).tobytes()
+
+
+def test_arrays_allocated_ahead_for_another_layout_are_freed(tmp,
+                                                              monkeypatch):
+  # Held for a layout the restore does not have: dropped before it
+  # allocates its own; release_restore drops them when no restore comes.
+  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  state = _state(NamedSharding(mesh, P("x")))
+  api.save(state, tmp, step=1)
+  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1024)
+  monkeypatch.setattr(api, "_ZEROS", {})
+  monkeypatch.setattr(api, "_AHEAD", {})
+  other = _target(_state(NamedSharding(
+      Mesh(np.array(jax.devices()[:4]), ("x",)), P("x"))))
+  assert api.compile_restore(other, allocate=True) and api._AHEAD
+  out = api.restore([tmp], _target(state))
+  assert not api._AHEAD
+  for k in state:
+    assert np.asarray(out[k]).tobytes() == np.asarray(state[k]).tobytes()
+  assert api.compile_restore(other, allocate=True) and api._AHEAD
+  api.release_restore()
+  assert not api._AHEAD

@@ -55,6 +55,7 @@ _VARS = {
     "compilation_cache": ("TENPLEX_COMPILATION_CACHE", bool),
     "ray_controller": ("TENPLEX_RAY_CONTROLLER", str),
     "ray_free_arrays": ("TENPLEX_RAY_FREE_ARRAYS", bool),
+    "allocate_ahead": ("TENPLEX_ALLOCATE_AHEAD", bool),
     "turn_file": ("TENPLEX_TURN_FILE", str),
     "programs_file": ("TENPLEX_PROGRAMS_FILE", str),
     "for_failure": ("TENPLEX_FOR_FAILURE", bool),
@@ -96,6 +97,8 @@ class JobEnv:
   compilation_cache: bool = False
   ray_controller: str | None = None
   ray_free_arrays: bool = False  # a Ray worker frees its arrays once saved
+  allocate_ahead: bool = False  # a prepared group allocates its restore's
+  # arrays before its turn (store.api.compile_restore(allocate=True))
   turn_file: str | None = None
   programs_file: str | None = None
   for_failure: bool = False  # a generation prepared for a failure

@@ -637,11 +637,12 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   """
   if prepared():
     # A generation started ahead: the restore's allocation program is
-    # compiled (or loaded from the cache) before its turn, not after.
+    # compiled (or loaded from the cache) before its turn, not after; with
+    # TENPLEX_ALLOCATE_AHEAD also run (the arrays held for the restore).
     if target is None:
       target = jax.eval_shape(init_fn)
     try:
-      compile_restore(target)
+      compile_restore(target, allocate=job_env().allocate_ahead)
     except Exception:  # noqa: BLE001 - the restore reports a bad target
       pass
   wait_turn()  # a prepared generation: until the previous one saved

@@ -552,7 +552,7 @@ class Job:
                tls_ca: str | None = None, standby: bool | int = True,
                standby_imports: Sequence[str] | None = None,
                compilation_cache: bool | str = True, prepare: bool = True,
-               free_arrays: bool = True):
+               free_arrays: bool = True, allocate_ahead: bool = False):
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
@@ -615,6 +615,7 @@ class Job:
     # "group": _start_group's answer}.
     self.prepare = bool(prepare)
     self.free_arrays = bool(free_arrays)
+    self.allocate_ahead = bool(allocate_ahead)
     self._next: dict | None = None
     self._expect: int | None = None  # prepare_next's size
 
@@ -1014,6 +1015,8 @@ class Job:
         base["TENPLEX_TURN_FILE"] = "ray"
       if self.free_arrays:
         base["TENPLEX_RAY_FREE_ARRAYS"] = "1"
+      if prepared and self.allocate_ahead:  # arrays held until the turn
+        base["TENPLEX_ALLOCATE_AHEAD"] = "1"
       rec["started_s"] = time.time() - t0
       refs = [w.run.remote(self.train, self.args, {
           **base, "TENPLEX_PROC_ID": str(i),
@@ -1341,7 +1344,12 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       the script up to its restore, where it waits for the running group's
       save; see :meth:`Job.prepare_next`), ``free_arrays`` (``True``: a
       worker deletes its jax arrays once it saved for a resize, before the
-      next group restores, so that memory is free for it).
+      next group restores, so that memory is free for it),
+      ``allocate_ahead`` (``True``: a group started ahead also allocates
+      the arrays its restore reads into, every page faulted in, before its
+      turn, with ``store.api.compile_restore(target, allocate=True)``; each
+      of its workers holds its share of the state that much earlier, freed
+      with the worker if the group is dropped).
 
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,

@@ -933,6 +933,9 @@ def _bind(jobs, homes, bufs):
 # its shards straight into buffers that XLA allocated (see _owned_arrays).
 _OWNED_MIN_BYTES = 256 << 20
 _ZEROS: dict = {}  # (shapes, dtypes, shardings): the jitted zeros program
+# The zeros program's output, run ahead (compile_restore(allocate=True)):
+# at most one key, taken by the next restore with that key.
+_AHEAD: dict = {}
 
 
 def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
@@ -964,7 +967,10 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
     return {}
   key = tuple((tuple(dst_sds[n].shape), jax.numpy.dtype(dst_sds[n].dtype),
                dst_sds[n].sharding) for n in names)
-  arrays = _zeros_program(key)()
+  arrays = _AHEAD.pop(key, None)  # allocated ahead (compile_restore)
+  _AHEAD.clear()  # another layout's: freed before this one allocates
+  if arrays is None:
+    arrays = _zeros_program(key)()
   jax.block_until_ready(arrays)  # written by the reads next
   return dict(zip(names, arrays))
 
@@ -986,17 +992,24 @@ def _zeros_program(key: tuple, compiled: bool = False):
   return fn
 
 
-def compile_restore(target: Any, mesh: jax.sharding.Mesh | None = None
-                    ) -> bool:
+def compile_restore(target: Any, mesh: jax.sharding.Mesh | None = None,
+                    *, allocate: bool = False) -> bool:
   """Compiles, ahead of a restore onto ``target``, the program that
   allocates the arrays it reads into (``_owned_arrays``: CPU devices, from
   ``_OWNED_MIN_BYTES`` per process), or loads it from jax's persistent
-  compilation cache, so that the restore only runs it. Allocates nothing
-  (the pages are faulted in by the restore, as without it). A process that
+  compilation cache, so that the restore only runs it. A process that
   waits for its turn (a group started ahead of a resize) calls it before
   waiting. It assumes every array leaf of ``target`` is saved in its own
   dtype; a restore that finds otherwise compiles its own program, as
   without this call. Returns whether a program was compiled or loaded.
+
+  ``allocate=False`` allocates nothing (the restore runs the program and
+  faults the pages in). ``allocate=True`` also runs it now: the arrays
+  (zeros, every page faulted in) are held for the next restore with the
+  same layout, which reads into them instead of allocating; the process
+  holds the restored state's size (its share) more until then. The next
+  restore frees them if its layout differs, :func:`release_restore` (or
+  the process's exit) if none comes.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -1016,8 +1029,25 @@ def compile_restore(target: Any, mesh: jax.sharding.Mesh | None = None
   total = sum(int(np.prod(s)) * d.itemsize for s, d, _ in key)
   if not key or total < _OWNED_MIN_BYTES * jax.process_count():
     return False
-  _zeros_program(tuple(key), compiled=True)
+  key = tuple(key)
+  fn = _zeros_program(key, compiled=True)
+  if allocate:
+    _AHEAD.clear()
+    arrays = fn()
+    jax.block_until_ready(arrays)  # every page written (faulted in) now
+    _AHEAD[key] = arrays
   return True
+
+
+def release_restore() -> None:
+  """Frees the arrays ``compile_restore(..., allocate=True)`` holds for a
+  restore that will not come (e.g. a group prepared ahead that is
+  dropped); nothing if none are held.
+
+  Example:
+    >>> release_restore()
+  """
+  _AHEAD.clear()
 
 
 def _writable(arr: jax.Array, storage: np.dtype) -> dict[int, np.ndarray]:
