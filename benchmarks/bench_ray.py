@@ -43,7 +43,8 @@ rows, medians, the load and the machine's memory to ``--out`` (and a bar
 chart beside it).
 
 Usage: python benchmarks/bench_ray.py [--resizes 8] [--layers 6] [--dim 4096]
-          [--no-standby] [--no-cache] [--no-prepare] [--no-free] [--allocate-ahead]
+          [--no-standby] [--no-cache] [--no-prepare] [--no-free]
+          [--allocate-ahead]
           [--out benchmarks/bench_ray_result.json]
 """
 
