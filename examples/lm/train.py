@@ -59,6 +59,7 @@ if __name__ == "__main__" and "--worker" not in sys.argv:
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
@@ -654,6 +655,7 @@ def worker(args, cfg, phases, plan, trainer=None):
           tr, cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
           _compiler_options(args))
       compile_wait_s = compile_s
+    ru0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
     c0, t0 = time.process_time(), time.perf_counter()
     state, loss = fn(state, tokens, mask)
     dispatch_s = time.perf_counter() - t0  # the call's return (the rest: running it)
@@ -675,7 +677,10 @@ def worker(args, cfg, phases, plan, trainer=None):
         # (and when its state was restored and its first step done: a first step waits
         # in its collectives for the slowest process's restore)
         json.dump({"xla_compiles": compiles, "cache_hits": hits,
-                   "restored_time": t_restored, "step_time": rec["time"]}, f)
+                   "restored_time": t_restored, "step_time": rec["time"],
+                   # where its first step's time went: when it started (after the
+                   # batch), and this process's CPU, context switches and page faults
+                   "step_start_time": w0, "step": _usage(ru0)}, f)
     if lead:
       _append(args.records, rec)
       print(f"step {t:3d}  {n} procs x {lay.devices // n} devices  {degrees_of(mesh)}"
@@ -699,6 +704,15 @@ def worker(args, cfg, phases, plan, trainer=None):
   store.save_snapshot({"train": state, "data": json.dumps(data_state)}, args.steps)
   if lead:
     _append(args.records, {"event": "end", "step": args.steps, "time": time.time()})
+
+
+def _usage(ru0):
+  """This process's resource use since ``ru0`` (a ``getrusage``): CPU seconds (user,
+  system), context switches (voluntary: waits, involuntary: preempted), minor page faults."""
+  ru = resource.getrusage(resource.RUSAGE_SELF)
+  return {"user_s": ru.ru_utime - ru0.ru_utime, "sys_s": ru.ru_stime - ru0.ru_stime,
+          "nvcsw": ru.ru_nvcsw - ru0.ru_nvcsw, "nivcsw": ru.ru_nivcsw - ru0.ru_nivcsw,
+          "minflt": ru.ru_minflt - ru0.ru_minflt}
 
 
 def _restore_bytes(job_dir, generation):
@@ -825,6 +839,12 @@ def assemble(records_path, job_dir):
                                             ("restored_time",)) if t is not None]
         if restored:  # every process's restore: the first step waits for the slowest
           rec["restored_procs_s"] = [t - base for t in restored]
+        firsts = _compiles(job_dir, pending["generation"],
+                           ("step_start_time", "step_time", "step"))
+        if firsts and all(s is not None for s, _, _ in firsts):
+          # every process's first step: started, done (from the save call), its usage
+          rec["first_step_procs"] = [dict(u, start_s=s - base, end_s=t - base)
+                                     for s, t, u in firsts]
         if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
           a = pending["ahead_s"]  # preparation to finish
           if a.get("saved_time"):  # the old processes' save, of the hand-over
