@@ -58,6 +58,7 @@ if __name__ == "__main__" and "--worker" not in sys.argv:
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
 import math  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
@@ -543,6 +544,7 @@ def worker(args, cfg, phases, plan, trainer=None):
 
   t_start = time.time()
   count_compiles()
+  _gc_timed()
   n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
   phase = phase_at(phases, int(os.environ.get("TENPLEX_START_STEP", "0")))
   # A generation after a failure (the one the launcher prepared for it, or a restart):
@@ -606,6 +608,7 @@ def worker(args, cfg, phases, plan, trainer=None):
       with open(os.path.join(info["job_dir"], f"lm_failure_ready_{info['generation']}_"
                              f"{info['process_id']}"), "w"):
         pass
+  g0 = {"s": _GC["s"], "n": list(_GC["n"])}  # the collections on the resize's path
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
@@ -680,7 +683,7 @@ def worker(args, cfg, phases, plan, trainer=None):
                    "restored_time": t_restored, "step_time": rec["time"],
                    # where its first step's time went: when it started (after the
                    # batch), and this process's CPU, context switches and page faults
-                   "step_start_time": w0, "step": _usage(ru0)}, f)
+                   "step_start_time": w0, "step": dict(_usage(ru0), **_gc_since(g0))}, f)
     if lead:
       _append(args.records, rec)
       print(f"step {t:3d}  {n} procs x {lay.devices // n} devices  {degrees_of(mesh)}"
@@ -704,6 +707,33 @@ def worker(args, cfg, phases, plan, trainer=None):
   store.save_snapshot({"train": state, "data": json.dumps(data_state)}, args.steps)
   if lead:
     _append(args.records, {"event": "end", "step": args.steps, "time": time.time()})
+
+
+_GC = {"s": 0.0, "n": [0, 0, 0], "t": None}  # Python's cycle collections in this process
+
+
+def _gc_timed():
+  """Times this process's cyclic garbage collections from now on (``_GC``: seconds and
+  collections per generation), once."""
+  if _gc_timed in [getattr(c, "__wrapped__", None) for c in gc.callbacks]:
+    return
+
+  def on_gc(phase, info):
+    if phase == "start":
+      _GC["t"] = time.perf_counter()
+    elif _GC["t"] is not None:
+      _GC["s"] += time.perf_counter() - _GC["t"]
+      _GC["n"][info["generation"]] += 1
+      _GC["t"] = None
+  on_gc.__wrapped__ = _gc_timed
+  gc.callbacks.append(on_gc)
+
+
+def _gc_since(g0):
+  """Python's cycle collections since ``g0`` (a copy of ``_GC``): seconds, collections
+  per generation (a generation-2 collection traverses every object of the process)."""
+  return {"gc_s": _GC["s"] - g0["s"], "gc_collections": [
+      a - b for a, b in zip(_GC["n"], g0["n"])]}
 
 
 def _usage(ru0):
