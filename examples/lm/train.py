@@ -604,18 +604,17 @@ def worker(args, cfg, phases, plan, trainer=None):
     ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
                    compile_wait_s=t1 - t0, warmup_s=time.time() - t1,
                    programs_wait_s=waits.get("programs_wait_s", 0.0))
+    gc.collect()  # its garbage, before it is ready (off the resize's path); frozen below
+  # Python's cycle collector: what this process built so far (modules, the traced and
+  # compiled step) lives as long as it does, yet a full collection on the resize's path
+  # (in the restore or the first step) traverses all of it: 0.05-0.1 s here (88-103 ms
+  # measured in a one-process restore). Frozen, later collections see only newer objects.
+  gc.freeze()
+  if ahead:
     if recovery and getattr(args, "kill_at", None) is not None:  # for --kill-at
       with open(os.path.join(info["job_dir"], f"lm_failure_ready_{info['generation']}_"
                              f"{info['process_id']}"), "w"):
         pass
-  # Python's cycle collector: what this process built so far (modules, the traced and
-  # compiled step) lives as long as it does, yet a full collection on the resize's path
-  # (in the restore or the first step) traverses all of it: 0.05-0.1 s here (a 92 ms one
-  # measured in a one-process restore). Frozen, later collections see only newer objects;
-  # a generation started ahead collects its garbage first, before its turn (off the path).
-  if ahead:
-    gc.collect()
-  gc.freeze()
   g0 = {"s": _GC["s"], "n": list(_GC["n"])}  # the collections on the resize's path
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
