@@ -25,14 +25,21 @@ def _target(state):
       state)
 
 
-def test_restore_after_compile_restore_compiles_nothing(tmp, monkeypatch):
+def _saved_2_to_4(tmp, monkeypatch):
+  """A state saved at step 3 from 2 devices and its target on 4, with the
+  restore reading into arrays it allocates (from 1 KiB) and no zeros
+  program cached."""
   old = Mesh(np.array(jax.devices()[:2]), ("x",))
   new = Mesh(np.array(jax.devices()[:4]), ("x",))
   state = _state(NamedSharding(old, P("x")))
   api.save(state, tmp, step=3)
-  target = _target(_state(NamedSharding(new, P("x"))))
   monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1024)
   monkeypatch.setattr(api, "_ZEROS", {})
+  return state, _target(_state(NamedSharding(new, P("x"))))
+
+
+def test_restore_after_compile_restore_compiles_nothing(tmp, monkeypatch):
+  state, target = _saved_2_to_4(tmp, monkeypatch)
   # The restore's own compiles (other than the zeros program), counted on
   # a first restore: the next one, after compile_restore, has one fewer.
   with _Compiles() as first:
@@ -68,13 +75,7 @@ def test_restore_into_arrays_allocated_ahead(tmp, monkeypatch):
   # compile_restore(allocate=True): the restore reads into the arrays
   # allocated ahead (the same buffers), runs and compiles no zeros
   # program of its own, and restores the leaves bit for bit.
-  old = Mesh(np.array(jax.devices()[:2]), ("x",))
-  new = Mesh(np.array(jax.devices()[:4]), ("x",))
-  state = _state(NamedSharding(old, P("x")))
-  api.save(state, tmp, step=3)
-  target = _target(_state(NamedSharding(new, P("x"))))
-  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1024)
-  monkeypatch.setattr(api, "_ZEROS", {})
+  state, target = _saved_2_to_4(tmp, monkeypatch)
   monkeypatch.setattr(api, "_AHEAD", {})
   with _Compiles() as first:
     api.restore_with_report([tmp], target)
@@ -82,9 +83,7 @@ def test_restore_into_arrays_allocated_ahead(tmp, monkeypatch):
   jax.clear_caches()
   assert api.compile_restore(target, allocate=True)
   (ahead,) = api._AHEAD.values()
-  want = {k: sorted(s.data.unsafe_buffer_pointer()
-                    for s in a.addressable_shards)
-          for k, a in zip(("b", "w"), ahead)}  # the leaves in path order
+  want = _pointers(dict(zip(("b", "w"), ahead)))  # the leaves in path order
   # zeros (read through views: np.asarray would cache a copy on the array)
   assert all(not v.any() for a in ahead
              for v in api._writable(a, np.dtype(a.dtype)).values())
