@@ -171,10 +171,7 @@ def _components(r):
   # old processes had exited (from the save call: after the first step's end, they ran
   # beside it)
   out.update(dispatch_s=r.get("dispatch_s"), step_cpu_s=r.get("step_cpu_s"),
-             old_exit_s=r.get("old_exit_s"), restored_procs_s=r.get("restored_procs_s"),
-             # every process's first step: start and end from the save call, its CPU
-             # (user, system), context switches and page faults
-             first_step_procs=r.get("first_step_procs"))
+             old_exit_s=r.get("old_exit_s"), restored_procs_s=r.get("restored_procs_s"))
   if r["ahead"]:  # started ahead: what came before the save, and the hand-over
     out.update(handoff_s=r["handoff_s"], ahead_wait_s=r["ahead_wait_s"],
                save_s=r.get("save_s"),

@@ -122,14 +122,6 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
     assert r["reconfig_s"] + r["first_step_s"] <= r["resize_s"] + 1e-3, r
     assert set(r["restore_parts_s"]) == {"manifest", "plan", "read", "build", "total"}, r
     assert r["restore_parts_s"]["total"] <= r["restore_s"], r
-    # every process's first step, after its own restore, ends within the resize; its
-    # CPU, context switches and Python collections on the path are counted
-    fs = r["first_step_procs"]
-    assert len(fs) == r["procs"] == len(r["restored_procs_s"]), r
-    for p, restored in zip(fs, r["restored_procs_s"]):
-      assert restored <= p["start_s"] <= p["end_s"] <= r["resize_s"] + 0.5, r
-      assert p["user_s"] + p["sys_s"] > 0 and p["nvcsw"] > 0, r
-      assert p["gc_s"] >= 0 and len(p["gc_collections"]) == 3, r
     # started (by the launcher) before it was ready; the nice it prepared at
     assert r["ahead_lead_s"] >= r["ahead_margin_s"], r
     assert r["ahead_s"]["nice"] in (0, 10), r

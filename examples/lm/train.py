@@ -58,9 +58,7 @@ if __name__ == "__main__" and "--worker" not in sys.argv:
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
-import gc  # noqa: E402
 import math  # noqa: E402
-import resource  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
@@ -544,7 +542,6 @@ def worker(args, cfg, phases, plan, trainer=None):
 
   t_start = time.time()
   count_compiles()
-  _gc_timed()
   n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
   phase = phase_at(phases, int(os.environ.get("TENPLEX_START_STEP", "0")))
   # A generation after a failure (the one the launcher prepared for it, or a restart):
@@ -604,18 +601,10 @@ def worker(args, cfg, phases, plan, trainer=None):
     ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
                    compile_wait_s=t1 - t0, warmup_s=time.time() - t1,
                    programs_wait_s=waits.get("programs_wait_s", 0.0))
-    gc.collect()  # its garbage, before it is ready (off the resize's path); frozen below
-  # Python's cycle collector: what this process built so far (modules, the traced and
-  # compiled step) lives as long as it does, yet a full collection on the resize's path
-  # (in the restore or the first step) traverses all of it: 0.05-0.1 s here (88-103 ms
-  # measured in a one-process restore). Frozen, later collections see only newer objects.
-  gc.freeze()
-  if ahead:
     if recovery and getattr(args, "kill_at", None) is not None:  # for --kill-at
       with open(os.path.join(info["job_dir"], f"lm_failure_ready_{info['generation']}_"
                              f"{info['process_id']}"), "w"):
         pass
-  g0 = {"s": _GC["s"], "n": list(_GC["n"])}  # the collections on the resize's path
   tree, step = store.restore_or_init(lambda: {"train": init(), "data": ""}, target)
   jax.block_until_ready(tree)
   t_restored = time.time()
@@ -665,7 +654,6 @@ def worker(args, cfg, phases, plan, trainer=None):
           tr, cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
           _compiler_options(args))
       compile_wait_s = compile_s
-    ru0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
     c0, t0 = time.process_time(), time.perf_counter()
     state, loss = fn(state, tokens, mask)
     dispatch_s = time.perf_counter() - t0  # the call's return (the rest: running it)
@@ -687,10 +675,7 @@ def worker(args, cfg, phases, plan, trainer=None):
         # (and when its state was restored and its first step done: a first step waits
         # in its collectives for the slowest process's restore)
         json.dump({"xla_compiles": compiles, "cache_hits": hits,
-                   "restored_time": t_restored, "step_time": rec["time"],
-                   # where its first step's time went: when it started (after the
-                   # batch), and this process's CPU, context switches and page faults
-                   "step_start_time": w0, "step": dict(_usage(ru0), **_gc_since(g0))}, f)
+                   "restored_time": t_restored, "step_time": rec["time"]}, f)
     if lead:
       _append(args.records, rec)
       print(f"step {t:3d}  {n} procs x {lay.devices // n} devices  {degrees_of(mesh)}"
@@ -714,42 +699,6 @@ def worker(args, cfg, phases, plan, trainer=None):
   store.save_snapshot({"train": state, "data": json.dumps(data_state)}, args.steps)
   if lead:
     _append(args.records, {"event": "end", "step": args.steps, "time": time.time()})
-
-
-_GC = {"s": 0.0, "n": [0, 0, 0], "t": None}  # Python's cycle collections in this process
-
-
-def _gc_timed():
-  """Times this process's cyclic garbage collections from now on (``_GC``: seconds and
-  collections per generation), once."""
-  if _gc_timed in [getattr(c, "__wrapped__", None) for c in gc.callbacks]:
-    return
-
-  def on_gc(phase, info):
-    if phase == "start":
-      _GC["t"] = time.perf_counter()
-    elif _GC["t"] is not None:
-      _GC["s"] += time.perf_counter() - _GC["t"]
-      _GC["n"][info["generation"]] += 1
-      _GC["t"] = None
-  on_gc.__wrapped__ = _gc_timed
-  gc.callbacks.append(on_gc)
-
-
-def _gc_since(g0):
-  """Python's cycle collections since ``g0`` (a copy of ``_GC``): seconds, collections
-  per generation (a generation-2 collection traverses every object of the process)."""
-  return {"gc_s": _GC["s"] - g0["s"], "gc_collections": [
-      a - b for a, b in zip(_GC["n"], g0["n"])]}
-
-
-def _usage(ru0):
-  """This process's resource use since ``ru0`` (a ``getrusage``): CPU seconds (user,
-  system), context switches (voluntary: waits, involuntary: preempted), minor page faults."""
-  ru = resource.getrusage(resource.RUSAGE_SELF)
-  return {"user_s": ru.ru_utime - ru0.ru_utime, "sys_s": ru.ru_stime - ru0.ru_stime,
-          "nvcsw": ru.ru_nvcsw - ru0.ru_nvcsw, "nivcsw": ru.ru_nivcsw - ru0.ru_nivcsw,
-          "minflt": ru.ru_minflt - ru0.ru_minflt}
 
 
 def _restore_bytes(job_dir, generation):
@@ -876,12 +825,6 @@ def assemble(records_path, job_dir):
                                             ("restored_time",)) if t is not None]
         if restored:  # every process's restore: the first step waits for the slowest
           rec["restored_procs_s"] = [t - base for t in restored]
-        firsts = _compiles(job_dir, pending["generation"],
-                           ("step_start_time", "step_time", "step"))
-        if firsts and all(s is not None for s, _, _ in firsts):
-          # every process's first step: started, done (from the save call), its usage
-          rec["first_step_procs"] = [dict(u, start_s=s - base, end_s=t - base)
-                                     for s, t, u in firsts]
         if rec["ahead"]:  # started ahead: the turn's hand-over, and any wait for the
           a = pending["ahead_s"]  # preparation to finish
           if a.get("saved_time"):  # the old processes' save, of the hand-over
