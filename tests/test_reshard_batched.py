@@ -330,11 +330,26 @@ def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
     assert [d for d, x in old.items() if x.is_deleted()] == [1, 2]
 
 
+def _spy_groups(monkeypatch):
+  """Records ``(flight, groups)`` of every grouping the generic path makes."""
+  seen = []
+  real_groups = rmod._groups
+
+  def spy(batch, flight):
+    out = real_groups(batch, flight)
+    seen.append((flight, out))
+    return out
+
+  monkeypatch.setattr(rmod, "_groups", spy)
+  return seen
+
+
 def _generic_twice(monkeypatch, hosts, flight, record):
   """Reshards ``hosts`` (rows over 8 devices -> blocks over them reversed)
   twice with ``method="generic"`` and ``flight`` bytes in flight (however
-  small the state), each call on a fresh source; checks every result's sharding and bits; returns, per
-  call, ``record(flight, groups)`` of its last grouping and its compiles."""
+  small the state), each call on a fresh source; checks every result's
+  sharding and bits; returns, per call, ``record(flight, groups)`` of its
+  last grouping and its compiles."""
   monkeypatch.setattr(rmod, "_FLIGHT_MIN", flight)
   monkeypatch.setattr(rmod, "_FLIGHT_MAX", flight)
   monkeypatch.setattr(rmod, "_FLIGHT_WHOLE", 0)
@@ -342,15 +357,7 @@ def _generic_twice(monkeypatch, hosts, flight, record):
   b = Mesh(np.array(DEVS[::-1]).reshape(2, 4), ("p", "q"))
   src = NamedSharding(a, P("x"))
   target = {k: NamedSharding(b, P("p", "q")) for k in hosts}
-  seen = []
-  real_groups = rmod._groups
-
-  def spy(batch, flight):
-    out = real_groups(batch, flight)
-    seen.append(record(flight, out))
-    return out
-
-  monkeypatch.setattr(rmod, "_groups", spy)
+  seen = _spy_groups(monkeypatch)
   calls = []
   for _ in range(2):
     tree = {k: jax.device_put(v, src) for k, v in hosts.items()}
@@ -362,7 +369,7 @@ def _generic_twice(monkeypatch, hosts, flight, record):
       assert _bits(v) == hosts[k].tobytes(), k
       for s in v.addressable_shards:
         assert np.asarray(s.data).tobytes() == hosts[k][s.index].tobytes()
-    calls.append((seen[-1], c.n))
+    calls.append((record(*seen[-1]), c.n))
   return calls
 
 
@@ -416,20 +423,6 @@ def test_generic_uniform_groups_share_one_program_with_padding(monkeypatch):
     members = sorted(m for _, ms, _ in groups for m in ms)
     assert len(members) == 8 and len(set(members)) == 7
     assert n == (2 if call == 0 else 0), n
-
-
-def _spy_groups(monkeypatch):
-  """Records ``(flight, groups)`` of every grouping the generic path makes."""
-  seen = []
-  real_groups = rmod._groups
-
-  def spy(batch, flight):
-    out = real_groups(batch, flight)
-    seen.append((flight, out))
-    return out
-
-  monkeypatch.setattr(rmod, "_groups", spy)
-  return seen
 
 
 def test_generic_groups_bounded_by_the_bytes_targets_receive(monkeypatch):
