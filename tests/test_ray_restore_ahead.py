@@ -122,3 +122,24 @@ def test_arrays_allocated_ahead_for_another_layout_are_freed(tmp,
   assert api.compile_restore(other, allocate=True) and api._AHEAD
   api.release_restore()
   assert not api._AHEAD
+
+
+def test_arrays_allocated_ahead_are_freed_by_a_restore_too_small_to_use_them(
+    tmp, monkeypatch):
+  # A restore below the owned size reads into no allocated arrays: the
+  # ones held for a larger layout are freed all the same, not kept for the
+  # process's life.
+  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+  state = _state(NamedSharding(mesh, P("x")))
+  api.save(state, tmp, step=1)
+  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1024)
+  monkeypatch.setattr(api, "_ZEROS", {})
+  monkeypatch.setattr(api, "_AHEAD", {})
+  other = _target(_state(NamedSharding(
+      Mesh(np.array(jax.devices()[:4]), ("x",)), P("x"))))
+  assert api.compile_restore(other, allocate=True) and api._AHEAD
+  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1 << 30)
+  out = api.restore([tmp], _target(state))
+  assert not api._AHEAD
+  for k in state:
+    assert np.asarray(out[k]).tobytes() == np.asarray(state[k]).tobytes()

@@ -954,6 +954,7 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
   compile, or a persistent cache hit); the same choice in every process
   (it runs the program collectively)."""
   if state_bytes < _OWNED_MIN_BYTES * jax.process_count():
+    _AHEAD.clear()  # held for a larger layout: this restore reads none
     return {}
   names = []
   for name, sds in dst_sds.items():
@@ -964,6 +965,7 @@ def _owned_arrays(dst_sds: Mapping[str, Any], tinfo: Mapping[str, dict],
       continue
     names.append(name)
   if not names:
+    _AHEAD.clear()
     return {}
   key = tuple((tuple(dst_sds[n].shape), jax.numpy.dtype(dst_sds[n].dtype),
                dst_sds[n].sharding) for n in names)
