@@ -759,6 +759,25 @@ def _exited(p: subprocess.Popen) -> bool:
     return True
 
 
+def _gone(p: subprocess.Popen) -> bool:
+  """Whether ``p`` has exited or is exiting (not reaped either way).
+
+  More than :func:`_exited`: a process whose main thread has exited (a
+  zombie in ``/proc/PID/stat``) while its other threads are still being
+  torn down is not yet waitable (the kernel tells the parent only after the
+  last thread, which for a SIGKILLed process with a large address space
+  takes up to hundreds of ms on a loaded host), yet it serves nothing any
+  more. A process whose main thread exited on its own while other threads
+  run counts too: the caller kills its group."""
+  if _exited(p):
+    return True
+  try:
+    state = _text(f"/proc/{p.pid}/stat").rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):  # no /proc (not Linux): as _exited said
+    return False
+  return state in ("Z", "X")
+
+
 def _wait_exited(p: subprocess.Popen, timeout: float) -> bool:
   """Waits up to ``timeout`` seconds for ``p`` to exit, without reaping
   it; whether it did."""
@@ -840,6 +859,32 @@ def _stop_servers(procs: Sequence[subprocess.Popen],
     _wait_exited(p, max(0.0, deadline - time.monotonic()))
     _signal_group(p, signal.SIGKILL)
     p.wait()
+
+
+def _ensure_servers(servers: dict[int, tuple[subprocess.Popen, str]],
+                    count: int, job_dir: str, env: dict,
+                    tls: tuple[str, str] | None = None) -> list[str]:
+  """Store servers for slots 0..count-1 and for every slot in ``servers``
+  (started so far: its store may hold data the next generation restores);
+  updates ``servers`` and returns every slot's URL, in slot order.
+
+  A server that died, or is dying (:func:`_gone`: a SIGKILLed server whose
+  threads are still being torn down is not yet waitable), is reaped and
+  restarted on a new port, also for a slot a shrink dropped; its store
+  directory and data stay.
+  """
+  dead = [i for i in sorted(servers) if _gone(servers[i][0])]
+  for i in dead:
+    p = servers.pop(i)[0]
+    _signal_group(p, signal.SIGKILL)  # what it left in its group
+    print(f"tenplex-jax launch: the store server of slot {i} died"
+          f" (exit {p.wait()}); restarting it", file=sys.stderr, flush=True)
+  servers.update(_start_servers(
+      {i: (os.path.join(job_dir, "store", str(i)),
+           os.path.join(job_dir, f"server_{i}.log"))
+       for i in sorted(set(range(count)) | set(dead))
+       if i not in servers}, env, tls))
+  return [servers[i][1] for i in sorted(servers)]
 
 
 def _pythonpath() -> str:
@@ -1612,21 +1657,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       f.write(json.dumps(record) + "\n")
 
   def ensure_servers(count):
-    """Store servers for slots 0..count-1 and for every slot started so far
-    (its store may hold data the next generation restores: a dead server
-    is restarted, also for a slot a shrink dropped); their URLs."""
-    dead = [i for i in sorted(servers) if _exited(servers[i][0])]
-    for i in dead:
-      p = servers.pop(i)[0]
-      _signal_group(p, signal.SIGKILL)  # what it left in its group
-      print(f"tenplex-jax launch: the store server of slot {i} died"
-            f" (exit {p.wait()}); restarting it", file=sys.stderr, flush=True)
-    servers.update(_start_servers(
-        {i: (os.path.join(job_dir, "store", str(i)),
-             os.path.join(job_dir, f"server_{i}.log"))
-         for i in sorted(set(range(count)) | set(dead))
-         if i not in servers}, base_env, tls))
-    return [servers[i][1] for i in sorted(servers)]
+    return _ensure_servers(servers, count, job_dir, base_env, tls)
 
   def gen_env(i, count, port, g, step, urls, failed=None):
     env = {**base_env,
