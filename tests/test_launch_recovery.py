@@ -255,6 +255,56 @@ def test_a_store_server_whose_threads_are_still_exiting_is_restarted(
   assert all(p.returncode is not None for p, _ in servers.values())
 
 
+def test_a_restore_after_a_failure_does_not_skip_a_dead_servers_snapshot(
+    tmp, monkeypatch):
+  # After a failure, the only store that may hold the snapshot is behind a
+  # store server that does not answer (it died after the launcher looked):
+  # under the launcher restore_or_init raises instead of starting from
+  # step 0, or from an older checkpoint, since the launcher restarts that
+  # server for the next generation. Elsewhere (Ray: a lost node's store is
+  # gone) it falls back as before.
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+  from tenplex_jax.errors import StoreError
+  from tenplex_jax.runtime import launch as L
+  from tenplex_jax.store import save_checkpoint
+  from tenplex_jax.store.server import free_port
+  sh = NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("d",)),
+                     PartitionSpec())
+  target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sh)}
+
+  def init():
+    return {"w": jax.device_put(jnp.zeros(4, jnp.float32), sh)}
+
+  ck = os.path.join(tmp, "ckpt")
+  save_checkpoint(ck, {"w": jax.device_put(jnp.full(4, 2.0), sh)}, 2)
+  dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+  for k, v in {"TENPLEX_NUM_PROCS": "1", "TENPLEX_PROC_ID": "0",
+               "TENPLEX_JOB_DIR": tmp, "TENPLEX_GENERATION": "1",
+               "TENPLEX_START_STEP": "0", "TENPLEX_FAILED_STEP": "5",
+               "TENPLEX_STORE": os.path.join(tmp, "no-store"),
+               "TENPLEX_PEERS": json.dumps([dead]),
+               "TENPLEX_JAX_STORE_TOKEN": "t" * 43}.items():
+    monkeypatch.setenv(k, v)
+  for checkpoint, instead in ((None, "step 0"),
+                              (ck, "the checkpoint's step 2")):
+    if checkpoint:
+      monkeypatch.setenv("TENPLEX_CHECKPOINT", checkpoint)
+    with pytest.raises(StoreError) as e:
+      L.restore_or_init(init, target)
+    assert "failed at step 5" in str(e.value) and dead in str(e.value) \
+        and f"does not start from {instead}." in str(e.value), e.value
+    assert not os.path.exists(os.path.join(tmp, "recovery_1.json"))
+  monkeypatch.setenv("TENPLEX_RAY_CONTROLLER", "ray-controller")
+  state, step = L.restore_or_init(init, target)
+  assert step == 2 and L.last_restore["source"] == "checkpoint"
+  assert (jnp.asarray(state["w"]) == 2.0).all()
+  monkeypatch.delenv("TENPLEX_CHECKPOINT")
+  state, step = L.restore_or_init(init, target)
+  assert step == 0 and L.last_restore["source"].startswith("init (")
+
+
 SLEEPER = [sys.executable, "-c",
            "import os, time; print('pid', os.getpid(), flush=True);"
            " time.sleep(120)"]

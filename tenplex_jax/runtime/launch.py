@@ -630,7 +630,13 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   snapshot in the stores or their replicas, else the newest Orbax checkpoint
   in the launcher's ``--checkpoint`` directory, else calls ``init_fn``; it
   writes ``JOB_DIR/recovery_<generation>.json`` (the failed and the
-  restored step, the steps lost, the source) and prints a line.
+  restored step, the steps lost, the source) and prints a line. Under
+  ``tenplex-jax launch``, when a store server did not answer and the
+  others hold no complete snapshot, it raises
+  :class:`~tenplex_jax.errors.StoreError` instead of falling back to the
+  checkpoint or ``init_fn``: the launcher restarts that server, its store
+  intact, for the next generation (one more restart), whose restore
+  finds the snapshot there.
 
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
@@ -659,15 +665,24 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   own = env.store
   locations = ([own] if own and os.path.isdir(own) else []) + stores
   ckpt, job, gen = env.checkpoint, env.job_dir, env.generation
+  # Under tenplex-jax launch a store server that did not answer died and is
+  # restarted with the next generation, its store intact: its snapshot
+  # may be newer than the checkpoint, and is newer than an init.
+  strict = failed is not None and env.launched and not env.ray_controller
   try:
     state, report = restore_with_report(locations, target, checkpoint=ckpt)
   except NoCopyError as e:
     if failed is None:
       raise
+    if strict and e.dead_sources:
+      _refuse_fallback(e.dead_sources, int(failed), "step 0", e)
     state, report, step, source = init_fn(), None, 0, f"init ({e})"
   else:
     step = report.step
     source = "checkpoint" if report.from_checkpoint else "stores"
+    if strict and report.from_checkpoint and report.dead_sources:
+      _refuse_fallback(report.dead_sources, int(failed),
+                       f"the checkpoint's step {step}")
   if job and report is not None:
     with private.open_private(os.path.join(
         job, f"restore_{jax.process_index()}_{gen}.json")) as f:
@@ -696,6 +711,20 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
     os.environ["TENPLEX_START_STEP"] = str(step)
   _heartbeat()
   return state, step
+
+
+def _refuse_fallback(dead: Sequence[str], failed: int, instead: str,
+                     cause: BaseException | None = None) -> None:
+  """Raises the error of a restore after a failure that found no complete
+  snapshot in the stores that answered while ``dead`` did not (see
+  :func:`restore_or_init`)."""
+  raise StoreError(
+      f"restore_or_init: the job failed at step {failed}; the stores that"
+      " answered hold no complete snapshot, and the store server(s)"
+      f" {list(dead)} did not answer: the snapshot may be there, so this"
+      f" process does not start from {instead}. tenplex-jax launch restarts"
+      " a dead store server (its store intact) for the next generation,"
+      " which restores again") from cause
 
 
 # ------------------------------------------------------------ the launcher
