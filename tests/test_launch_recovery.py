@@ -209,6 +209,37 @@ def test_a_store_server_that_died_is_restarted_for_the_next_generation(tmp):
   assert not [pid for pid in seen if _alive(pid) and seen.same(pid)], out
 
 
+def test_a_store_server_that_dies_before_the_restore_loses_no_step(tmp):
+  # Process 1 of 2 exits after step 5 (a snapshot every 2 steps); the job
+  # shrinks to 1 process, whose restore needs process 1's half of step 4,
+  # only in store 1. That store's server dies after the launcher looked at
+  # it, just before the restore: the restore raises instead of starting
+  # from step 0, the launcher restarts the server (a new port, the store
+  # intact) with the next generation, which restores step 4.
+  job = os.path.join(tmp, "job")
+  with launcher(tmp, train(7), "--procs", "2", "--on-failure", "shrink",
+                TRAIN_SNAPSHOT_EVERY=2, TRAIN_CRASH="5:1:exit",
+                TRAIN_KILL_SERVER_BEFORE_RESTORE="1:1") as (p, log, seen):
+    rc, out = finish(p, log)
+    seen.update(pids_of(job))
+  assert rc == 0, out[-5000:]
+  for line in ("killed the store server of slot 1 before the restore",
+               "process 0 raised tenplex_jax.errors.StoreError:"
+               " restore_or_init: the job failed at step 5",
+               "at step 5; restart 2 of 3 on 1 processes",
+               "the store server of slot 1 died (exit -9); restarting it",
+               "recovered step 4 from stores (failed at step 5, 1 steps"
+               " lost)"):
+    assert line in out, (line, out[-5000:])
+  assert "from init" not in out, out[-5000:]
+  assert not os.path.exists(os.path.join(job, "recovery_1.json"))
+  rec = json.loads(_text(os.path.join(job, "recovery_2.json")))
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_lost"],
+          rec["source"]) == (5, 4, 1, "stores"), rec
+  check_final(job, procs=1, step=7, generation=2)
+  assert not [pid for pid in seen if _alive(pid) and seen.same(pid)], out
+
+
 # SYS_exit (ends the calling thread only), per machine.
 _SYS_EXIT = {"x86_64": 60, "aarch64": 93}
 
