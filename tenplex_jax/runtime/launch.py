@@ -32,7 +32,9 @@ one fewer (``"shrink"``). The new processes' :func:`restore_or_init`
 restores the newest complete snapshot that :func:`save_snapshot` (called
 every few steps) left in the stores or their replicas, else the newest Orbax
 checkpoint in the launcher's ``checkpoint`` directory, else starts afresh,
-and reports the steps lost.
+and reports the steps lost; but while a store server does not answer it
+fails instead of falling back (the launcher restarts dead store servers, on
+their intact stores, for the next generation).
 
 Faster generations: every process gets jax's persistent compilation cache
 in the job directory (a mesh the job ran before is not compiled again), and
@@ -72,7 +74,7 @@ from tenplex_jax.store import private
 from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
 from tenplex_jax.store.api import compile_restore, restore_with_report, save
 from tenplex_jax.store.server import (CA_ENV, TOKEN_ENV, client_ca, free_port,
-                                      new_token, resolve_token)
+                                      is_remote, new_token, resolve_token)
 
 __all__ = ["Controller", "RESIZE_EXIT_CODE", "STANDBY_IMPORTS", "controller",
            "expect_resizes",
@@ -667,20 +669,22 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   ckpt, job, gen = env.checkpoint, env.job_dir, env.generation
   # Under tenplex-jax launch a store server that did not answer died and is
   # restarted with the next generation, its store intact: its snapshot
-  # may be newer than the checkpoint, and is newer than an init.
+  # may be newer than the checkpoint, and is newer than an init. (A
+  # directory that is no store is not a server the launcher restarts.)
   strict = failed is not None and env.launched and not env.ray_controller
   try:
     state, report = restore_with_report(locations, target, checkpoint=ckpt)
   except NoCopyError as e:
     if failed is None:
       raise
-    if strict and e.dead_sources:
+    if strict and any(map(is_remote, e.dead_sources)):
       _refuse_fallback(e.dead_sources, int(failed), "step 0", e)
     state, report, step, source = init_fn(), None, 0, f"init ({e})"
   else:
     step = report.step
     source = "checkpoint" if report.from_checkpoint else "stores"
-    if strict and report.from_checkpoint and report.dead_sources:
+    if strict and report.from_checkpoint and any(map(is_remote,
+                                                     report.dead_sources)):
       _refuse_fallback(report.dead_sources, int(failed),
                        f"the checkpoint's step {step}")
   if job and report is not None:
