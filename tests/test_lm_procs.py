@@ -69,7 +69,8 @@ def _run_2_1_2(out, *flags, timeout):
   (run,) = procs.run_all([[
       sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
       "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
-      *flags, "--json", out, "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
+      *flags, "--json", out, "--job-parent", os.path.dirname(out),  # the test's
+      "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
   assert run.returncode == 0, run.stdout[-5000:]
   return run.stdout
 
