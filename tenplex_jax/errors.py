@@ -55,7 +55,15 @@ class ChecksumError(StoreError):
 
 
 class NoCopyError(StoreError):
-  """No surviving store holds some piece of the state (data lost)."""
+  """No surviving store holds some piece of the state (data lost).
+
+  Attributes:
+    dead_sources: the store locations that did not answer (a dead store
+      server): the missing pieces may be there. Empty when every store
+      answered.
+  """
+
+  dead_sources: tuple[str, ...] = ()
 
 
 class UnreachableError(StoreError):

@@ -21,7 +21,9 @@ with code 3 after step S; KIND ``host`` first deletes its store, as if its
 host were lost; KIND ``server`` first SIGKILLs its store server (its
 store stays); KIND ``midsave`` exits before its ``save_snapshot`` of step
 S, once process 0 has committed that snapshot: a crash in the middle of a
-save round; ``TRAIN_CRASH_ALWAYS=1`` crashes in every generation).
+save round; ``TRAIN_CRASH_ALWAYS=1`` crashes in every generation), and
+``TRAIN_KILL_SERVER_BEFORE_RESTORE=G:SLOT`` (process 0 of generation G
+SIGKILLs the store server of slot SLOT before its restore).
 Process 0 writes ``JOB_DIR/final.json`` at the end.
 """
 
@@ -102,6 +104,13 @@ nice_prepared = os.getpriority(os.PRIO_PROCESS, 0)  # this (main) thread's
 if prepared and os.environ.get("TRAIN_AHEAD_FAIL"):  # a generation ahead fails early
   print("launch_train: a process started ahead fails", flush=True)
   sys.exit(3)
+kill_before = os.environ.get("TRAIN_KILL_SERVER_BEFORE_RESTORE")
+if kill_before and info["process_id"] == 0:
+  g, slot = map(int, kill_before.split(":"))
+  if info["generation"] == g:  # after the launcher looked at its servers
+    kill_store_server(os.path.join(info["job_dir"], "store", str(slot)))
+    print(f"launch_train: killed the store server of slot {slot} before the"
+          " restore", flush=True)
 state, step = store.restore_or_init(init, target)
 if expect:  # whether this process was started ahead, and its turn
   with open(os.path.join(info["job_dir"], f"ahead_{info['generation']}_"

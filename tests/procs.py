@@ -74,6 +74,8 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   (run,) = run_all([[sys.executable, str(script), "--procs", "2,1",
                      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2",
                      "--steps", "4", "--fast-compile", "--json", out,
+                     # the job directory in the test's, also if this kills it
+                     "--job-parent", os.path.dirname(out),
                      "--timeout", "400"]], timeout=450, env=env)
   assert run.returncode == 0, run.stdout[-5000:]
   with open(out) as f:

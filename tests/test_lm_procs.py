@@ -10,9 +10,12 @@ timeout.
 """
 
 import contextlib
+import glob
 import os
 import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -66,7 +69,8 @@ def _run_2_1_2(out, *flags, timeout):
   (run,) = procs.run_all([[
       sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
       "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
-      *flags, "--json", out, "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
+      *flags, "--json", out, "--job-parent", os.path.dirname(out),  # the test's
+      "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
   assert run.returncode == 0, run.stdout[-5000:]
   return run.stdout
 
@@ -196,3 +200,41 @@ def test_a_killed_process_hands_over_to_the_generation_prepared_for_the_failure(
   assert [r["batch_crc"] for r in el] == [r["batch_crc"] for r in st]
   assert log["bitwise_identical"] is True
   assert [r["loss"] for r in el] == [r["loss"] for r in st]
+
+
+def test_a_job_stopped_by_the_launchers_timeout_leaves_no_directory(tmp):
+  # The launcher's --timeout ends the job while its first generation runs:
+  # the launcher stops every process and store server and raises, and the
+  # trainer removes its job directory (tenplex-lm-*, in /dev/shm unless
+  # --job-parent) on the way out: nothing of the job is left in host memory.
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  log = open(os.path.join(tmp, "out.log"), "w+")
+  parent = os.path.join(tmp, "jobs")
+  os.mkdir(parent)
+  p = subprocess.Popen([
+      sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2",
+      "--schedule", "0:stage=2,data=2", "--steps", "100000", "--fast-compile",
+      "--job-parent", parent, "--timeout", "40"], env=env, stdout=log,
+      stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    t0, running = time.time(), []
+    while not running and p.poll() is None and time.time() - t0 < 120:
+      # the generation's processes are up (their failure hooks' pid files)
+      running = glob.glob(os.path.join(parent, "tenplex-lm-*", "pid_0_*.txt"))
+      time.sleep(0.1)
+    rc = p.wait(200)
+    left = _job_processes(parent)
+  finally:
+    procs.kill_group(p)
+    for pid in _job_processes(parent):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  log.seek(0)
+  out = log.read()
+  log.close()
+  assert running, out[-5000:]  # stopped while it ran, not before it started
+  assert rc != 0 and "tenplex-jax launch: timed out" in out, out[-5000:]
+  assert os.listdir(parent) == [], (os.listdir(parent), out[-3000:])
+  assert not left, left

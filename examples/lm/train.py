@@ -873,7 +873,9 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
   """Runs the elastic job across processes with ``tenplex-jax launch``;
   returns ``(records, final params)``. ``trainer`` (default
   :data:`LM_TRAINER`) names the script the launcher runs and the model's
-  parts."""
+  parts. The job directory (``tenplex-lm-*`` in ``/dev/shm``) is removed on
+  the way out, also after a timeout or an interruption, but for a job that
+  failed (kept and named, for its logs)."""
   from tenplex_jax import store
   from tenplex_jax.store.launch import launch
 
@@ -897,7 +899,7 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
     cmd += ["--kill-at", str(args.kill_at)]
   log(f"tenplex-jax launch: {plan[0]} processes x {phases[0].devices // plan[0]} devices;"
       f" processes per phase {plan}")
-  ok = False
+  keep = False  # a failed job's directory (its logs, failures.jsonl), named
   try:
     with warnings.catch_warnings():
       # The launcher's children exec at once (no jax in them before exec).
@@ -911,6 +913,7 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
                     standby_imports=STANDBY_IMPORTS,
                     prepare_nice=getattr(args, "prepare_nice", 10))
     if code != 0:
+      keep = True
       raise SystemExit(f"the job across processes failed (exit code {code}); its"
                        f" directory {job} is kept (logs, failures.jsonl)")
     elastic = assemble(records, job)
@@ -922,9 +925,11 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
     tree = store.restore([os.path.join(job, "store", d) for d in stores],
                          {"train": abstract, "data": ""})
     params = tr.params(tree["train"])
-    ok = True
   finally:
-    if ok:
+    # Also after the launcher's timeout or a signal to it (it stopped every
+    # process and store server first) and any error here: the job's stores
+    # and compilation cache are in host memory.
+    if not keep:
       shutil.rmtree(job, ignore_errors=True)
   return elastic, params
 

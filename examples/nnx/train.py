@@ -378,6 +378,8 @@ def main(argv=None):
                   " iterator's state move through the per-host stores")
   ap.add_argument("--timeout", type=float, default=900,
                   help="seconds for the whole job across processes (default 900)")
+  # (tests) the parent of the job directory (default /dev/shm)
+  ap.add_argument("--job-parent", metavar="DIR", help=argparse.SUPPRESS)
   ap.add_argument("--fast-compile", action="store_true",
                   help="compile with XLA optimisation level 0 (faster compiles, slower steps)")
   ap.add_argument("--worker", action="store_true",

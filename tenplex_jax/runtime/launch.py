@@ -32,7 +32,9 @@ one fewer (``"shrink"``). The new processes' :func:`restore_or_init`
 restores the newest complete snapshot that :func:`save_snapshot` (called
 every few steps) left in the stores or their replicas, else the newest Orbax
 checkpoint in the launcher's ``checkpoint`` directory, else starts afresh,
-and reports the steps lost.
+and reports the steps lost; but while a store server does not answer it
+fails instead of falling back (the launcher restarts dead store servers, on
+their intact stores, for the next generation).
 
 Faster generations: every process gets jax's persistent compilation cache
 in the job directory (a mesh the job ran before is not compiled again), and
@@ -72,7 +74,7 @@ from tenplex_jax.store import private
 from tenplex_jax.runtime.env import STANDBY_IMPORTS_ENV, job_env
 from tenplex_jax.store.api import compile_restore, restore_with_report, save
 from tenplex_jax.store.server import (CA_ENV, TOKEN_ENV, client_ca, free_port,
-                                      new_token, resolve_token)
+                                      is_remote, new_token, resolve_token)
 
 __all__ = ["Controller", "RESIZE_EXIT_CODE", "STANDBY_IMPORTS", "controller",
            "expect_resizes",
@@ -630,7 +632,13 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   snapshot in the stores or their replicas, else the newest Orbax checkpoint
   in the launcher's ``--checkpoint`` directory, else calls ``init_fn``; it
   writes ``JOB_DIR/recovery_<generation>.json`` (the failed and the
-  restored step, the steps lost, the source) and prints a line.
+  restored step, the steps lost, the source) and prints a line. Under
+  ``tenplex-jax launch``, when a store server did not answer and the
+  others hold no complete snapshot, it raises
+  :class:`~tenplex_jax.errors.StoreError` instead of falling back to the
+  checkpoint or ``init_fn``: the launcher restarts that server, its store
+  intact, for the next generation (one more restart), whose restore
+  finds the snapshot there.
 
   Returns:
     ``(state, step)``; ``step`` is 0 on a first start.
@@ -659,15 +667,26 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   own = env.store
   locations = ([own] if own and os.path.isdir(own) else []) + stores
   ckpt, job, gen = env.checkpoint, env.job_dir, env.generation
+  # Under tenplex-jax launch a store server that did not answer died and is
+  # restarted with the next generation, its store intact: its snapshot
+  # may be newer than the checkpoint, and is newer than an init. (A
+  # directory that is no store is not a server the launcher restarts.)
+  strict = failed is not None and env.launched and not env.ray_controller
   try:
     state, report = restore_with_report(locations, target, checkpoint=ckpt)
   except NoCopyError as e:
     if failed is None:
       raise
+    if strict and any(map(is_remote, e.dead_sources)):
+      _refuse_fallback(e.dead_sources, int(failed), "step 0", e)
     state, report, step, source = init_fn(), None, 0, f"init ({e})"
   else:
     step = report.step
     source = "checkpoint" if report.from_checkpoint else "stores"
+    if strict and report.from_checkpoint and any(map(is_remote,
+                                                     report.dead_sources)):
+      _refuse_fallback(report.dead_sources, int(failed),
+                       f"the checkpoint's step {step}")
   if job and report is not None:
     with private.open_private(os.path.join(
         job, f"restore_{jax.process_index()}_{gen}.json")) as f:
@@ -696,6 +715,20 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
     os.environ["TENPLEX_START_STEP"] = str(step)
   _heartbeat()
   return state, step
+
+
+def _refuse_fallback(dead: Sequence[str], failed: int, instead: str,
+                     cause: BaseException | None = None) -> None:
+  """Raises the error of a restore after a failure that found no complete
+  snapshot in the stores that answered while ``dead`` did not (see
+  :func:`restore_or_init`)."""
+  raise StoreError(
+      f"restore_or_init: the job failed at step {failed}; the stores that"
+      " answered hold no complete snapshot, and the store server(s)"
+      f" {list(dead)} did not answer: the snapshot may be there, so this"
+      f" process does not start from {instead}. tenplex-jax launch restarts"
+      " a dead store server (its store intact) for the next generation,"
+      " which restores again") from cause
 
 
 # ------------------------------------------------------------ the launcher
@@ -757,6 +790,25 @@ def _exited(p: subprocess.Popen) -> bool:
                      os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
   except ChildProcessError:  # reaped by someone else
     return True
+
+
+def _gone(p: subprocess.Popen) -> bool:
+  """Whether ``p`` has exited or is exiting (not reaped either way).
+
+  More than :func:`_exited`: a process whose main thread has exited (a
+  zombie in ``/proc/PID/stat``) while its other threads are still being
+  torn down is not yet waitable (the kernel tells the parent only after the
+  last thread, which for a SIGKILLed process with a large address space
+  takes up to hundreds of ms on a loaded host), yet it serves nothing any
+  more. A process whose main thread exited on its own while other threads
+  run counts too: the caller kills its group."""
+  if _exited(p):
+    return True
+  try:
+    state = _text(f"/proc/{p.pid}/stat").rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):  # no /proc (not Linux): as _exited said
+    return False
+  return state in ("Z", "X")
 
 
 def _wait_exited(p: subprocess.Popen, timeout: float) -> bool:
@@ -840,6 +892,32 @@ def _stop_servers(procs: Sequence[subprocess.Popen],
     _wait_exited(p, max(0.0, deadline - time.monotonic()))
     _signal_group(p, signal.SIGKILL)
     p.wait()
+
+
+def _ensure_servers(servers: dict[int, tuple[subprocess.Popen, str]],
+                    count: int, job_dir: str, env: dict,
+                    tls: tuple[str, str] | None = None) -> list[str]:
+  """Store servers for slots 0..count-1 and for every slot in ``servers``
+  (started so far: its store may hold data the next generation restores);
+  updates ``servers`` and returns every slot's URL, in slot order.
+
+  A server that died, or is dying (:func:`_gone`: a SIGKILLed server whose
+  threads are still being torn down is not yet waitable), is reaped and
+  restarted on a new port, also for a slot a shrink dropped; its store
+  directory and data stay.
+  """
+  dead = [i for i in sorted(servers) if _gone(servers[i][0])]
+  for i in dead:
+    p = servers.pop(i)[0]
+    _signal_group(p, signal.SIGKILL)  # what it left in its group
+    print(f"tenplex-jax launch: the store server of slot {i} died"
+          f" (exit {p.wait()}); restarting it", file=sys.stderr, flush=True)
+  servers.update(_start_servers(
+      {i: (os.path.join(job_dir, "store", str(i)),
+           os.path.join(job_dir, f"server_{i}.log"))
+       for i in sorted(set(range(count)) | set(dead))
+       if i not in servers}, env, tls))
+  return [servers[i][1] for i in sorted(servers)]
 
 
 def _pythonpath() -> str:
@@ -1612,21 +1690,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       f.write(json.dumps(record) + "\n")
 
   def ensure_servers(count):
-    """Store servers for slots 0..count-1 and for every slot started so far
-    (its store may hold data the next generation restores: a dead server
-    is restarted, also for a slot a shrink dropped); their URLs."""
-    dead = [i for i in sorted(servers) if _exited(servers[i][0])]
-    for i in dead:
-      p = servers.pop(i)[0]
-      _signal_group(p, signal.SIGKILL)  # what it left in its group
-      print(f"tenplex-jax launch: the store server of slot {i} died"
-            f" (exit {p.wait()}); restarting it", file=sys.stderr, flush=True)
-    servers.update(_start_servers(
-        {i: (os.path.join(job_dir, "store", str(i)),
-             os.path.join(job_dir, f"server_{i}.log"))
-         for i in sorted(set(range(count)) | set(dead))
-         if i not in servers}, base_env, tls))
-    return [servers[i][1] for i in sorted(servers)]
+    return _ensure_servers(servers, count, job_dir, base_env, tls)
 
   def gen_env(i, count, port, g, step, urls, failed=None):
     env = {**base_env,

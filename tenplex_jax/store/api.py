@@ -1346,13 +1346,17 @@ def restore_checkpoint(directory: str, target: Any) -> tuple[Any, int]:
 def _from_checkpoint(checkpoint, target, fb: _Fallback, t0, locations):
   dead = f" (dead: {list(fb.dead)})" if fb.dead else ""
   if not checkpoint:
-    raise NoCopyError(f"cannot restore from stores {list(locations)}{dead}:"
+    err = NoCopyError(f"cannot restore from stores {list(locations)}{dead}:"
                       f" {fb.why}; no checkpoint= to fall back to")
+    err.dead_sources = tuple(fb.dead)
+    raise err
   try:
     tree, ck_step = restore_checkpoint(checkpoint, target)
   except NoCopyError as e:
-    raise NoCopyError(f"cannot restore from stores {list(locations)}{dead}:"
-                      f" {fb.why}; and {e}") from e
+    err = NoCopyError(f"cannot restore from stores {list(locations)}{dead}:"
+                      f" {fb.why}; and {e}")
+    err.dead_sources = tuple(fb.dead)
+    raise err from e
   lost_steps = 0 if fb.step is None else max(0, fb.step - ck_step)
   t1 = time.perf_counter()
   dst = PTC.from_tree({key_path_name(kp): leaf for kp, leaf in
