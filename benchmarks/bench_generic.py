@@ -4,8 +4,10 @@ Counts XLA compilations (jax's ``/jax/core/compile/backend_compile_duration``
 monitoring events) and times ``reshard(..., method="generic")`` against
 ``jax.device_put`` on the same transitions, each (case, method) in a fresh
 process, cold (first call) and warm (the same transition five times in a
-row, each on a fresh copy of the source; every call's time is kept, the
-median reported):
+row, each on a fresh copy of the source, the previous result dropped; then
+five more with the previous call's result alive while the next runs, as a
+job holding its state; every call's wall and CPU time, peak RSS rise and,
+minor page faults kept, medians reported):
 
 * ``lm1b``: flax's lm1b train state (``SMALL``, 51 MiB, 125 leaves) from
   ``(data, fsdp, tensor) = (1, 8, 1)`` to ``(1, 2, 4)`` over the devices in
@@ -21,7 +23,9 @@ the call, also as a multiple of the state's bytes (each method's result is
 a second copy of the state in host memory, so about 1x is the least). The compile-time budget
 checked per case: the generic path's compile seconds at most
 ``device_put``'s whole cold call, with its cold call no slower and its warm
-call within 1.2x of ``device_put``'s.
+call within 1.2x of ``device_put``'s; and, call by call in both warm
+series, no warm call slower than the cold call nor than ``device_put``'s
+warm call of the same index.
 
 Every worker runs with ``NPROC`` (the CPU client's thread-pool size) at
 least 16: at its default, max(cores, devices) = 8 threads on this 2-core VM,
@@ -121,7 +125,6 @@ def worker(case: str, method: str) -> dict:
   jax.config.update("jax_num_cpu_devices", 8)
   jax.config.update("jax_platforms", "cpu")
   import tenplex_jax as tj
-  from bench_transitions import _fresh_copy
   state, target = _case(jax, case)
   jax.block_until_ready(state)
   n = [0]
@@ -149,18 +152,7 @@ def worker(case: str, method: str) -> dict:
   # XLA compile seconds, summed over the compiles (which may overlap).
   out["cold_compile_seconds"] = secs[0]
   n[0] = 0
-  warm, warm_cpu, warm_rise = [], [], []
-  for _ in range(WARM_CALLS):
-    fresh = _fresh_copy(jax, state)
-    jax.block_until_ready(fresh)
-    base = _peak_reset()
-    t0 = time.perf_counter()
-    c0 = time.process_time()
-    res = jax.block_until_ready(call(fresh))
-    warm.append(time.perf_counter() - t0)
-    warm_cpu.append(time.process_time() - c0)
-    warm_rise.append(_peak_rise(base))
-    del res, fresh
+  warm, warm_cpu, warm_rise, warm_flt = _warm_series(jax, call, state, False)
   mid = len(warm) // 2  # medians
   out["warm_seconds"] = sorted(warm)[mid]
   out["warm_cpu_seconds"] = sorted(warm_cpu)[mid]
@@ -168,9 +160,51 @@ def worker(case: str, method: str) -> dict:
   out["cold_peak_rss_over_state"] = out["cold_peak_rss_rise"] / out["bytes"]
   out["warm_peak_rss_over_state"] = out["warm_peak_rss_rise"] / out["bytes"]
   out["warm_all_seconds"] = warm
+  out["warm_all_cpu_seconds"] = warm_cpu
   out["warm_all_peak_rss_rise"] = warm_rise
+  out["warm_all_minor_faults"] = warm_flt
+  # The same, each call with the previous call's result alive (as a job
+  # holding its state), after one untimed call whose result the first
+  # timed call finds alive.
+  alive, alive_cpu, alive_rise, alive_flt = _warm_series(jax, call, state,
+                                                         True)
+  out["warm_alive_all_seconds"] = alive
+  out["warm_alive_all_cpu_seconds"] = alive_cpu
+  out["warm_alive_all_peak_rss_rise"] = alive_rise
+  out["warm_alive_all_minor_faults"] = alive_flt
+  out["warm_alive_seconds"] = sorted(alive)[mid]
+  out["warm_alive_peak_rss_rise"] = sorted(alive_rise)[mid]
   out["warm_compiles"] = n[0]
   return out
+
+
+def _warm_series(jax, call, state, keep: bool) -> tuple:
+  """WARM_CALLS timed calls in a row, each on a fresh copy of ``state``:
+  per call its wall seconds, CPU seconds, peak RSS rise and minor page
+  faults. With ``keep`` the previous call's result stays alive while the
+  next call runs (one untimed call first makes the first one's), else it
+  is dropped before the next call's copy is made."""
+  import resource
+  from bench_transitions import _fresh_copy
+  prev = jax.block_until_ready(call(_fresh_copy(jax, state))) if keep else None
+  wall, cpu, rise, faults = [], [], [], []
+  for _ in range(WARM_CALLS):
+    fresh = _fresh_copy(jax, state)
+    jax.block_until_ready(fresh)
+    base = _peak_reset()
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    res = jax.block_until_ready(call(fresh))
+    wall.append(time.perf_counter() - t0)
+    cpu.append(time.process_time() - c0)
+    rise.append(_peak_rise(base))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    del fresh
+    prev = res if keep else None
+    del res
+  del prev
+  return wall, cpu, rise, faults
 
 
 def worker_alternate(case: str, rounds: int) -> dict:
@@ -288,6 +322,23 @@ def main(argv=None) -> int:
         "warm_each_generic_over_device_put": [
             a / b for a, b in zip(g["warm_all_seconds"],
                                   d["warm_all_seconds"])],
+        "warm_alive_generic_over_device_put": (
+            g["warm_alive_seconds"] / d["warm_alive_seconds"]),
+        "warm_alive_each_generic_over_device_put": [
+            a / b for a, b in zip(g["warm_alive_all_seconds"],
+                                  d["warm_alive_all_seconds"])],
+        # Item 2 of issue 26, call by call, both series: no warm call
+        # slower than the same process's cold call, nor than device_put's
+        # warm call of the same index and series.
+        "warm_each_not_slower_than_cold": all(
+            w <= g["cold_seconds"] for w in
+            g["warm_all_seconds"] + g["warm_alive_all_seconds"]),
+        "warm_each_not_slower_than_device_put": all(
+            a <= b for a, b in zip(
+                g["warm_all_seconds"] + g["warm_alive_all_seconds"],
+                d["warm_all_seconds"] + d["warm_alive_all_seconds"])),
+        "warm_alive_peak_rss_below": (g["warm_alive_peak_rss_rise"]
+                                      <= d["warm_alive_peak_rss_rise"]),
         "warm_cpu_generic_over_device_put": (
             g["warm_cpu_seconds"] / d["warm_cpu_seconds"]),
         "cold_cpu_generic_over_device_put": (
@@ -321,7 +372,10 @@ def main(argv=None) -> int:
           f" peak RSS rise cold {g['cold_peak_rss_rise'] / 2**20:.0f} against"
           f" {d['cold_peak_rss_rise'] / 2**20:.0f} MiB, warm"
           f" {g['warm_peak_rss_rise'] / 2**20:.0f} against"
-          f" {d['warm_peak_rss_rise'] / 2**20:.0f} MiB")
+          f" {d['warm_peak_rss_rise'] / 2**20:.0f} MiB (previous result alive:"
+          f" {g['warm_alive_peak_rss_rise'] / 2**20:.0f} against"
+          f" {d['warm_alive_peak_rss_rise'] / 2**20:.0f} MiB, warm"
+          f" {checks[case]['warm_alive_generic_over_device_put']:.2f}x)")
   alternate = []
   for case in args.cases.split(",") if args.alternate else ():
     try:
@@ -348,22 +402,25 @@ def main(argv=None) -> int:
   with open(args.out, "w") as f:
     json.dump(doc, f, indent=1)
   print("| case | method | cold s | cold compiles | warm s (median) |"
-        " warm s, call by call | warm compiles |"
-        " peak RSS rise cold / warm, MiB (x state) |")
-  print("|---|---|---|---|---|---|---|---|")
+        " warm s, call by call | warm s, previous result alive |"
+        " warm compiles |"
+        " peak RSS rise cold / warm / warm alive, MiB (x state) |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "failure" in r:
-      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | | |")
+      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | | | |")
       continue
     print(f"| {r['case']} ({r['leaves']} arrays, {r['bytes'] >> 20} MiB) |"
           f" {r['method']} | {r['cold_seconds']:.3f} | {r['cold_compiles']} |"
           f" {r['warm_seconds']:.3f} |"
           f" {', '.join(f'{w:.3f}' for w in r['warm_all_seconds'])} |"
+          f" {', '.join(f'{w:.3f}' for w in r['warm_alive_all_seconds'])} |"
           f" {r['warm_compiles']} |"
           f" {r['cold_peak_rss_rise'] / 2**20:.0f}"
           f" ({r['cold_peak_rss_over_state']:.2f}) /"
           f" {r['warm_peak_rss_rise'] / 2**20:.0f}"
-          f" ({r['warm_peak_rss_over_state']:.2f}) |")
+          f" ({r['warm_peak_rss_over_state']:.2f}) /"
+          f" {r['warm_alive_peak_rss_rise'] / 2**20:.0f} |")
   return 0
 
 

@@ -1035,7 +1035,9 @@ def _run_generic(batch: list) -> list:
 # number of transfers and program launches is that of one array per group,
 # not per array (lm1b SMALL with its 5 classes in 5 groups: 128 transfers and
 # 10 launches per call, against 3,552 and 147 with one array per program; cut
-# by bytes as below, 19 groups of 5 signatures). A group holds at most
+# by bytes as below, 19 groups of 5 signatures); on CPU, where a cut slices,
+# that of one array per run of at most _CONCAT_FUSE_CPU members (see
+# _chunks: larger packed buffers cost a temporary copy). A group holds at most
 # _GROUP_SLICES sub-block slices per program and half the bytes allowed in
 # flight (a sixteenth of the bytes the targets receive, replicas counted,
 # 4-256 MiB; all of them up to 16 MiB), so no program grows with the state;
@@ -1150,22 +1152,45 @@ _GROUP_EXES: collections.OrderedDict = collections.OrderedDict()
 _GROUP_EXES_MAX = 256
 
 
+# XLA:CPU fuses the producers of a concatenation (here the slices of a cut)
+# into it only up to this many operands. Above it every slice is a kernel of
+# its own writing a temporary buffer that the concatenation then copies: the
+# ``pieces`` benchmark's cut (32 arrays a packed buffer) held 1.43 MiB of
+# temporaries per device (as much as its outputs), faulted in afresh on most
+# calls (~740 pages a call, all ~2,900 once the heap is trimmed). So on CPU a
+# packed buffer holds at most this many arrays' sub-blocks, each one fused
+# kernel writing straight into its output.
+_CONCAT_FUSE_CPU = 8
+
+
+def _chunks(n: int, platform: str, cut: bool) -> list:
+  """``range(n)`` (a group's members) split into the runs packed together:
+  at most _CONCAT_FUSE_CPU on CPU where the cut slices (``cut``), else one
+  run."""
+  step = _CONCAT_FUSE_CPU if platform == "cpu" and cut else n
+  return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+
 def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
                     shapes: tuple) -> tuple:
-  """``(cut, glue, size)``: the lowered SPMD programs of one group of
+  """``(cut, glue, sizes)``: the lowered SPMD programs of one group of
   arrays of ``shapes`` (one class, one dtype; see the section comment) and
-  the length of a packed buffer on one device.
+  the length on one device of each of its packed buffers per sub-block
+  (one per run of members, see :func:`_chunks`).
 
-  The cut program returns, per sub-block of a source shard, every member's
-  sub-block flattened and packed in member order; the glue program takes,
-  per sub-block of a target box, such a packed buffer and returns the
-  members' new arrays.
+  The cut program returns, per sub-block of a source shard and per run of
+  members, the members' sub-blocks flattened and packed in member order
+  (output ``j * runs + c``); the glue program takes, per sub-block of a
+  target box and run, such a packed buffer (input ``i * runs + c``) and
+  returns the members' new arrays.
   """
   moves = _class_moves(src, dst, len(shapes[0]))
   blocks = [tuple(n // u for n, u in zip(shape, moves.units))
             for shape in shapes]
   sizes = [math.prod(b) for b in blocks]
   h, ndim = moves.glue_counts, len(moves.units)
+  runs = _chunks(len(shapes), next(iter(_platforms(src))),
+                 len(moves.cut_grid) > 1)
 
   def cut_body(*xs):
     outs = []
@@ -1174,8 +1199,9 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
           jax.lax.slice(x, tuple(o * s for o, s in zip(off, b)),
                         tuple((o + 1) * s for o, s in zip(off, b))),
           (n,)) for x, b, n in zip(xs, blocks, sizes)]
-      outs.append(parts[0] if len(parts) == 1 else
-                  jax.lax.concatenate(parts, 0))
+      for run in runs:
+        outs.append(parts[run[0]] if len(run) == 1 else
+                    jax.lax.concatenate([parts[m] for m in run], 0))
     return tuple(outs)
 
   def join(items, d):
@@ -1186,31 +1212,37 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
     return parts[0] if len(parts) == 1 else jax.lax.concatenate(parts, d)
 
   def glue_body(*flats):
-    outs, at = [], 0
-    for b, n in zip(blocks, sizes):
-      outs.append(join([jax.lax.reshape(
-          jax.lax.slice(f, (at,), (at + n,)), b) for f in flats], 0))
-      at += n
+    outs = []
+    for c, run in enumerate(runs):
+      at = 0
+      for m in run:
+        b, n = blocks[m], sizes[m]
+        outs.append(join([jax.lax.reshape(
+            jax.lax.slice(flats[i], (at,), (at + n,)), b)
+            for i in range(c, len(flats), len(runs))], 0))
+        at += n
     return tuple(outs)
 
-  size = sum(sizes)
+  run_sizes = tuple(sum(sizes[m] for m in run) for run in runs)
   fs, fd = moves.flat_src.spec, moves.flat_dst.spec
+  n_cut = len(moves.cut_grid) * len(runs)
+  n_glue = len(moves.glue_grid) * len(runs)
   cut = jax.jit(jax.shard_map(
       cut_body, mesh=src.mesh, in_specs=(src.spec,) * len(shapes),
-      out_specs=(fs,) * len(moves.cut_grid), check_vma=False))
+      out_specs=(fs,) * n_cut, check_vma=False))
   glue = jax.jit(jax.shard_map(
-      glue_body, mesh=dst.mesh, in_specs=(fd,) * len(moves.glue_grid),
+      glue_body, mesh=dst.mesh, in_specs=(fd,) * n_glue,
       out_specs=(dst.spec,) * len(shapes), check_vma=False))
   cut = cut.lower(*(jax.ShapeDtypeStruct(s, dtype, sharding=src)
                     for s in shapes))
-  flat = jax.ShapeDtypeStruct((size * dst.mesh.size,), dtype,
-                              sharding=moves.flat_dst)
-  glue = glue.lower(*(flat,) * len(moves.glue_grid))
-  return cut, glue, size
+  glue = glue.lower(*(jax.ShapeDtypeStruct(
+      (run_sizes[k % len(runs)] * dst.mesh.size,), dtype,
+      sharding=moves.flat_dst) for k in range(n_glue)))
+  return cut, glue, run_sizes
 
 
 def _ensure_group_programs(keys: list) -> list:
-  """The compiled ``(cut, glue, size)`` of each group key ``(source,
+  """The compiled ``(cut, glue, sizes)`` of each group key ``(source,
   target, dtype, shapes)``; those not cached yet are lowered here and
   compiled several at once (XLA compiles without Python's lock)."""
   out: dict = {}
@@ -1223,9 +1255,9 @@ def _ensure_group_programs(keys: list) -> list:
         out[k] = hit
   for k in keys:
     if k not in out and all(k != t[0] for t in todo):
-      cut, glue, size = _group_programs(*k)
+      cut, glue, sizes = _group_programs(*k)
       platform = next(iter(_platforms(k[0])))
-      todo.append((k, cut, glue, size, platform))
+      todo.append((k, cut, glue, sizes, platform))
   if todo:
     jobs = [(lo, t[4]) for t in todo for lo in t[1:3]]
     n = min(len(jobs), _copy_threads())
@@ -1238,8 +1270,8 @@ def _ensure_group_programs(keys: list) -> list:
     done = [(t[0], t[3]) for t in todo]
     del jobs, todo  # the lowered modules go before the heap is trimmed
     with _transitions_lock:
-      for i, (k, size) in enumerate(done):
-        out[k] = _GROUP_EXES[k] = (exes[2 * i], exes[2 * i + 1], size)
+      for i, (k, sizes) in enumerate(done):
+        out[k] = _GROUP_EXES[k] = (exes[2 * i], exes[2 * i + 1], sizes)
       while len(_GROUP_EXES) > max(_GROUP_EXES_MAX, len(keys)):
         _GROUP_EXES.popitem(last=False)
     _trim_heap()
@@ -1396,7 +1428,8 @@ def _run_generic_packed(batch: list) -> list:
   made: list = [None] * len(batch)
   pending: list = []  # (glue outputs, bytes) of the groups in flight
   for g, ((_, _, dtype, _), moves, members, nbytes) in enumerate(groups):
-    cut, glue, size = exes[g]
+    cut, glue, sizes = exes[g]
+    runs = len(sizes)  # packed buffers per sub-block
     while pending and sum(b for _, b in pending) + nbytes > flight:
       jax.block_until_ready(pending.pop(0)[0])
     packed = [_shards_of(o) for o in cut(*[batch[n][1] for n in members])]
@@ -1404,19 +1437,22 @@ def _run_generic_packed(batch: list) -> list:
     for dev, row in zip(moves.devices, moves.need):
       for src_id, j in row:
         if src_id != dev.id:
-          sends.append(packed[j][src_id])
-          dests.append(dev)
-          where.append((dev.id, src_id, j))
+          for c in range(runs):
+            sends.append(packed[j * runs + c][src_id])
+            dests.append(dev)
+            where.append((dev.id, src_id, j * runs + c))
     moved = dict(zip(where, _send(sends, dests))) if sends else {}
     del sends
-    blocks = {dev.id: [packed[j][src_id] if src_id == dev.id else
-                       moved[dev.id, src_id, j] for src_id, j in row]
+    blocks = {dev.id: [packed[j * runs + c][src_id] if src_id == dev.id else
+                       moved[dev.id, src_id, j * runs + c]
+                       for src_id, j in row for c in range(runs)]
               for dev, row in zip(moves.devices, moves.need)}
     del packed, moved  # what was sent goes once its copy is done
     order = _device_order(moves.flat_dst)
-    ins = [_make_array((size * len(order),), dtype, moves.flat_dst,
-                       [blocks[d.id][i] for d in order], list(order))
-           for i in range(len(moves.glue_grid))]
+    ins = [_make_array((sizes[i % runs] * len(order),), dtype,
+                       moves.flat_dst, [blocks[d.id][i] for d in order],
+                       list(order))
+           for i in range(len(moves.glue_grid) * runs)]
     del blocks
     outs = glue(*ins)
     del ins  # the received buffers go once the glue is done

@@ -528,3 +528,30 @@ def test_generic_trims_the_heap_after_compiling_only(monkeypatch):
     for k, v in out.items():
       assert v.sharding == target[k]
       assert _bits(v) == hosts[k].tobytes(), k
+
+
+def test_generic_cut_writes_no_temporary_buffer_on_cpu():
+  # XLA:CPU fuses at most 8 slices into a concatenation: a packed buffer of
+  # more arrays' sub-blocks had every slice written to a temporary buffer
+  # as large as the cut's outputs, then copied. The cut packs at most
+  # _CONCAT_FUSE_CPU arrays a buffer, each written by one fused kernel: no
+  # temporary; the results bitwise.
+  hosts = {f"w{i:02d}": (np.arange(64 * (64 + 8 * i), dtype=np.float32)
+                         * (i + 1)).reshape(64, -1) for i in range(20)}
+  a = Mesh(np.array(DEVS), ("x",))
+  cols = NamedSharding(Mesh(np.array(DEVS[::-1]), ("x",)), P(None, "x"))
+  tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+          for k, v in hosts.items()}
+  rmod._GROUP_EXES.clear()
+  out = jax.block_until_ready(
+      tj.reshard(tree, {k: cols for k in hosts}, method="generic"))
+  for k, v in out.items():
+    assert v.sharding == cols
+    assert _bits(v) == hosts[k].tobytes(), k
+  (cut, glue, sizes), = rmod._GROUP_EXES.values()
+  assert cut.memory_analysis().temp_size_in_bytes == 0
+  assert glue.memory_analysis().temp_size_in_bytes == 0
+  # 20 arrays in runs of 8, 8 and 4, each run's sub-blocks one buffer.
+  per = [sum(64 * (64 + 8 * i) // 64 for i in range(r, min(20, r + 8)))
+         for r in (0, 8, 16)]
+  assert sizes == tuple(per), sizes
