@@ -152,3 +152,55 @@ def test_expect_resizes_refuses_a_failure_generation_without_processes():
     with pytest.raises(UsageError, match=r"failure=.*expected \(procs >= 1, key\)"):
       store.expect_resizes([], key="k", failure=bad)
   store.expect_resizes([], key="k", failure=(1, "k"))  # no launcher: nothing
+
+
+def test_a_prepared_restore_collects_before_its_turn_and_restores_with_gc_off(
+    tmp_path, monkeypatch):
+  """A generation started ahead collects its garbage while it waits, and the
+  restore runs with the collector off (no full collection on the resize's
+  path), which is back on after it, also when the restore fails."""
+  import gc
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from tenplex_jax import store
+  from tenplex_jax.runtime import launch as rl
+
+  d = str(tmp_path / "store")
+  os.makedirs(d)
+  store.save({"w": jnp.arange(8.0)}, d, step=8)
+  monkeypatch.setenv("TENPLEX_PEERS", json.dumps([d]))
+  monkeypatch.setenv("TENPLEX_START_STEP", "8")
+  events = []
+  real_restore, real_collect = rl.restore_with_report, gc.collect
+
+  def restore(*args, **kwargs):
+    events.append(("restore", gc.isenabled()))
+    if events.count(("restore", False)) == 2:
+      raise RuntimeError("disk on fire")
+    return real_restore(*args, **kwargs)
+
+  monkeypatch.setattr(rl, "restore_with_report", restore)
+  monkeypatch.setattr(rl, "prepared", lambda: True)
+  monkeypatch.setattr(rl, "compile_restore", lambda *a, **k: False)
+  monkeypatch.setattr(rl, "wait_turn", lambda: events.append(("turn",)))
+  monkeypatch.setattr(gc, "collect", lambda *a: events.append(("collect",))
+                      or real_collect(*a))
+  target = {"w": jax.ShapeDtypeStruct(
+      (8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+  assert gc.isenabled()
+  state, step = rl.restore_or_init(lambda: None, target)
+  assert step == 8 and np.array_equal(np.asarray(state["w"]), np.arange(8.0))
+  assert events == [("collect",), ("turn",), ("restore", False)]
+  assert gc.isenabled()
+  with pytest.raises(RuntimeError, match="disk on fire"):
+    rl.restore_or_init(lambda: None, target)
+  assert gc.isenabled()
+  gc.disable()  # a process that runs with the collector off keeps it off
+  try:
+    rl.restore_or_init(lambda: None, target)
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
