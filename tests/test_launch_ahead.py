@@ -154,12 +154,11 @@ def test_expect_resizes_refuses_a_failure_generation_without_processes():
   store.expect_resizes([], key="k", failure=(1, "k"))  # no launcher: nothing
 
 
-def test_a_prepared_restore_collects_once_ready_and_restores_with_gc_off(
+def test_a_prepared_restore_collects_before_its_turn_and_restores_with_gc_off(
     tmp_path, monkeypatch):
-  """A generation started ahead collects its garbage while it waits for its
-  turn (once marked ready: the launcher does not wait for the collection),
-  and the restore runs with the collector off (no full collection on the
-  resize's path), which is back on after it, also when the restore fails."""
+  """A generation started ahead collects its garbage while it waits, and the
+  restore runs with the collector off (no full collection on the resize's
+  path), which is back on after it, also when the restore fails."""
   import gc
 
   import jax
@@ -169,19 +168,11 @@ def test_a_prepared_restore_collects_once_ready_and_restores_with_gc_off(
   from tenplex_jax import store
   from tenplex_jax.runtime import launch as rl
 
-  d, job = str(tmp_path / "store"), str(tmp_path / "job")
+  d = str(tmp_path / "store")
   os.makedirs(d)
-  os.makedirs(job)
   store.save({"w": jnp.arange(8.0)}, d, step=8)
-  turn = os.path.join(job, "turn_1.json")
-  with open(turn, "w") as f:  # the launcher's hand-over, already there
-    json.dump({"handed": 1.0}, f)
-  for k, v in {"TENPLEX_PEERS": json.dumps([d]), "TENPLEX_START_STEP": "8",
-               "TENPLEX_JOB_DIR": job, "TENPLEX_GENERATION": "1",
-               "TENPLEX_TURN_FILE": turn}.items():
-    monkeypatch.setenv(k, v)
-  monkeypatch.setattr(rl, "_turn", {})
-  ready = os.path.join(job, "ready_1_0.txt")
+  monkeypatch.setenv("TENPLEX_PEERS", json.dumps([d]))
+  monkeypatch.setenv("TENPLEX_START_STEP", "8")
   events = []
   real_restore, real_collect = rl.restore_with_report, gc.collect
 
@@ -192,15 +183,18 @@ def test_a_prepared_restore_collects_once_ready_and_restores_with_gc_off(
     return real_restore(*args, **kwargs)
 
   monkeypatch.setattr(rl, "restore_with_report", restore)
-  monkeypatch.setattr(gc, "collect", lambda *a: events.append(
-      ("collect", os.path.exists(ready))) or real_collect(*a))
+  monkeypatch.setattr(rl, "prepared", lambda: True)
+  monkeypatch.setattr(rl, "compile_restore", lambda *a, **k: False)
+  monkeypatch.setattr(rl, "wait_turn", lambda: events.append(("turn",)))
+  monkeypatch.setattr(gc, "collect", lambda *a: events.append(("collect",))
+                      or real_collect(*a))
   target = {"w": jax.ShapeDtypeStruct(
       (8,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
-  assert rl.prepared() and gc.isenabled()
+  assert gc.isenabled()
   state, step = rl.restore_or_init(lambda: None, target)
   assert step == 8 and np.array_equal(np.asarray(state["w"]), np.arange(8.0))
-  assert events == [("collect", True), ("restore", False)]
-  assert gc.isenabled() and not rl.prepared()
+  assert events == [("collect",), ("turn",), ("restore", False)]
+  assert gc.isenabled()
   with pytest.raises(RuntimeError, match="disk on fire"):
     rl.restore_or_init(lambda: None, target)
   assert gc.isenabled()

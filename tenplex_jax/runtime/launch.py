@@ -120,7 +120,6 @@ class Controller:
     every 2 ms); returns the turn (``handed``, ``saved``, ...)."""
     with private.open_private(_job_file("ready", "txt")) as f:
       f.write(repr(ready))
-    _collect_while_waiting()
     while True:
       try:
         return json.loads(_text(path))
@@ -614,15 +613,6 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
   controller().leave_for_resize(procs, step)
 
 
-def _collect_while_waiting() -> None:
-  """The garbage of a prepared process's preparation (imports, compiles,
-  the warm-up step) collected once it is ready and waits for its turn, not
-  in a full collection during its restore (88-103 ms in the one-process
-  restore of examples/lm/train.py); after the ready mark, so that the
-  launcher sees the generation ready as soon as it is."""
-  gc.collect()
-
-
 @contextlib.contextmanager
 def _no_gc():
   """No automatic garbage collection inside (the restore: it makes little
@@ -671,6 +661,10 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
       compile_restore(target, allocate=job_env().allocate_ahead)
     except Exception:  # noqa: BLE001 - the restore reports a bad target
       pass
+    # The garbage of the preparation (imports, compiles, the warm-up step)
+    # collected while the process waits, not in a full collection during the
+    # restore (88-103 ms in the one-process restore of examples/lm/train.py).
+    gc.collect()
   wait_turn()  # a prepared generation: until the previous one saved
   env = job_env()
   stores = list(env.peers)

@@ -194,15 +194,11 @@ class _WorkerController(Controller):
     blocks until the controller gives its generation the turn (every
     worker of the running group has saved)."""
     gen = job_env().generation
-    collected = False
-    while True:  # the first call marks this worker waiting (ready) at once
+    while True:
       turn = _ray.get(self._actor().wait_turn.remote(
-          gen, job_env().proc_id, 10.0 if collected else 0.0))
+          gen, job_env().proc_id, 10.0))
       if turn is not None:
         return turn
-      if not collected:  # then, while it waits, its garbage
-        _launch._collect_while_waiting()
-        collected = True
 
   def saved(self, procs: int, step: int) -> None:
     """Tells the controller this worker saved for a resize to ``procs``
