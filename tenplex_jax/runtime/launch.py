@@ -46,10 +46,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import builtins
-import contextlib
 import ctypes
 import faulthandler
-import gc
 import json
 import os
 import platform
@@ -613,20 +611,6 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
   controller().leave_for_resize(procs, step)
 
 
-@contextlib.contextmanager
-def _no_gc():
-  """No automatic garbage collection inside (the restore: it makes little
-  cyclic garbage, and a collection there is on the resize's path); the
-  collector's state before it is restored after, also on an error."""
-  enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if enabled:
-      gc.enable()
-
-
 last_restore: dict = {}  # what the last restore_or_init restored (step,
 # source, failed_step, the RestoreReport as a dict); empty after an init
 
@@ -661,10 +645,6 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
       compile_restore(target, allocate=job_env().allocate_ahead)
     except Exception:  # noqa: BLE001 - the restore reports a bad target
       pass
-    # The garbage of the preparation (imports, compiles, the warm-up step)
-    # collected while the process waits, not in a full collection during the
-    # restore (88-103 ms in the one-process restore of examples/lm/train.py).
-    gc.collect()
   wait_turn()  # a prepared generation: until the previous one saved
   env = job_env()
   stores = list(env.peers)
@@ -680,8 +660,7 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   locations = ([own] if own and os.path.isdir(own) else []) + stores
   ckpt, job, gen = env.checkpoint, env.job_dir, env.generation
   try:
-    with _no_gc():
-      state, report = restore_with_report(locations, target, checkpoint=ckpt)
+    state, report = restore_with_report(locations, target, checkpoint=ckpt)
   except NoCopyError as e:
     if failed is None:
       raise
