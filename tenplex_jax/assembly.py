@@ -309,14 +309,18 @@ class _Single(Exception):
 
 
 def _direct(src) -> bool:
-  """Whether ``src`` serves one piece per read (a directory, a bucket),
-  each read then a task of its own, as opposed to many per request."""
+  """Whether ``src`` serves one piece per read (a directory, a bucket), as
+  opposed to many per request."""
   return getattr(src, "direct", src.local)
 
 
-def _batches(jobs, batch_bytes: int, batch_pieces: int):
-  """Groups jobs by their first source into requests of bounded size, then
-  interleaves the groups (every peer is read from at once)."""
+def _batches(jobs, batch_bytes: int, batch_pieces: int, direct_bytes: int):
+  """Groups jobs by their first source into tasks of bounded size, then
+  interleaves the groups (every peer is read from at once): a request of up
+  to ``batch_bytes`` and ``batch_pieces`` to a source that serves many pieces
+  per request; consecutive pieces of a direct source (read one by one) up
+  to ``direct_bytes`` together, so that small pieces do not cost a task
+  (a thread's wake-up) each."""
   groups: dict[int, list] = {}
   for job in jobs:
     groups.setdefault(id(job[3][0]), []).append(job)
@@ -325,9 +329,10 @@ def _batches(jobs, batch_bytes: int, batch_pieces: int):
     out = []
     per_group.append(out)
     cur, nb = [], 0
+    direct = _direct(group[0][3][0])
+    limit = direct_bytes if direct else batch_bytes
     for job in group:
-      if cur and (nb + job[2].nbytes > batch_bytes
-                  or len(cur) >= batch_pieces or _direct(job[3][0])):
+      if cur and (nb + job[2].nbytes > limit or len(cur) >= batch_pieces):
         out.append(cur)
         cur, nb = [], 0
       cur.append(job)
@@ -341,7 +346,8 @@ def _batches(jobs, batch_bytes: int, batch_pieces: int):
 
 
 def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
-                 batch_bytes: int = 16 << 20, batch_pieces: int = 256):
+                 batch_bytes: int = 16 << 20, batch_pieces: int = 256,
+                 direct_bytes: int = 1 << 20):
   """Reads pieces from ranked sources, falling back to the next source of a
   piece when one fails ("try the next source", in one place).
 
@@ -354,6 +360,10 @@ def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
     dead: names of sources known dead; a source that raises
       :class:`UnreachableError` is added, and skipped from then on.
     batch_bytes, batch_pieces: bound on one request.
+    direct_bytes: pieces of a source that reads one piece at a time (a
+      directory, a bucket: ``direct``, by default ``local``) are grouped
+      into tasks of up to this many bytes (and ``batch_pieces``); a larger
+      piece is a task of its own. A single task runs in the calling thread.
 
   Returns:
     ``[(source that served it, job), ...]`` and the errors that were
@@ -415,10 +425,15 @@ def fetch_pieces(jobs, *, workers: int = 8, dead: set | None = None,
     return served, errs
 
   served_all, errs_all = [], []
-  pool = cf.ThreadPoolExecutor(max_workers=max(1, workers))
+  tasks = _batches(jobs, batch_bytes, batch_pieces, direct_bytes)
+  if len(tasks) <= 1:  # no thread to start and wake for one task
+    for served, errs in map(fetch, tasks):
+      errs_all.extend(errs)
+      served_all.extend(served)
+    return served_all, errs_all
+  pool = cf.ThreadPoolExecutor(max_workers=max(1, min(workers, len(tasks))))
   try:
-    for served, errs in pool.map(fetch, _batches(jobs, batch_bytes,
-                                                 batch_pieces)):
+    for served, errs in pool.map(fetch, tasks):
       errs_all.extend(errs)
       served_all.extend(served)
   except BaseException:

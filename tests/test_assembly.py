@@ -1,6 +1,8 @@
 """The restore core (tenplex_jax.assembly): one assembly path that
 ``assemble``, the store restore and ``orbax.convert`` share."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,3 +287,48 @@ def test_moved_names_still_resolve_from_sources_with_a_warning(name, home):
   assert got is getattr(importlib.import_module(home), name)
   with pytest.raises(AttributeError, match="no attribute 'nope'"):
     sources.nope  # noqa: B018
+
+
+class _Pieces(Source):
+  """A direct source whose reads fill ``out`` with the box's first index and
+  note the thread that read it."""
+  local = True
+
+  def __init__(self, name="pieces"):
+    self.name = name
+    self.threads = []
+
+  def tensors(self):
+    return {}
+
+  def read_into(self, path, box, out):
+    self.threads.append(threading.get_ident())
+    out[...] = box[0][0]
+
+
+def _piece_jobs(src, n, size):
+  outs = [np.zeros(size, np.float32) for _ in range(n)]
+  return [("w", ((i, i + 1),), outs[i], [src], None) for i in range(n)], outs
+
+
+def test_fetch_pieces_groups_small_direct_pieces_and_runs_one_task_inline():
+  src = _Pieces()
+  jobs, outs = _piece_jobs(src, 40, 16)  # 40 pieces of 64 bytes
+  # the tasks: direct pieces together up to direct_bytes, a larger piece alone
+  tasks = assembly._batches(jobs, 1 << 20, 256, 256)
+  assert [len(t) for t in tasks] == [4] * 10
+  big = [("w", ((0, 1),), np.zeros(1000, np.float32), [src], None)]
+  assert [len(t) for t in assembly._batches(jobs[:2] + big + jobs[2:4], 1 << 20,
+                                            256, 256)] == [2, 1, 2]
+  # a small state's pieces: one task, read in the calling thread
+  served, errs = assembly.fetch_pieces(jobs, workers=8)
+  assert not errs and len(served) == 40
+  assert set(src.threads) == {threading.get_ident()}
+  assert all((o == i).all() for i, o in enumerate(outs))
+  # more bytes than one task: read by the pool's threads, every piece once
+  src2 = _Pieces()
+  jobs2, outs2 = _piece_jobs(src2, 40, 16)
+  served, errs = assembly.fetch_pieces(jobs2, workers=8, direct_bytes=256)
+  assert not errs and sorted(j[1] for _, j in served) == sorted(j[1] for j in jobs2)
+  assert threading.get_ident() not in src2.threads
+  assert all((o == i).all() for i, o in enumerate(outs2))

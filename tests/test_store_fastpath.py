@@ -349,3 +349,60 @@ def test_snapshots_are_fsynced_except_on_memory_file_systems(tmp_path,
   finally:
     shutil.rmtree(shm, ignore_errors=True)
   assert synced == []
+
+
+def test_chunk_maps_resolve_a_directory_once_and_follow_links_in_full(tmp_path,
+                                                                      monkeypatch):
+  snap = tmp_path / "snap"
+  (snap / "a" / "b").mkdir(parents=True)
+  (snap / "a" / "c").mkdir()
+  (tmp_path / "out").mkdir()
+  os.symlink(snap / "a" / "b", snap / "a" / "in")  # a link that stays inside
+  os.symlink(tmp_path / "out", snap / "a" / "out")  # one that leads out
+  base, rels = str(snap), ["a/b", "a/c", "a/in"]
+  want = {rel: fmt.inside(base, rel, "t") for rel in rels}
+  assert want["a/in"] == os.path.realpath(snap / "a" / "b")
+  calls = []
+  real = os.path.realpath
+  monkeypatch.setattr(os.path, "realpath",
+                      lambda p, **kw: calls.append(p) or real(p, **kw))
+  maps = fmt.ChunkMaps()
+  for _ in range(10):
+    for rel in rels[:2]:
+      assert maps.inside(base, rel, "t") == want[rel]
+  assert len(calls) == 1  # the base, once; a/b and a/c need no realpath
+  assert maps.inside(base, "a/in", "t") == want["a/in"]  # a link: in full
+  with pytest.raises(StoreError, match="outside"):
+    maps.inside(base, "a/out", "t")
+  with pytest.raises(StoreError, match="not a relative path"):
+    maps.inside(base, "a/../a/b", "t")
+
+
+def test_reads_with_one_chunk_maps_find_the_snapshot_and_box_once(tmp_path,
+                                                                   monkeypatch):
+  d = str(tmp_path / "store")
+  os.makedirs(d)
+  value = np.arange(64, dtype=np.float32)
+  store.save({"w": jax.numpy.asarray(value)}, d, step=1)
+  hs = HostStore(d)
+  rid = fmt.round_id(hs.manifest(0))
+  counts = {"realpath": 0, "names": 0}
+  real, names = os.path.realpath, HostStore._names
+
+  def count_realpath(p, **kw):
+    counts["realpath"] += 1
+    return real(p, **kw)
+
+  def count_names(self, proc):
+    counts["names"] += 1
+    return names(self, proc)
+
+  monkeypatch.setattr(os.path, "realpath", count_realpath)
+  monkeypatch.setattr(HostStore, "_names", count_names)
+  maps = fmt.ChunkMaps()
+  out = np.zeros(64, np.uint32)
+  for i in range(0, 64, 4):  # 16 pieces of the one box
+    hs.read_into("w", ((i, i + 4),), out[i:i + 4], proc=0, maps=maps, round=rid)
+  maps.close()
+  np.testing.assert_array_equal(out.view(np.float32), value)
+  assert counts == {"realpath": 1, "names": 1}

@@ -56,7 +56,7 @@ import time
 import urllib.parse
 import uuid
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import google_crc32c
@@ -655,7 +655,11 @@ class ChunkWalk:
 
   @classmethod
   def of(cls, root: str, path: str, box: Box, proc: int, t: dict, b: dict,
-         held: Box, snap: str) -> ChunkWalk:
+         held: Box, snap: str, maps: ChunkMaps | None = None) -> ChunkWalk:
+    """The walk of sub-box ``box`` of ``held`` (box entry ``b`` of tensor
+    entry ``t``) in snapshot directory ``snap``; ``maps``: the chunk maps
+    of the read, which resolve each box directory once for all its pieces
+    (else resolved here)."""
     extra = tuple((0, e) for e in t["extra"])
     sbox, sheld = tuple(box) + extra, tuple(held) + extra
     hshape = tuple(h1 - h0 for h0, h1 in sheld)
@@ -664,7 +668,8 @@ class ChunkWalk:
     ndim = len(hshape)
     lo, hi = (sbox[0][0] - sheld[0][0], sbox[0][1] - sheld[0][0]) \
         if ndim else (0, 1)
-    d = inside(snap, b["dir"], f"store {root}: {path} box {list(held)}")
+    d = (maps.inside if maps is not None else inside)(
+        snap, b["dir"], f"store {root}: {path} box {list(held)}")
     crcs = b["crc32c"]
     if len(crcs) < -(-hi // rows) or rows < 1:
       raise StoreError(f"store {root}: {path} box {list(held)} (process"
@@ -709,7 +714,47 @@ class ChunkMaps:
   def __init__(self):
     self._lock = threading.Lock()
     self._maps: dict[str, list] = {}  # file -> [lock, payload or None]
+    self._dirs: dict[tuple[str, str], str] = {}  # (base, rel) -> resolved
+    self._memo: dict = {}  # see memo
+    self._plain: set[str] = set()  # resolved paths found to be no link
     self.mapped = 0  # chunk files mapped (and checksummed)
+
+  def inside(self, base: str, rel: str, what: str) -> str:
+    """:func:`inside`, each ``(base, rel)`` resolved once for these maps:
+    a restore reads many pieces of one box directory, and resolving it
+    (``realpath``: an ``lstat`` per component of both paths) for each cost
+    more than reading the pieces of a small state."""
+    key = (base, rel)
+    got = self._dirs.get(key)
+    if got is None:
+      check_relative(rel, what)
+      b = self._dirs.get((base, ""))
+      if b is None:
+        b = os.path.realpath(base)
+      got, plain = b, []
+      for c in rel.split("/"):  # b is resolved: only rel's parts to check
+        got = os.path.join(got, c)
+        if got in self._plain:
+          continue
+        if os.path.islink(got):  # a link: resolved (and checked) in full
+          got, plain = inside(base, rel, what), []
+          break
+        plain.append(got)
+      with self._lock:
+        self._dirs[(base, "")] = b
+        self._dirs[key] = got
+        self._plain.update(plain)
+    return got
+
+  def memo(self, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, once per ``key`` for these maps (what one restore finds
+    the same for each of its pieces, e.g. a round's snapshot directory)."""
+    got = self._memo.get(key)
+    if got is None:
+      got = make()
+      with self._lock:
+        self._memo[key] = got
+    return got
 
   def payload(self, fname: str, chunk_bytes: int, crc: int,
               what: str, load=None) -> np.ndarray:
@@ -733,9 +778,13 @@ class ChunkMaps:
       return entry[1]
 
   def close(self) -> None:
-    """Forgets the maps (each is unmapped once no view of it is left)."""
+    """Forgets the maps (each is unmapped once no view of it is left), the
+    resolved directories and what :meth:`memo` kept."""
     with self._lock:
       self._maps.clear()
+      self._dirs.clear()
+      self._memo.clear()
+      self._plain.clear()
 
 
 def _map_chunk(fname: str, chunk_bytes: int, crc: int,
@@ -1595,10 +1644,13 @@ class HostStore:
                        f" failed: {msg}") from e
 
   def _locate(self, path: str, box: Box, proc: int | None,
-              step: int | None = None, round: str | None = None
+              step: int | None = None, round: str | None = None,
+              maps: ChunkMaps | None = None
               ) -> tuple[int, dict, dict, Box, str]:
     """(proc, tensor entry, box entry, held box, snapshot directory) of the
-    box containing ``box`` (in the snapshot of ``round`` or ``step``).
+    box containing ``box`` (in the snapshot of ``round`` or ``step``);
+    ``maps``: those of the read, which find a round's snapshot directory
+    once for all its pieces.
 
     Raises:
       UsageError: ``box`` is not a box of the tensor (wrong rank, a range
@@ -1607,7 +1659,11 @@ class HostStore:
     """
     if proc is None:
       proc = self._proc_holding(path, box, step, round)
-    snap = self.snapshot_dir(proc, step, round)
+    if maps is not None and round is not None:
+      snap = maps.memo((self.root, proc, round),
+                       lambda: self.snapshot_dir(proc, step, round))
+    else:
+      snap = self.snapshot_dir(proc, step, round)
     m = self.snap_manifest(proc, snap)
     t = m["tensors"].get(path)
     if t is None:
@@ -1665,7 +1721,8 @@ class HostStore:
       ChecksumError: a chunk fails its checksum (or has the wrong size).
       StoreError: the tensor or box is not held here, or a file is missing.
     """
-    proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    proc, t, b, held, snap = self._locate(path, box, proc, step, round,
+                                          maps)
     extra = tuple(t["extra"])
     storage = np.dtype(t["storage"])
     shape = tuple(hi - lo for lo, hi in box) + extra
@@ -1679,11 +1736,11 @@ class HostStore:
       dest[...] = self.read_storage(path, box, proc=proc, step=step,
                                     round=round)
       return dest.nbytes
-    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
     own = maps is None
     if own:
       maps = ChunkMaps()
     try:
+      w = ChunkWalk.of(self.root, path, box, proc, t, b, held, snap, maps)
       for c in w.chunks:
         part = dest[c.r0 - w.lo:c.r1 - w.lo] if w.ndim else dest
         if w.whole_rows and c.r0 == c.c0 and c.r1 == c.c0 + w.rows \
@@ -1718,16 +1775,17 @@ class HostStore:
       ChecksumError: a chunk fails its checksum (or has the wrong size).
       StoreError: the tensor or box is not held here, or a file is missing.
     """
-    proc, t, b, held, snap = self._locate(path, box, proc, step, round)
+    proc, t, b, held, snap = self._locate(path, box, proc, step, round,
+                                          maps)
     extra = tuple(t["extra"])
     if math.prod(tuple(hi - lo for lo, hi in box) + extra) == 0:
       return []
     if "chunk_rows" not in b:
       return [self.read_storage(path, box, proc=proc, step=step,
                                 round=round).reshape(-1)]
-    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, snap)
     if maps is None:
       maps = ChunkMaps()
+    w = ChunkWalk.of(self.root, path, box, proc, t, b, held, snap, maps)
     out = []
     for c in w.chunks:
       data = maps.payload(c.fname, w.chunk_bytes, c.crc, c.what)
