@@ -510,3 +510,46 @@ def test_standby_runs_a_script_or_a_module_as_python_would(tmp_path, capfd):
   assert _standby_form([sys.executable, "-c", "pass"]) is None
   assert _standby_form(["bash", str(script)]) is None
   assert _standby_form(module) == ("module", "pk.m")
+
+
+class _Ended:
+  """A stand-in for the launcher's ``_Child`` once the process ended."""
+
+  def __init__(self, index, code, died_at):
+    self.index, self.code, self._died = index, code, died_at
+
+  def died_at(self):
+    return self._died
+
+
+def _report(tmp, gen, index, **fields):
+  with open(os.path.join(tmp, f"failure_{gen}_{index}.json"), "w") as f:
+    json.dump({"process": index, "generation": gen, **fields}, f)
+
+
+@pytest.mark.parametrize("error", [
+    "RuntimeError: Gloo all-reduce failed: Connection closed by peer"
+    " [127.0.0.1]:40123",
+    "XlaRuntimeError: UNAVAILABLE: Socket closed"])
+def test_a_failure_in_sympathy_is_not_blamed_over_the_exit_that_caused_it(
+    tmp, error):
+  # Process 1 exits with code 3 (no report, os._exit); process 0's
+  # collective then fails and its report, written at t = 100.0, comes before
+  # the launcher's note of process 1's end (t = 100.2, a loaded host): the
+  # exit is the first failure, not the peer's error it caused.
+  from tenplex_jax.runtime import launch
+  _report(tmp, 0, 0, kind="exception", error=error, time=100.0)
+  children = [_Ended(0, 1, 100.3), _Ended(1, 3, 100.2)]
+  first, kind, words, when = launch._first_failure(children, tmp, 0, {},
+                                                   stop_time=101.0)
+  assert (first, kind, words, when) == (1, "exit", "exited with code 3",
+                                        100.2)
+  # Two processes that both saw a peer's end: the earliest is named.
+  _report(tmp, 0, 1, kind="exception", error=error, time=100.1)
+  first, *_ = launch._first_failure(children, tmp, 0, {}, stop_time=101.0)
+  assert first == 0
+  # A process's own error (not a peer's end) still goes by time.
+  _report(tmp, 0, 0, kind="exception", error="ValueError: bad batch",
+          time=100.0)
+  first, *_ = launch._first_failure(children, tmp, 0, {}, stop_time=101.0)
+  assert first == 0

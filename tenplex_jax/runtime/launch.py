@@ -1249,6 +1249,19 @@ def _describe(code: int, report: dict | None) -> tuple[str, str]:
   return "exit", f"exited with code {code}"
 
 
+# What a process's error says when a peer's end broke its collective or its
+# coordination service (gloo's TCP pairs, the distributed runtime's gRPC):
+# a failure in sympathy, whatever the clocks say.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer",
+              "broken pipe", "socket closed")
+
+
+def _in_sympathy(report: dict | None) -> bool:
+  """Whether a failure report's error is a peer's end seen from here."""
+  error = str((report or {}).get("error", "")).lower()
+  return any(words in error for words in _PEER_LOST)
+
+
 def _first_failure(children: list[_Child], job_dir: str, gen: int,
                    sent: dict[int, int], stop_time: float
                    ) -> tuple[int, str, str, float]:
@@ -1261,8 +1274,11 @@ def _first_failure(children: list[_Child], job_dir: str, gen: int,
   SIGSEGV) comes before processes that raised or aborted: those may have
   failed in sympathy (a collective whose peer vanished raises; jax's
   distributed runtime aborts when the coordinator is gone), a signal death
-  cannot. Then the earliest time: a process's own report (written before
-  it exits), else when its end was seen.
+  cannot; and those before processes whose report says a peer's end broke
+  their collective (:func:`_in_sympathy`), which on a loaded host can be
+  written before the launcher notes the peer's exit. Then the earliest
+  time: a process's own report (written before it exits), else when its
+  end was seen.
   """
   cands = []
   for c in children:
@@ -1279,7 +1295,8 @@ def _first_failure(children: list[_Child], job_dir: str, gen: int,
     times = [t for t in (c.died_at(), (report or {}).get("time"))
              if t is not None]
     when = min(times) if times else stop_time
-    cands.append(((0 if signalled else 1, when, c.index), c, report, when))
+    rank = 0 if signalled else 2 if _in_sympathy(report) else 1
+    cands.append(((rank, when, c.index), c, report, when))
   if not cands:  # every end was caused by the stop: blame the first seen
     c = min(children, key=lambda c: (c.died_at() or stop_time, c.index))
     cands = [((0, 0, 0), c, None, c.died_at() or stop_time)]
