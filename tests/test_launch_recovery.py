@@ -251,6 +251,58 @@ def test_a_store_server_that_dies_before_the_restore_loses_no_step(tmp):
 _SYS_EXIT = {"x86_64": 60, "aarch64": 93}
 
 
+def _dying_process():
+  """A process whose main thread ended (SYS_exit) while another thread
+  sleeps: a zombie in /proc, not yet waitable (as a SIGKILLed process with a
+  large address space is for up to hundreds of ms)."""
+  import platform
+  nr = _SYS_EXIT.get(platform.machine())
+  if nr is None:
+    pytest.skip(f"no SYS_exit number for {platform.machine()}")
+  return subprocess.Popen(
+      [sys.executable, "-c", "import ctypes, threading, time;"
+       " threading.Thread(target=time.sleep, args=(120,)).start();"
+       f" ctypes.CDLL(None).syscall({nr}, 0)"], start_new_session=True)
+
+
+def _wait_zombie(p):
+  t0 = time.time()
+  while _text(f"/proc/{p.pid}/stat").rsplit(")", 1)[1].split()[0] != "Z":
+    assert time.time() - t0 < 30
+    time.sleep(0.01)
+
+
+def test_a_standby_whose_threads_are_still_exiting_is_not_handed_a_rank():
+  # The same window for a standby process: one whose main thread has ended
+  # is dead, not a process to hand the generation's rank to (its rank's
+  # process would be missing and the generation fail): the launcher kills
+  # and reaps it and starts the process afresh.
+  import threading
+  from tenplex_jax.runtime import launch as L
+  dying = _dying_process()
+  sb = object.__new__(L._Standby)
+  r, sb._w = os.pipe()
+  sb._watch, watch_w = os.pipe()
+  sb.popen = dying
+  child = None
+  try:
+    _wait_zombie(dying)
+    assert not L._exited(dying)
+    child = L._start_child(0, [sys.executable, "-c", "pass"], dict(ENV),
+                           threading.Event(), [sb])
+    assert child.popen is not dying
+    assert dying.returncode == -signal.SIGKILL  # killed and reaped
+    assert child.popen.wait(timeout=60) == 0
+  finally:
+    for fd in (r, watch_w):
+      os.close(fd)
+    if dying.returncode is None:
+      dying.kill()
+      dying.wait()
+    if child is not None:
+      child.popen.wait(timeout=60)
+
+
 def test_a_store_server_whose_threads_are_still_exiting_is_restarted(
     tmp, capfd):
   # A SIGKILLed store server's main thread is a zombie in /proc at once,
@@ -261,22 +313,11 @@ def test_a_store_server_whose_threads_are_still_exiting_is_restarted(
   # instead of the snapshot in that server's store. The same state, held
   # as long as needed: a process whose main thread ended (SYS_exit) while
   # another thread sleeps.
-  import platform
   from tenplex_jax.runtime import launch as L
-  nr = _SYS_EXIT.get(platform.machine())
-  if nr is None:
-    pytest.skip(f"no SYS_exit number for {platform.machine()}")
-  dying = subprocess.Popen(
-      [sys.executable, "-c", "import ctypes, threading, time;"
-       " threading.Thread(target=time.sleep, args=(120,)).start();"
-       f" ctypes.CDLL(None).syscall({nr}, 0)"], start_new_session=True)
+  dying = _dying_process()
   servers = {1: (dying, "http://127.0.0.1:9")}
   try:
-    t0 = time.time()
-    while _text(f"/proc/{dying.pid}/stat").rsplit(")", 1)[1].split()[0] \
-        != "Z":
-      assert time.time() - t0 < 30
-      time.sleep(0.01)
+    _wait_zombie(dying)
     assert not L._exited(dying)  # not waitable: what the launcher looked at
     env = {**ENV, "TENPLEX_JAX_STORE_TOKEN": "t" * 43}
     urls = L._ensure_servers(servers, 1, tmp, env)

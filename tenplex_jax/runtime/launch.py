@@ -1049,7 +1049,10 @@ class _Standby:
     self._watch = watch_r
 
   def alive(self) -> bool:
-    return self._w is not None and not _exited(self.popen)
+    """Unassigned and not dying (:func:`_gone`: a process whose main thread
+    has ended is no process to hand a rank to, even before it is
+    waitable)."""
+    return self._w is not None and not _gone(self.popen)
 
   def assign(self, cmd: Sequence[str], env: dict
              ) -> tuple[subprocess.Popen, int]:
