@@ -236,5 +236,13 @@ def test_a_job_stopped_by_the_launchers_timeout_leaves_no_directory(tmp):
   log.close()
   assert running, out[-5000:]  # stopped while it ran, not before it started
   assert rc != 0 and "tenplex-jax launch: timed out" in out, out[-5000:]
+  # where each process stood, on the launcher's stderr (the directory is gone):
+  # its Python stacks (SIGUSR2), the main thread in the trainer's code
+  assert "tenplex-jax launch: timed out in generation 0: main threads" in out, out[-5000:]
+  for i in range(2):
+    head = f"stacks_0_{i}.txt (generation 0's Python stacks):"
+    assert head in out, out[-5000:]
+    dump = out.split(head, 1)[1].split("tenplex-jax launch:", 1)[0]
+    assert "most recent call first" in dump and "train.py" in dump, dump[-3000:]
   assert os.listdir(parent) == [], (os.listdir(parent), out[-3000:])
   assert not left, left

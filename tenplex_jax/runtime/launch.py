@@ -1500,7 +1500,32 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
       pending["request"] = None
       _signalled_request(job_dir, n)
     if t_end is not None and now > t_end:
+      _print_stacks(children, job_dir, gen)
       raise TimeoutError("tenplex-jax launch: timed out")
+
+
+def _print_stacks(children: list[_Child], job_dir: str, gen: int) -> None:
+  """At the launcher's timeout: where the generation's live processes are,
+  on stderr (each one's main thread waiting or active, its last step, and
+  its Python stacks, dumped on SIGUSR2 as for a hang), so that a job that
+  timed out (whose directory may be gone) shows where it stood."""
+  try:
+    _, ev = _hang_culprit(children, job_dir, gen)
+  except Exception as e:  # noqa: BLE001 - the timeout is raised anyway
+    print(f"tenplex-jax launch: timed out; no stacks ({e!r})",
+          file=sys.stderr, flush=True)
+    return
+  print(f"tenplex-jax launch: timed out in generation {gen}: main threads"
+        f" {ev['where']}, steps {ev['steps']}", file=sys.stderr, flush=True)
+  for path in ev["stacks"]:
+    try:
+      text = _text(path).strip()
+    except OSError:
+      continue
+    if len(text) > 6000:
+      text = "...\n" + text[-6000:]  # the main thread is last
+    print(f"tenplex-jax launch: {os.path.basename(path)} (generation {gen}'s"
+          f" Python stacks):\n{text}", file=sys.stderr, flush=True)
 
 
 def _checkpoint_location(checkpoint: str) -> str:
@@ -1543,7 +1568,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       everything the launcher, its processes and store servers write there
       is private (directories 0700, files 0600).
     max_generations: relaunches (resizes and restarts) at most.
-    timeout: seconds for the whole job.
+    timeout: seconds for the whole job; past it the launcher prints where
+      the running generation's processes are (their Python stacks) to
+      stderr, stops everything and raises ``TimeoutError``.
     max_restarts: relaunches after a process failure (an uncaught
       exception, a nonzero exit other than a resize, a signal, or a hang)
       before giving up.
