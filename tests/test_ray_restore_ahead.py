@@ -102,10 +102,9 @@ def test_restore_into_arrays_allocated_ahead(tmp, monkeypatch):
     assert np.asarray(out[k]).tobytes() == np.asarray(state[k]).tobytes()
 
 
-def test_arrays_allocated_ahead_for_another_layout_are_freed(tmp,
-                                                              monkeypatch):
-  # Held for a layout the restore does not have: dropped before it
-  # allocates its own; release_restore drops them when no restore comes.
+def _saved_on_2_held_ahead_for_4(tmp, monkeypatch):
+  """A state saved at step 1 from 2 devices, and arrays allocated ahead
+  (from 1 KiB) for the same leaves on 4 devices: another layout."""
   mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
   state = _state(NamedSharding(mesh, P("x")))
   api.save(state, tmp, step=1)
@@ -115,6 +114,14 @@ def test_arrays_allocated_ahead_for_another_layout_are_freed(tmp,
   other = _target(_state(NamedSharding(
       Mesh(np.array(jax.devices()[:4]), ("x",)), P("x"))))
   assert api.compile_restore(other, allocate=True) and api._AHEAD
+  return state, other
+
+
+def test_arrays_allocated_ahead_for_another_layout_are_freed(tmp,
+                                                              monkeypatch):
+  # Held for a layout the restore does not have: dropped before it
+  # allocates its own; release_restore drops them when no restore comes.
+  state, other = _saved_on_2_held_ahead_for_4(tmp, monkeypatch)
   out = api.restore([tmp], _target(state))
   assert not api._AHEAD
   for k in state:
@@ -129,15 +136,7 @@ def test_arrays_allocated_ahead_are_freed_by_a_restore_too_small_to_use_them(
   # A restore below the owned size reads into no allocated arrays: the
   # ones held for a larger layout are freed all the same, not kept for the
   # process's life.
-  mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
-  state = _state(NamedSharding(mesh, P("x")))
-  api.save(state, tmp, step=1)
-  monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1024)
-  monkeypatch.setattr(api, "_ZEROS", {})
-  monkeypatch.setattr(api, "_AHEAD", {})
-  other = _target(_state(NamedSharding(
-      Mesh(np.array(jax.devices()[:4]), ("x",)), P("x"))))
-  assert api.compile_restore(other, allocate=True) and api._AHEAD
+  state, _ = _saved_on_2_held_ahead_for_4(tmp, monkeypatch)
   monkeypatch.setattr(api, "_OWNED_MIN_BYTES", 1 << 30)
   out = api.restore([tmp], _target(state))
   assert not api._AHEAD
