@@ -56,28 +56,59 @@ def run_all(cmds, *, timeout: float, env=None, merge_stderr: bool = True,
 
 
 def check_stage_change_resize(script: str, out: str, *, root: str,
-                              n_params: int):
+                              n_params: int, hang_ahead: bool = False):
   """Runs an example trainer (``script``) with ``--procs 2,1``: 2 processes x
   2 devices (data 2, stage 2), then at step 2 one process x 4 devices (stage
   4, 2 microbatches), and checks what every such trainer promises: the steps
   run once each on the right processes and meshes, the new process read the
   whole state (``n_params`` float32 parameters and Adam's two moments) from
   the stores, and the losses and parameters follow the static run.
+
+  ``hang_ahead`` (the LM trainer's ``--hang-ahead``): the process of the
+  generation started ahead for step 2 hangs after its warm-up step, before
+  its ready mark, once; the launcher's prepare timeout (30 s here) must stop
+  it and replace it, so the job ends well inside its ``--timeout`` with the
+  same steps and losses, nothing of it left running or on disk (its job
+  directory, its processes' ``TMPDIR``).
   """
   import json
   import sys
 
   import numpy as np
+  where = os.path.dirname(out)
   env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": "",
          "JAX_PLATFORMS": "cpu"}
   env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  extra = []
+  if hang_ahead:
+    marker = os.path.join(where, "hang_ahead")
+    extra = ["--hang-ahead", marker, "--prepare-timeout", "30"]
+    env["TMPDIR"] = os.path.join(where, "tmp")
+    os.mkdir(env["TMPDIR"])
+  t0 = time.monotonic()
   (run,) = run_all([[sys.executable, str(script), "--procs", "2,1",
                      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2",
                      "--steps", "4", "--fast-compile", "--json", out,
                      # the job directory in the test's, also if this kills it
-                     "--job-parent", os.path.dirname(out),
+                     "--job-parent", where, *extra,
                      "--timeout", "400"]], timeout=450, env=env)
+  wall = time.monotonic() - t0
   assert run.returncode == 0, run.stdout[-5000:]
+  if hang_ahead:
+    assert "--hang-ahead: process 0 of generation" in run.stdout, run.stdout[-5000:]
+    # the launcher's line: which generation, its processes not ready, what it did
+    assert "processes not ready: [0]); stopped it, " in run.stdout, run.stdout[-5000:]
+    # no wait for the launcher's --timeout (400 s): the guard replaced it
+    assert wall < 300, (wall, run.stdout[-5000:])
+    with open(marker) as f:
+      hung = int(f.read())
+    assert not os.path.exists(f"/proc/{hung}"), hung  # stopped and reaped
+    assert not _processes_naming(marker)  # nothing of the job runs
+    # (the trainer's generated dataset is kept there by design, for later runs)
+    assert [x for x in os.listdir(env["TMPDIR"])
+            if not x.startswith("tenplex-lm-data")] == [], os.listdir(env["TMPDIR"])
+    assert sorted(os.listdir(where)) == sorted(
+        [os.path.basename(out), "hang_ahead", "tmp"]), os.listdir(where)
   with open(out) as f:
     log = json.load(f)
   el, st = log["elastic"], log["static"]
@@ -98,6 +129,19 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   assert log["max_abs_param_diff"] < 1e-5
   assert "1 resizes across processes" in run.stdout
   assert "generation 0: 2 -> 1 processes at step 2" in run.stdout
+
+
+def _processes_naming(text: str) -> list[int]:
+  """Processes (not this one) whose command line names ``text``."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if text.encode() in f.read() and int(pid) != os.getpid():
+          found.append(int(pid))
+    except OSError:
+      pass
+  return found
 
 
 def wait_unreaped(p: subprocess.Popen, timeout: float) -> int:

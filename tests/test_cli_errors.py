@@ -60,6 +60,8 @@ def _cases(d):
       (["launch", "--procs", "0", "--", "true"], 2, ["procs", "positive"]),
       (["launch", "--procs", "1", "--schedule", missing, "--", "true"], 2,
        ["schedule", "missing"]),
+      (["launch", "--procs", "1", "--prepare-timeout", "0", "--", "true"], 2,
+       ["prepare_timeout", "positive", "0"]),
       (["bogus"], 2, ["invalid choice"]),
       (["store", "ls", missing], (1, 2), ["missing"]),
       (["store", "verify", missing], (1, 2), ["missing"]),

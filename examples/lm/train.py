@@ -515,6 +515,23 @@ def _kill_when_failure_ready(job_dir, m, kill, timeout=600.0):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _hang_once(marker):
+  """``--hang-ahead`` (a test's hang): the first process of a generation started ahead
+  for a resize to finish its warm-up step sleeps for ever before its ready mark (the
+  launcher's prepare timeout must stop it); ``marker``, made exclusively, holds its pid,
+  so the generation that replaces it goes on."""
+  try:
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  except FileExistsError:
+    return
+  os.write(fd, str(os.getpid()).encode())
+  os.close(fd)
+  print(f"--hang-ahead: process {os.environ.get('TENPLEX_PROC_ID')} of generation"
+        f" {os.environ.get('TENPLEX_GENERATION')} hangs", flush=True)
+  while True:
+    time.sleep(3600)
+
+
 def _zeros(tree, fill=0):
   """Arrays of ``fill`` shaped and sharded as a tree of ``ShapeDtypeStruct``s (no
   compilation: each process writes its own shards)."""
@@ -601,6 +618,8 @@ def worker(args, cfg, phases, plan, trainer=None):
     ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
                    compile_wait_s=t1 - t0, warmup_s=time.time() - t1,
                    programs_wait_s=waits.get("programs_wait_s", 0.0))
+    if getattr(args, "hang_ahead", None) and not recovery:  # for --hang-ahead
+      _hang_once(args.hang_ahead)
     if recovery and getattr(args, "kill_at", None) is not None:  # for --kill-at
       with open(os.path.join(info["job_dir"], f"lm_failure_ready_{info['generation']}_"
                              f"{info['process_id']}"), "w"):
@@ -862,6 +881,11 @@ def _failures(job_dir):
     return []
 
 
+# Seconds a generation started ahead may take to get ready (--prepare-timeout; its
+# imports, jax.distributed, compile and warm-up step take 10-30 s on a loaded 2-core
+# host for these configs).
+PREPARE_TIMEOUT = 120.0
+
 # What the launcher's standby processes import before their rank comes (the
 # launcher's default list, and this script's own modules that only define).
 STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
@@ -897,6 +921,8 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
     cmd += ["--snapshot-every", str(every)]
   if getattr(args, "kill_at", None) is not None:
     cmd += ["--kill-at", str(args.kill_at)]
+  if getattr(args, "hang_ahead", None):
+    cmd += ["--hang-ahead", os.path.abspath(args.hang_ahead)]
   log(f"tenplex-jax launch: {plan[0]} processes x {phases[0].devices // plan[0]} devices;"
       f" processes per phase {plan}")
   keep = False  # a failed job's directory (its logs, failures.jsonl), named
@@ -911,7 +937,11 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
                     standby=not getattr(args, "no_standby", False),
                     compilation_cache=not getattr(args, "no_compilation_cache", False),
                     standby_imports=STANDBY_IMPORTS,
-                    prepare_nice=getattr(args, "prepare_nice", 10))
+                    prepare_nice=getattr(args, "prepare_nice", 10),
+                    # a generation started ahead that hangs in its warm-up (jaxlib
+                    # 0.10.2's gloo communicators can deadlock there) is stopped and
+                    # prepared again, not waited for until --timeout
+                    prepare_timeout=getattr(args, "prepare_timeout", PREPARE_TIMEOUT))
     if code != 0:
       keep = True
       raise SystemExit(f"the job across processes failed (exit code {code}); its"
@@ -1035,9 +1065,19 @@ def main(argv=None):
                   " for it (the configuration search's layout of the remaining processes'"
                   " devices, its step compiled; unless --no-prepare). Default 0: none, a"
                   " failure ends the job")
+  ap.add_argument("--prepare-timeout", type=float, default=PREPARE_TIMEOUT,
+                  metavar="SECONDS",
+                  help="(with --procs) seconds a generation started ahead may take to get"
+                  " ready (imports, jax.distributed, compile, warm-up step); past it the"
+                  " launcher stops it and prepares it again, or starts the resize's"
+                  " processes afresh at its turn (tenplex-jax launch --prepare-timeout;"
+                  f" default {PREPARE_TIMEOUT:g})")
   # (tests) the process of the highest rank SIGKILLs itself before step STEP, once the
   # generation prepared for the failure is ready; the job directory's parent
   ap.add_argument("--kill-at", type=int, metavar="STEP", help=argparse.SUPPRESS)
+  # (tests) the first process of a generation started ahead to finish its warm-up hangs,
+  # its pid in this marker file (see _hang_once)
+  ap.add_argument("--hang-ahead", metavar="MARKER", help=argparse.SUPPRESS)
   ap.add_argument("--job-parent", metavar="DIR", help=argparse.SUPPRESS)
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")

@@ -378,6 +378,12 @@ def main(argv=None):
                   " iterator's state move through the per-host stores")
   ap.add_argument("--timeout", type=float, default=900,
                   help="seconds for the whole job across processes (default 900)")
+  ap.add_argument("--prepare-timeout", type=float, default=lm.PREPARE_TIMEOUT,
+                  metavar="SECONDS",
+                  help="(with --procs) seconds a generation started ahead may take to get"
+                  " ready; past it the launcher stops it and prepares it again, or starts"
+                  " the resize's processes afresh at its turn (tenplex-jax launch"
+                  f" --prepare-timeout; default {lm.PREPARE_TIMEOUT:g})")
   # (tests) the parent of the job directory (default /dev/shm)
   ap.add_argument("--job-parent", metavar="DIR", help=argparse.SUPPRESS)
   ap.add_argument("--fast-compile", action="store_true",

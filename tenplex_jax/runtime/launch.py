@@ -1152,6 +1152,9 @@ class _Ahead:
     # threads, and those they start, until the turn.
     self.nice = nice if nice and _can_renice(nice) else 0
     self.started = time.time()
+    # The prepare timeout's clock: from the start, or, for a generation that
+    # waits for another's programs (wait_programs), from when they came.
+    self.since = self.started
     self.programs: str | None = None  # wait_programs's file, until written
     if self.nice:
       base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -1163,8 +1166,28 @@ class _Ahead:
 
   def ready(self, job_dir: str) -> bool:
     """Every process waits for its turn (compiled, warmed up)."""
-    return all(os.path.exists(os.path.join(job_dir, f"ready_{self.gen}_{i}"
-                                           ".txt")) for i in range(self.n))
+    return not self.not_ready(job_dir)
+
+  def not_ready(self, job_dir: str) -> list[int]:
+    """The processes that have not marked themselves ready (in
+    :func:`wait_turn`), by index."""
+    return [i for i in range(self.n) if not os.path.exists(
+        os.path.join(job_dir, f"ready_{self.gen}_{i}.txt"))]
+
+  def overdue(self, job_dir: str, limit: float) -> bool:
+    """Not ready ``limit`` seconds after its clock started (``since``), and
+    not waiting for another generation's programs."""
+    return (self.programs is None and time.time() - self.since > limit
+            and not self.ready(job_dir))
+
+  def release_programs(self) -> None:
+    """Tells a generation waiting for another's programs (wait_programs)
+    to compile now; its prepare timeout counts from here."""
+    if self.programs is not None:
+      with private.open_private(self.programs):
+        pass
+      self.programs = None
+      self.since = time.time()
 
   def hand(self, saved: float | None = None,
            env: dict[str, str] | None = None) -> None:
@@ -1436,7 +1459,8 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
           first_step: Callable[[float], None],
           tick: Callable[[], None] | None = None,
           poll: Callable[[], float | None] | None = None,
-          grace: Callable[[], float] | None = None) -> dict:
+          grace: Callable[[], float] | None = None,
+          overdue: Callable[[], str | None] | None = None) -> dict:
   """Waits for the generation to end: all processes done, or the first
   failure (then stops the others at once). Returns ``codes``, ``first``
   (the index of the first process that failed, or None), and for a
@@ -1445,7 +1469,11 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
   a step, ``tick()`` about once a second after that, and ``poll()`` on
   every wake (every 50 ms, or as many seconds as ``poll`` returned).
   ``grace()``: the seconds between SIGTERM and SIGKILL when it stops the
-  others after a failure (default ``_GRACE``)."""
+  others after a failure (default ``_GRACE``). ``overdue()``: for a
+  generation prepared ahead that had its turn before it was ready, a reason
+  to give up on it (its prepare timeout passed before every process was
+  ready), else None; the generation is then stopped and the reason returned
+  as ``replaced``, not as a failure."""
   start = time.time()
   n = len(children)
   stepped = False
@@ -1481,6 +1509,11 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
               "stopped_at": time.time()}
     if all(c.code is not None for c in children):
       return {"codes": [c.code for c in children], "first": None}
+    late = overdue() if overdue is not None else None
+    if late is not None:
+      _stop(children, wake, 0)
+      return {"codes": [c.code for c in children], "first": None,
+              "replaced": late}
     if step_timeout is not None:
       last = _heartbeats(job_dir, n, start)
       idle = [now - last[c.index] for c in children if c.code is None]
@@ -1504,19 +1537,26 @@ def _wait(children: list[_Child], wake: threading.Event, job_dir: str,
       raise TimeoutError("tenplex-jax launch: timed out")
 
 
-def _print_stacks(children: list[_Child], job_dir: str, gen: int) -> None:
+def _print_stacks(children: list[_Child], job_dir: str, gen: int,
+                  what: str | None = None) -> None:
   """At the launcher's timeout: where the generation's live processes are,
   on stderr (each one's main thread waiting or active, its last step, and
   its Python stacks, dumped on SIGUSR2 as for a hang), so that a job that
-  timed out (whose directory may be gone) shows where it stood."""
+  timed out (whose directory may be gone) shows where it stood. ``what``:
+  another occasion (a generation prepared ahead that was not ready in time,
+  whose processes have no steps)."""
   try:
     _, ev = _hang_culprit(children, job_dir, gen)
   except Exception as e:  # noqa: BLE001 - the timeout is raised anyway
-    print(f"tenplex-jax launch: timed out; no stacks ({e!r})",
+    print(f"tenplex-jax launch: {what or 'timed out'}; no stacks ({e!r})",
           file=sys.stderr, flush=True)
     return
-  print(f"tenplex-jax launch: timed out in generation {gen}: main threads"
-        f" {ev['where']}, steps {ev['steps']}", file=sys.stderr, flush=True)
+  if what is None:
+    print(f"tenplex-jax launch: timed out in generation {gen}: main threads"
+          f" {ev['where']}, steps {ev['steps']}", file=sys.stderr, flush=True)
+  else:
+    print(f"tenplex-jax launch: {what}: main threads {ev['where']}",
+          file=sys.stderr, flush=True)
   for path in ev["stacks"]:
     try:
       text = _text(path).strip()
@@ -1526,6 +1566,30 @@ def _print_stacks(children: list[_Child], job_dir: str, gen: int) -> None:
       text = "...\n" + text[-6000:]  # the main thread is last
     print(f"tenplex-jax launch: {os.path.basename(path)} (generation {gen}'s"
           f" Python stacks):\n{text}", file=sys.stderr, flush=True)
+
+
+# A generation prepared ahead without a step timeout to size it by: seconds
+# it may take to get ready (see launch's prepare_timeout).
+_PREPARE_TIMEOUT = 600.0
+
+
+def _prepare_limit(prepare_timeout: float | None,
+                  step_timeout: float | None) -> float:
+  """Seconds a generation prepared ahead may take to get ready (see
+  :func:`launch`'s ``prepare_timeout``): ``prepare_timeout`` if given, else
+  twice ``step_timeout`` (a prepared generation does what a generation does
+  before its first step, at a lower priority beside the running one), else
+  ``_PREPARE_TIMEOUT``.
+
+  Example:
+    >>> _prepare_limit(None, None), _prepare_limit(None, 60), _prepare_limit(45, 60)
+    (600.0, 120.0, 45.0)
+  """
+  if prepare_timeout is not None:
+    return float(prepare_timeout)
+  if step_timeout is not None:
+    return 2.0 * step_timeout
+  return _PREPARE_TIMEOUT
 
 
 def _checkpoint_location(checkpoint: str) -> str:
@@ -1551,7 +1615,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            compilation_cache: bool | str = True,
            standby: bool = True,
            standby_imports: Sequence[str] | None = None,
-           prepare_ahead: int = 4, prepare_nice: int = 10) -> int:
+           prepare_ahead: int = 4, prepare_nice: int = 10,
+           prepare_timeout: float | None = None,
+           prepare_retries: int = 1) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -1620,7 +1686,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       saved for that resize (same step and process count) the launcher hands
       them the turn, and they restore. A generation whose resize does not
       come is stopped; one that fails before its turn is not started again;
-      the resize then starts its processes as without it. 0: none.
+      the resize then starts its processes as without it. One that is not
+      ready in time (``prepare_timeout``) is stopped and prepared again. 0:
+      none.
     prepare_nice: how much lower the priority of a generation's processes
       is than the launcher's while they prepare (their nice value, every
       thread's, until their turn), so that the running generation's steps
@@ -1630,6 +1698,25 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       processes of a resize handed to a prepared generation exit at that
       lower priority too (raising it needs no privilege), so that their
       shutdown gives way to the new generation's restore and first step.
+    prepare_timeout: seconds a generation prepared ahead (for a resize or a
+      failure) may take to get ready, every process waiting in
+      :func:`wait_turn`, counted from its start (for one started early, from
+      when the programs it waited for came: :func:`wait_programs`). Default:
+      twice ``step_timeout``, else 600. A generation past it and not ready
+      hangs (e.g. jaxlib 0.10.2's XLA:CPU gloo communicators, created in its
+      warm-up step, can deadlock): the launcher prints its processes' Python
+      stacks to stderr with a line naming the generation and its processes
+      not ready, stops all of them (their process groups, reaped) and, before
+      its turn, prepares it again in the background (``prepare_retries``
+      times; after that the resize starts its processes at the turn, and a
+      failure restarts as without it). At its turn, or handed the turn and
+      still not ready when the time is up, it is replaced by processes
+      started then, as without a generation ahead: the running generation
+      loses no step and repeats none, and a resize waits for a prepared
+      generation only until its prepare timeout runs out.
+    prepare_retries: how many times a generation prepared ahead that was
+      not ready in time is prepared again, per resize (and per running
+      generation for the one prepared for a failure); default 1.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later (0.2 s
@@ -1663,6 +1750,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if step_timeout is not None and not step_timeout > 0:
     raise UsageError(f"launch: step_timeout must be positive seconds, not"
                      f" {step_timeout!r}")
+  if prepare_timeout is not None and not prepare_timeout > 0:
+    raise UsageError(f"launch: prepare_timeout must be positive seconds, not"
+                     f" {prepare_timeout!r}")
+  if not isinstance(prepare_retries, int) or prepare_retries < 0:
+    raise UsageError(f"launch: prepare_retries must be a count >= 0, not"
+                     f" {prepare_retries!r}")
+  limit = _prepare_limit(prepare_timeout, step_timeout)
   if schedule and not os.path.isfile(schedule):
     raise UsageError(f"launch: the schedule {schedule!r} is not a file")
   tls, tls_ca = check_tls_options(tls_cert, tls_key, tls_ca)
@@ -1847,9 +1941,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       busy.add(data.get("key"))
     for a in ahead + standby_gen:  # their programs are in the cache now
       if a.programs is not None and a.key not in busy:
-        with private.open_private(a.programs):
-          pass
-        a.programs = None
+        a.release_programs()
     busy |= {a.key for a in ahead + standby_gen if not a.ready(job_dir)}
     early = bool(data.get("early")) and mine
     for step, count, key in sorted(data.get("resizes", [])):
@@ -1909,6 +2001,56 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       for c in children:
         _set_nice(c.popen.pid, min(19, base + prepare_nice))
 
+  retried: dict = {}  # the generations prepared again, by what they were for
+  given_up: list[_Ahead] = []  # those the prepare timeout stopped
+
+  def give_up(a, cur, at_turn=False):
+    """Stops ``a``, a generation prepared ahead that was not ready in time
+    (its processes' stacks printed first), and says what happens instead:
+    before its turn it is prepared again (``prepare_retries`` times per
+    resize, or per running generation for one prepared for a failure), at
+    its turn the resize (or restart) starts its processes afresh."""
+    late = a.not_ready(job_dir)
+    what = (f"generation {a.gen} ({a.n} processes, "
+            + (f"started ahead for step {a.step}" if a.step is not None
+               else "prepared for a failure")
+            + f") not ready {time.time() - a.since:.1f} s after"
+            + (" its start" if a.since == a.started
+               else " its programs came")
+            + f" (prepare timeout {limit:g} s; processes not ready: {late})")
+    _print_stacks(a.children, job_dir, a.gen, what)
+    _stop(a.children, wake, 0)
+    given_up.append(a)
+    if a.step is None:
+      key = ("failure", cur["gen"])
+    else:
+      key = ("resize", a.step, a.n, a.key)
+    retried[key] = retried.get(key, 0) + 1
+    if at_turn:
+      then = "its turn came: the processes start afresh"
+    elif retried[key] <= prepare_retries:
+      then = f"preparing it again ({retried[key]} of {prepare_retries})"
+    else:
+      if a.step is None:
+        failed_standby.add(cur["gen"])
+      else:
+        failed_ahead.add(a.step)
+      then = ("not preparing it again: "
+              + ("its resize starts its processes at the turn"
+                 if a.step is not None
+                 else "a failure restarts as without it"))
+    print(f"tenplex-jax launch: {what}; stopped it, {then}", file=sys.stderr,
+          flush=True)
+    return what
+
+  def guard(cur):
+    """Gives up on the generations prepared ahead that are overdue (not
+    ready within the prepare timeout); prepare() starts them again."""
+    for group in (ahead, standby_gen):
+      for a in [a for a in group if a.alive() and a.overdue(job_dir, limit)]:
+        group.remove(a)
+        give_up(a, cur)
+
   try:
     adopt = None  # a generation started ahead that has its turn
     for _ in range(max_generations):
@@ -1923,13 +2065,16 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
               os.unlink(os.path.join(job_dir, name))
             except FileNotFoundError:
               pass
-        children = []
+        children, prepared_as = [], None
         wake.clear()
         for i in range(n):
           children.append(_start_child(
               i, cmd, gen_env(i, n, port, gen, start_step, urls, failed_step),
               wake, standbys))
       else:
+        # (one that still waits for another's programs compiles them now)
+        adopt.release_programs()
+        prepared_as = None if adopt.ready(job_dir) else adopt
         gen, children, adopt = adopt.gen, adopt.children, None
         for i in range(n):  # the previous generation's last step's
           p = os.path.join(job_dir, f"progress_{i}")
@@ -1943,7 +2088,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       if record is not None:  # the relaunch after a failure is under way
         record["relaunched_s"] = round(time.time() - record["failed_at"], 3)
       cur = {"gen": gen, "n": n, "start": start_step, "started": time.time(),
-             "stepped": False, "handed": None, "handed_info": None}
+             "stepped": False, "handed": None, "handed_info": None,
+             # a generation prepared ahead that had its turn before it was
+             # ready: watched for the prepare timeout until it is
+             "prepared": prepared_as}
 
       def first_step(at):
         nonlocal record
@@ -1956,6 +2104,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
 
       def poll():
         if prepare_ahead > 0:
+          guard(cur)
           prepare(cur)
           hand_over(cur)
           if ahead:  # a hand-over is 10 ms from the save at most
@@ -1970,10 +2119,22 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         # after the full grace, which the restart would wait for.
         return 0.2 if any(a.alive() and a.ready(job_dir)
                           for a in standby_gen) else _GRACE
+      def overdue():
+        a = cur["prepared"]
+        if a is None or not a.overdue(job_dir, limit):
+          if a is not None and a.ready(job_dir):  # the step timeout's now
+            cur["prepared"] = None
+          return None
+        return give_up(a, cur, at_turn=True)
       out = _wait(children, wake, job_dir, gen, pending, t_end, step_timeout,
-                  first_step, refill, poll, grace)
+                  first_step, refill, poll, grace, overdue)
       codes, first = out["codes"], out["first"]
       _stop(children, wake, 0)  # whatever the children left behind
+      if "replaced" in out:  # the resize (or restart) starts afresh instead
+        print(f"tenplex-jax launch: generation {gen} was not ready in time;"
+              f" starting {n} processes from step {start_step} afresh",
+              flush=True)
+        continue
       if all(c == 0 for c in codes):
         code = 0
         break
@@ -1988,7 +2149,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         n, start_step = int(info["procs"]), int(info["step"])
         most = max(most, n)
         failed_step = None
-        adopt = cur["handed"] or next(
+        # (the one handed the turn, unless the prepare timeout stopped it
+        # since: then the one prepared again, if any)
+        handed = cur["handed"] if cur["handed"] not in given_up else None
+        adopt = handed or next(
             (a for a in ahead if a.step == start_step and a.n == n
              and a.alive()), None)
         if adopt is not None and (adopt not in ahead or not adopt.alive()):
@@ -2001,6 +2165,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
                   f" {[c.code for c in adopt.children]}); not starting it"
                   " again", file=sys.stderr, flush=True)
             drop_ahead(lambda x, a=adopt: x is a)
+          adopt = None
+        if adopt is not None and adopt.overdue(job_dir, limit):
+          ahead.remove(adopt)  # warming up still, past its prepare timeout
+          give_up(adopt, cur, at_turn=True)
           adopt = None
         if adopt is not None:
           ahead.remove(adopt)
@@ -2056,6 +2224,10 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       # The generation prepared for this failure takes over, if it is alive
       # and has the restart's process count.
       spare = next((a for a in standby_gen if a.alive() and a.n == n), None)
+      if spare is not None and spare.overdue(job_dir, limit):
+        standby_gen.remove(spare)  # warming up still, past its prepare timeout
+        give_up(spare, cur, at_turn=True)
+        spare = None
       print(f"tenplex-jax launch: generation {gen}: process {first} failed"
             f" (exit code {code}) at step {failed_step}; restart"
             f" {restarts} of {max_restarts} on {n} processes"
@@ -2176,7 +2348,9 @@ def _launch_cmd(args) -> int:
                                    or not args.no_compilation_cache),
                 standby=not args.no_standby,
                 prepare_ahead=args.prepare_ahead,
-                prepare_nice=args.prepare_nice)
+                prepare_nice=args.prepare_nice,
+                prepare_timeout=args.prepare_timeout,
+                prepare_retries=args.prepare_retries)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -2229,5 +2403,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                  help="nice increment of a generation's processes while they"
                  " prepare, until their turn (default 10; 0: none; only where"
                  " the launcher may lower it again, e.g. as root)")
+  p.add_argument("--prepare-timeout", type=float, default=None,
+                 metavar="SECONDS",
+                 help="seconds a generation started ahead may take to get"
+                 " ready (compiled, warmed up); past it the launcher prints"
+                 " its stacks, stops it and prepares it again (default:"
+                 " twice --step-timeout, else 600)")
+  p.add_argument("--prepare-retries", type=int, default=1, metavar="N",
+                 help="times a generation started ahead that was not ready"
+                 " in time is prepared again before its resize goes on"
+                 " without it (default 1)")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   p.set_defaults(func=_launch_cmd)
