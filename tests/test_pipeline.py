@@ -70,13 +70,23 @@ def sequential(layer, params, x, ct):
   return y, g
 
 
-def pipelined(layer, mesh, microbatches, **kw):
+def pipelined(layer, mesh, microbatches, grad_specs=None, **kw):
 
   def loss(params, x, ct):
     y = tj.pipeline(layer, params, x, mesh=mesh, microbatches=microbatches, **kw)
     return jnp.vdot(y, ct), y
 
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  if grad_specs is None:
+    return jax.jit(grad)
+
+  def constrained(params, x, ct):  # the params' gradient laid out as given
+    out, (gp, gx) = grad(params, x, ct)
+    gp = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, s)),
+                      gp, grad_specs)
+    return out, (gp, gx)
+
+  return jax.jit(constrained)
 
 
 def check_against_sequential(layer, params, x, mesh, microbatches, *, param_specs=None,
@@ -214,6 +224,36 @@ def test_skip_bubbles_matches_sequential_and_runs_fewer_layers():
   assert in_loop_all_reduces(skip)
 
 
+def in_loop_collectives(hlo):
+  """Every collective the compiled program runs inside the pipeline's loops."""
+  kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+  return [line.strip() for line in hlo.splitlines() if "while/body" in line
+          and any(f" {k}(" in line or f" {k}-start(" in line for k in kinds)]
+
+
+def test_gather_axes_gather_the_params_once_and_leave_no_collective_in_the_loops():
+  """With ``gather_axes=("tensor",)`` the tensor-sharded weights are gathered
+  once, outside the loops; outputs and gradients still match the sequential
+  layers (the gradient, whole on every tensor position, constrained to the
+  params' layout: a local slice). Left to the compiler the loops hold the
+  tensor-parallel all-reduces."""
+  mesh = mesh_of(stage=2, data=2, tensor=2)
+  specs = {"scale": P("stage"), "w1": P("stage", None, "tensor"),
+           "b1": P("stage", "tensor"), "w2": P("stage", "tensor")}
+  x = normal(1, (B, D))
+  split = check_against_sequential(mlp_block, mlp_params(), x, mesh, 4, param_specs=specs,
+                                   batch_axes=("data",), skip_bubbles=True)
+  gathered = check_against_sequential(mlp_block, mlp_params(), x, mesh, 4, param_specs=specs,
+                                      batch_axes=("data",), skip_bubbles=True,
+                                      gather_axes=("tensor",), grad_specs=specs)
+  assert in_loop_collectives(split)
+  assert not in_loop_collectives(gathered), in_loop_collectives(gathered)[:3]
+  assert "collective-permute" in gathered
+  # The three tensor-sharded leaves, each gathered once (none of them whole).
+  assert len(all_gathers(gathered)) == 3, all_gathers(gathered)
+  assert not stack_gathers(gathered, mlp_params())
+
+
 def test_layer_axis_only_sharded_gathers_the_stack():
   """The control: plain jit over params sharded on 'stage' (FSDP over layers)
   all-gathers the stacked layers, which the pipeline never does."""
@@ -262,6 +302,11 @@ def test_errors_name_the_numbers():
     tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, batch_axes=("stage",))
   with pytest.raises(UsageError, match=r"batch_axes \('rows',\)"):
     tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, batch_axes=("rows",))
+  with pytest.raises(UsageError, match=r"gather_axes \('data',\) must be distinct.*batch_axes"):
+    tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, batch_axes=("data",),
+                gather_axes=("data",))
+  with pytest.raises(UsageError, match=r"gather_axes \('stage',\)"):
+    tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, gather_axes=("stage",))
   with pytest.raises(UsageError, match=r"microbatch's 1 rows \(batch 16 / microbatches=16\).*2 positions"):
     tj.pipeline(mlp_block, mlp_params(), x, mesh=mesh, microbatches=16, batch_axes=("data",))
 

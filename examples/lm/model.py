@@ -54,6 +54,12 @@ class Config:
   remat: bool = False
   pipeline: bool = True
   microbatches: int = 4
+  # The pipelined stack gathers its tensor-sharded weights once per step and
+  # runs each stage's layers whole on every tensor position (pipeline's
+  # gather_axes), instead of splitting them with an all-reduce per layer, tick
+  # and direction: across processes on CPU (gloo) a collective costs more than
+  # these small layers' compute.
+  gather_tensor: bool = True
 
 
 def _part(init, names):
@@ -132,14 +138,17 @@ class LM(nn.Module):
 
     if c.pipeline and self.mesh is not None and not self.is_initializing():
       # The params are replicated over ``data``: the pipeline sums their
-      # gradient over it once instead of once per layer and tick, and skips
-      # the bubble ticks' layers; not inside determinism's shard_map (manual
-      # over the batch axes), whose bits must not depend on the stage count.
+      # gradient over it once instead of once per layer and tick, gathers them
+      # over ``tensor`` once (``cfg.gather_tensor``), and skips the bubble
+      # ticks' layers; not inside determinism's shard_map (manual over the
+      # batch axes), whose bits must not depend on the stage count.
       ctx = jax.sharding.get_abstract_mesh()
       det = not ctx.empty and bool(ctx.manual_axes)
       batch_axes = ("data",) if self.mesh.shape["data"] > 1 and not det else ()
+      gather = c.gather_tensor and self.mesh.shape["tensor"] > 1 and not det
       x = tj.pipeline(layer, stack, x, mesh=self.mesh, microbatches=c.microbatches,
-                      remat=c.remat, batch_axes=batch_axes, skip_bubbles=not det)
+                      remat=c.remat, batch_axes=batch_axes, skip_bubbles=not det,
+                      gather_axes=("tensor",) if gather else ())
     else:
       step = jax.checkpoint(layer) if c.remat else layer
       x = jax.lax.scan(lambda h, p: (step(p, h), None), x, stack)[0]

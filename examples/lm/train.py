@@ -615,6 +615,11 @@ def worker(args, cfg, phases, plan, trainer=None):
     warm, _ = fn(_zeros(abstract), *(_zeros(x, 1) for x in batch))
     jax.block_until_ready(warm)
     del warm
+    # The data path's first use too (the source's files opened, the iterators' and the
+    # batch's first run), on a batch thrown away: the first batch after the turn then
+    # costs what a later one does.
+    source = tr.dataset(cfg)
+    jax.block_until_ready(batches(source, mesh, None, gb)[:2])
     ahead_s.update(import_s=t_start - tr.process_start, distributed_s=t_init - t_start,
                    compile_wait_s=t1 - t0, warmup_s=time.time() - t1,
                    programs_wait_s=waits.get("programs_wait_s", 0.0))
@@ -653,7 +658,8 @@ def worker(args, cfg, phases, plan, trainer=None):
         # after a failure: the step it failed at (the launcher's), of the turn or the env
         "failed_step": last_restore.get("failed_step"),
         "layout_from_search": bool(recovery)})
-  source = tr.dataset(cfg)
+  if not ahead:
+    source = tr.dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
   end = min(boundaries + [args.steps])
   every = getattr(args, "snapshot_every", 0) or 0
