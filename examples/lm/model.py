@@ -57,9 +57,11 @@ class Config:
   # The pipelined stack gathers its tensor-sharded weights once per step and
   # runs each stage's layers whole on every tensor position (pipeline's
   # gather_axes), instead of splitting them with an all-reduce per layer, tick
-  # and direction: across processes on CPU (gloo) a collective costs more than
-  # these small layers' compute.
-  gather_tensor: bool = True
+  # and direction: on CPU devices (gloo across processes) a collective costs
+  # more than these small layers' compute. None (the default): on CPU devices
+  # only; on GPUs and TPUs the tensor axis splits the layers' compute, as it
+  # should there (gathering would repeat it on every tensor position).
+  gather_tensor: bool | None = None
 
 
 def _part(init, names):
@@ -145,7 +147,9 @@ class LM(nn.Module):
       ctx = jax.sharding.get_abstract_mesh()
       det = not ctx.empty and bool(ctx.manual_axes)
       batch_axes = ("data",) if self.mesh.shape["data"] > 1 and not det else ()
-      gather = c.gather_tensor and self.mesh.shape["tensor"] > 1 and not det
+      on = (c.gather_tensor if c.gather_tensor is not None
+            else self.mesh.devices.flat[0].platform == "cpu")
+      gather = on and self.mesh.shape["tensor"] > 1 and not det
       x = tj.pipeline(layer, stack, x, mesh=self.mesh, microbatches=c.microbatches,
                       remat=c.remat, batch_axes=batch_axes, skip_bubbles=not det,
                       gather_axes=("tensor",) if gather else ())
