@@ -1037,7 +1037,8 @@ def _run_generic(batch: list) -> list:
 # 10 launches per call, against 3,552 and 147 with one array per program; cut
 # by bytes as below, 19 groups of 5 signatures); on CPU, where a cut slices,
 # that of one array per run of at most _CONCAT_FUSE_CPU members (see
-# _chunks: larger packed buffers cost a temporary copy). A group holds at most
+# _chunks: larger packed buffers cost a temporary copy); a large group's
+# runs are sent and glued one after another (_RUNS_APART_MIN). A group holds at most
 # _GROUP_SLICES sub-block slices per program and half the bytes allowed in
 # flight (a sixteenth of the bytes the targets receive, replicas counted,
 # 4-256 MiB; all of them up to 16 MiB), so no program grows with the state;
@@ -1162,6 +1163,19 @@ _GROUP_EXES_MAX = 256
 # kernel writing straight into its output.
 _CONCAT_FUSE_CPU = 8
 
+# A group receiving at least this many bytes (replicas counted) in several
+# runs is sent and glued run by run: a batch of transfers and a glue
+# program per run (runs of the same member shapes share it), each run's
+# packed copies let go once sent and its received ones once glued, rather
+# than all of the group's at once. The pieces benchmark (one group of
+# 12 MiB, 4 runs; heap trimmed before each warm call): peak RSS rise,
+# medians of 5 calls, 27-31 -> 19-22 MiB with 12 MiB of results
+# (``device_put`` 10-13). Waiting for each run's glue before sending the
+# next gave the same (probe: 19-21 against 17-23 MiB without), so no run
+# waits. Below the bound the runs go
+# together (one glue program: fewer compiles where the copies are small).
+_RUNS_APART_MIN = 4 << 20
+
 
 def _chunks(n: int, platform: str, cut: bool) -> list:
   """``range(n)`` (a group's members) split into the runs packed together:
@@ -1173,16 +1187,21 @@ def _chunks(n: int, platform: str, cut: bool) -> list:
 
 def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
                     shapes: tuple) -> tuple:
-  """``(cut, glue, sizes)``: the lowered SPMD programs of one group of
-  arrays of ``shapes`` (one class, one dtype; see the section comment) and
-  the length on one device of each of its packed buffers per sub-block
-  (one per run of members, see :func:`_chunks`).
+  """``(cut, glues, sizes)``: the lowered SPMD programs of one group of
+  arrays of ``shapes`` (one class, one dtype; see the section comment), a
+  cut and the glues of its stages, and the length on one device of each
+  run's packed buffers (one run per packed buffer, see :func:`_chunks`).
 
   The cut program returns, per sub-block of a source shard and per run of
   members, the members' sub-blocks flattened and packed in member order
-  (output ``j * runs + c``); the glue program takes, per sub-block of a
-  target box and run, such a packed buffer (input ``i * runs + c``) and
-  returns the members' new arrays.
+  (output ``j * runs + c``). The runs are glued in stages: each run a stage
+  of its own where the group receives at least _RUNS_APART_MIN bytes (one
+  glue per run, shared by runs of the same member shapes), else all runs
+  one stage (one glue). A stage's glue takes, per sub-block of a target
+  box and run of the stage, such a packed buffer (input ``i * n + k``
+  for the stage's ``k``-th of ``n`` runs) and returns its runs' members'
+  new arrays. Stages are sent and glued one after another (see
+  :func:`_run_generic_packed`).
   """
   moves = _class_moves(src, dst, len(shapes[0]))
   blocks = [tuple(n // u for n, u in zip(shape, moves.units))
@@ -1211,40 +1230,53 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
     parts = [join(items[i * step:(i + 1) * step], d + 1) for i in range(h[d])]
     return parts[0] if len(parts) == 1 else jax.lax.concatenate(parts, d)
 
-  def glue_body(*flats):
+  def glue_body(stage, *flats):
     outs = []
-    for c, run in enumerate(runs):
+    for k, c in enumerate(stage):
       at = 0
-      for m in run:
+      for m in runs[c]:
         b, n = blocks[m], sizes[m]
         outs.append(join([jax.lax.reshape(
             jax.lax.slice(flats[i], (at,), (at + n,)), b)
-            for i in range(c, len(flats), len(runs))], 0))
+            for i in range(k, len(flats), len(stage))], 0))
         at += n
     return tuple(outs)
 
   run_sizes = tuple(sum(sizes[m] for m in run) for run in runs)
   fs, fd = moves.flat_src.spec, moves.flat_dst.spec
   n_cut = len(moves.cut_grid) * len(runs)
-  n_glue = len(moves.glue_grid) * len(runs)
+  n_glue = len(moves.glue_grid)
   cut = jax.jit(jax.shard_map(
       cut_body, mesh=src.mesh, in_specs=(src.spec,) * len(shapes),
       out_specs=(fs,) * n_cut, check_vma=False))
-  glue = jax.jit(jax.shard_map(
-      glue_body, mesh=dst.mesh, in_specs=(fd,) * n_glue,
-      out_specs=(dst.spec,) * len(shapes), check_vma=False))
   cut = cut.lower(*(jax.ShapeDtypeStruct(s, dtype, sharding=src)
                     for s in shapes))
-  glue = glue.lower(*(jax.ShapeDtypeStruct(
-      (run_sizes[k % len(runs)] * dst.mesh.size,), dtype,
-      sharding=moves.flat_dst) for k in range(n_glue)))
-  return cut, glue, run_sizes
+  received = (sum(math.prod(dst.shard_shape(s)) for s in shapes)
+              * np.dtype(dtype).itemsize * len(dst.device_set))
+  stages = ([(c,) for c in range(len(runs))]
+            if received >= _RUNS_APART_MIN else [tuple(range(len(runs)))])
+  glues: dict = {}  # stages of the same member shapes share one program
+
+  def sig(stage):
+    return tuple(tuple(shapes[m] for m in runs[c]) for c in stage)
+
+  for st in stages:
+    if sig(st) not in glues:
+      glues[sig(st)] = jax.jit(jax.shard_map(
+          functools.partial(glue_body, st), mesh=dst.mesh,
+          in_specs=(fd,) * (n_glue * len(st)),
+          out_specs=(dst.spec,) * sum(len(runs[c]) for c in st),
+          check_vma=False)).lower(*(jax.ShapeDtypeStruct(
+              (run_sizes[st[i % len(st)]] * dst.mesh.size,), dtype,
+              sharding=moves.flat_dst) for i in range(n_glue * len(st))))
+  return cut, tuple(glues[sig(st)] for st in stages), run_sizes
 
 
 def _ensure_group_programs(keys: list) -> list:
-  """The compiled ``(cut, glue, sizes)`` of each group key ``(source,
-  target, dtype, shapes)``; those not cached yet are lowered here and
-  compiled several at once (XLA compiles without Python's lock)."""
+  """The compiled ``(cut, glues, sizes)`` of each group key ``(source,
+  target, dtype, shapes)`` (see :func:`_group_programs`); those not cached
+  yet are lowered here and compiled several at once (XLA compiles without
+  Python's lock)."""
   out: dict = {}
   todo = []
   with _transitions_lock:
@@ -1255,11 +1287,13 @@ def _ensure_group_programs(keys: list) -> list:
         out[k] = hit
   for k in keys:
     if k not in out and all(k != t[0] for t in todo):
-      cut, glue, sizes = _group_programs(*k)
+      cut, glues, sizes = _group_programs(*k)
       platform = next(iter(_platforms(k[0])))
-      todo.append((k, cut, glue, sizes, platform))
+      todo.append((k, cut, glues, sizes, platform))
   if todo:
-    jobs = [(lo, t[4]) for t in todo for lo in t[1:3]]
+    # Each distinct program once (runs of one member shapes share a glue).
+    uniq = {id(lo): (lo, t[4]) for t in todo for lo in (t[1], *t[2])}
+    jobs = list(uniq.values())
     n = min(len(jobs), _copy_threads())
     if n <= 1:
       exes = [_compile(lo, p) for lo, p in jobs]
@@ -1267,11 +1301,13 @@ def _ensure_group_programs(keys: list) -> list:
       with concurrent.futures.ThreadPoolExecutor(
           n, thread_name_prefix="tenplex-compile") as pool:
         exes = list(pool.map(lambda j: _compile(*j), jobs))
-    done = [(t[0], t[3]) for t in todo]
-    del jobs, todo  # the lowered modules go before the heap is trimmed
+    exe = dict(zip(uniq, exes))
+    done = [(t[0], exe[id(t[1])], tuple(exe[id(lo)] for lo in t[2]), t[3])
+            for t in todo]
+    del jobs, todo, uniq  # the lowered modules go before the heap is trimmed
     with _transitions_lock:
-      for i, (k, sizes) in enumerate(done):
-        out[k] = _GROUP_EXES[k] = (exes[2 * i], exes[2 * i + 1], sizes)
+      for k, cut, glues, sizes in done:
+        out[k] = _GROUP_EXES[k] = (cut, glues, sizes)
       while len(_GROUP_EXES) > max(_GROUP_EXES_MAX, len(keys)):
         _GROUP_EXES.popitem(last=False)
     _trim_heap()
@@ -1415,9 +1451,10 @@ def _run_generic_packed(batch: list) -> list:
   None)``, or ``(xs, shards)`` for :func:`_make_array` where a device
   keeps its old shard.
 
-  Group by group: cut, send, glue, and every intermediate let go as soon as
-  the next step has it (a packed buffer once it is sent, the received ones
-  once they are glued). Before a group is cut, the oldest groups still
+  Group by group: cut, then stage by stage (see :func:`_group_programs`)
+  send and glue, every intermediate let go as soon as the next step has it
+  (a packed buffer once it is sent, the received ones once they are
+  glued). Before a group is cut, the oldest groups still
   running are waited for until the groups in flight hold at most
   :func:`_flight_bytes`, so a call holds its results and up to twice that in
   packed copies, not three copies of the state (lm1b SMALL: cold peak RSS
@@ -1428,34 +1465,42 @@ def _run_generic_packed(batch: list) -> list:
   made: list = [None] * len(batch)
   pending: list = []  # (glue outputs, bytes) of the groups in flight
   for g, ((_, _, dtype, _), moves, members, nbytes) in enumerate(groups):
-    cut, glue, sizes = exes[g]
+    cut, glues, sizes = exes[g]
     runs = len(sizes)  # packed buffers per sub-block
     while pending and sum(b for _, b in pending) + nbytes > flight:
       jax.block_until_ready(pending.pop(0)[0])
     packed = [_shards_of(o) for o in cut(*[batch[n][1] for n in members])]
-    sends, dests, where = [], [], []
-    for dev, row in zip(moves.devices, moves.need):
-      for src_id, j in row:
-        if src_id != dev.id:
-          for c in range(runs):
-            sends.append(packed[j * runs + c][src_id])
-            dests.append(dev)
-            where.append((dev.id, src_id, j * runs + c))
-    moved = dict(zip(where, _send(sends, dests))) if sends else {}
-    del sends
-    blocks = {dev.id: [packed[j * runs + c][src_id] if src_id == dev.id else
-                       moved[dev.id, src_id, j * runs + c]
-                       for src_id, j in row for c in range(runs)]
-              for dev, row in zip(moves.devices, moves.need)}
-    del packed, moved  # what was sent goes once its copy is done
     order = _device_order(moves.flat_dst)
-    ins = [_make_array((sizes[i % runs] * len(order),), dtype,
-                       moves.flat_dst, [blocks[d.id][i] for d in order],
-                       list(order))
-           for i in range(len(moves.glue_grid) * runs)]
-    del blocks
-    outs = glue(*ins)
-    del ins  # the received buffers go once the glue is done
+    stages = ([(c,) for c in range(runs)] if len(glues) == runs else
+              [tuple(range(runs))])
+    outs: list = []
+    for glue, st in zip(glues, stages):
+      sends, dests, where = [], [], []
+      for dev, row in zip(moves.devices, moves.need):
+        for src_id, j in row:
+          if src_id != dev.id:
+            for c in st:
+              sends.append(packed[j * runs + c][src_id])
+              dests.append(dev)
+              where.append((dev.id, src_id, j * runs + c))
+      moved = dict(zip(where, _send(sends, dests))) if sends else {}
+      del sends
+      blocks = {dev.id: [packed[j * runs + c][src_id] if src_id == dev.id
+                         else moved[dev.id, src_id, j * runs + c]
+                         for src_id, j in row for c in st]
+                for dev, row in zip(moves.devices, moves.need)}
+      for j in range(len(moves.cut_grid)):  # sent: each goes once copied
+        for c in st:
+          packed[j * runs + c] = None
+      del moved
+      ins = [_make_array((sizes[st[i % len(st)]] * len(order),), dtype,
+                         moves.flat_dst, [blocks[d.id][i] for d in order],
+                         list(order))
+             for i in range(len(moves.glue_grid) * len(st))]
+      del blocks
+      outs.extend(glue(*ins))
+      del ins  # the received buffers go once the glue is done
+    del packed
     pending.append((outs, nbytes))
     for n, new in zip(members, outs):
       if made[n] is not None:  # padding: a repeat of an array done already

@@ -1,6 +1,7 @@
 """The batched executors: compile counts, aliasing of rows, the transition
 cache, and flax's lm1b train state moved between lm1b meshes."""
 
+import functools
 import gc
 import importlib
 
@@ -548,10 +549,86 @@ def test_generic_cut_writes_no_temporary_buffer_on_cpu():
   for k, v in out.items():
     assert v.sharding == cols
     assert _bits(v) == hosts[k].tobytes(), k
-  (cut, glue, sizes), = rmod._GROUP_EXES.values()
+  (cut, glues, sizes), = rmod._GROUP_EXES.values()
   assert cut.memory_analysis().temp_size_in_bytes == 0
-  assert glue.memory_analysis().temp_size_in_bytes == 0
+  for glue in glues:
+    assert glue.memory_analysis().temp_size_in_bytes == 0
   # 20 arrays in runs of 8, 8 and 4, each run's sub-blocks one buffer.
   per = [sum(64 * (64 + 8 * i) // 64 for i in range(r, min(20, r + 8)))
          for r in (0, 8, 16)]
   assert sizes == tuple(per), sizes
+
+
+def test_generic_large_group_sends_and_glues_run_by_run_on_cpu(
+    monkeypatch):
+  # A group packed in several runs (20 arrays: runs of 8, 8 and 4) that
+  # receives at least _RUNS_APART_MIN bytes sends and glues them run by
+  # run: one batch of transfers and one glue launch per run, each batch
+  # holding that run's packed buffers only, so each run's copies go once
+  # used rather than all of the group's at once. Runs of the same member
+  # shapes share one glue program. Below the bound the runs go together
+  # (one batch, one glue). Results bitwise, shardings the target's.
+  hosts = {f"w{i:02d}": (np.arange(64 * (64 + 8 * i), dtype=np.float32)
+                         * (i + 1)).reshape(64, -1) for i in range(20)}
+  hosts.update({f"s{i:02d}": (np.arange(64 * 64, dtype=np.float32) - i)
+                .reshape(64, 64) for i in range(16)})
+  a = Mesh(np.array(DEVS), ("x",))
+  cols = NamedSharding(Mesh(np.array(DEVS[::-1]), ("x",)), P(None, "x"))
+  glued = []  # per glue launch, its number of inputs and outputs
+  sends = []  # per batch of transfers, its number of transfers
+  real_ensure, real_send = rmod._ensure_group_programs, rmod._send
+
+  def ensure(keys):
+    out = []
+    for cut, glues, sizes in real_ensure(keys):
+      def spy(*ins, glue):
+        outs = glue(*ins)
+        glued.append((len(ins), len(outs)))
+        return outs
+      out.append((cut, tuple(functools.partial(spy, glue=g) for g in glues),
+                  sizes))
+    return out
+
+  def send(arrays, devices):
+    sends.append(len(arrays))
+    return real_send(arrays, devices)
+
+  monkeypatch.setattr(rmod, "_ensure_group_programs", ensure)
+  monkeypatch.setattr(rmod, "_send", send)
+
+  def run(bound):
+    monkeypatch.setattr(rmod, "_RUNS_APART_MIN", bound)
+    rmod._GROUP_EXES.clear()
+    glued.clear()
+    sends.clear()
+    with CompileCounter() as c:
+      for names in (sorted(k for k in hosts if k[0] == "w"),
+                    sorted(k for k in hosts if k[0] == "s")):
+        tree = {k: jax.device_put(hosts[k], NamedSharding(a, P("x")))
+                for k in names}
+        out = jax.block_until_ready(
+            tj.reshard(tree, {k: cols for k in names}, method="generic"))
+        for k, v in out.items():
+          assert v.sharding == cols
+          assert _bits(v) == hosts[k].tobytes(), k
+    return c.n, list(rmod._GROUP_EXES.values())
+
+  # Each group receives its source's bytes: 700 KiB and 256 KiB.
+  n, ((_, g20, s20), (_, g16, s16)) = run(256 << 10)
+  # 20 arrays: 3 runs; 16 of one shape: 2 runs, one group. Rows over 8 ->
+  # columns over 8 reversed: 8 sub-blocks a target box, 7 from elsewhere,
+  # so 56 transfers and 8 glue inputs per run.
+  assert sends == [56] * 5, sends
+  assert glued == [(8, 8), (8, 8), (8, 4), (8, 8), (8, 8)], glued
+  # A cut and 3 glues; a cut and one glue for both runs of one shape.
+  assert n == 6, n
+  assert len(g20) == 3 and len(set(map(id, g20))) == 3
+  assert len(g16) == 2 and g16[0] is g16[1] and s16 == (8 * 64,) * 2
+  n, ((_, g20, _), (_, g16, _)) = run(512 << 10)  # the first group only
+  assert sends == [56] * 3 + [112] and n == 6, (sends, n)
+  assert glued == [(8, 8), (8, 8), (8, 4), (16, 16)], glued
+  assert len(g20) == 3 and len(g16) == 1
+  n, ((_, g20, _), (_, g16, _)) = run(64 << 20)  # neither
+  assert sends == [168, 112] and n == 4, (sends, n)
+  assert glued == [(24, 20), (16, 16)], glued
+  assert len(g20) == 1 and len(g16) == 1
