@@ -124,6 +124,12 @@ def static():
   return train(((0, 8),), fsdp=False)
 
 
+# The tests against the static run above, on one xdist worker: it (and its
+# compiled 8-device step) is made once.
+_STATIC = pytest.mark.xdist_group("compose_static")
+
+
+@_STATIC
 def test_static_run_clips_every_step(static):
   # The clip is active: the norm exceeds MAX_NORM at every step; and the
   # fixed-tree norm is the norm (up to rounding) of optax's.
@@ -133,6 +139,7 @@ def test_static_run_clips_every_step(static):
   np.testing.assert_allclose(det.global_norm(g), optax.tree.norm(g), rtol=1e-6)
 
 
+@_STATIC
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_clip_accumulation_dropout_bitwise_every_step_8_4_2_8(static, fsdp, tmp_path):
   """ZeRO-3 state: every resize changes the shard shapes of the params, of
@@ -146,6 +153,7 @@ def test_clip_accumulation_dropout_bitwise_every_step_8_4_2_8(static, fsdp, tmp_
     assert_bitwise(a[2], b[2], f"step {t} state")
 
 
+@_STATIC
 def test_one_device_bitwise_every_step(static):
   got = train(((0, 1),), fsdp=False)
   for t, (a, b) in enumerate(zip(static, got)):
