@@ -36,9 +36,11 @@ def test_plan_verb_prints_summary(tmp_path, capsys):
   assert d["moved_bytes"] == d["lower_bound_bytes"] > 0
 
 
+@pytest.mark.xdist_group("lm_fast_stage_change")
 def test_demo_verb_runs_and_matches_static(tmp_path, capsys):
   # The LM trainer's run (the schedule of tests/test_pipeline_lm.py, whose
-  # compiled steps it shares): a stage change 2 -> 4 on 8 -> 4 devices.
+  # compiled steps it shares: one xdist group, that test first): a stage
+  # change 2 -> 4 on 8 -> 4 devices.
   out_json, out_png = tmp_path / "demo.json", tmp_path / "demo.png"
   assert main(["demo", "--steps", "4", "--schedule",
                "0:stage=2,data=2,tensor=2 2:stage=4,mb=2", "--json",

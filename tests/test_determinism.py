@@ -314,6 +314,12 @@ def static_run(v):
   return _STATIC[v]
 
 
+# The two tests against static_run(8) run on one xdist worker: the second
+# reuses the static run (and its compiled step) that the first made.
+_STATIC_8 = pytest.mark.xdist_group("determinism_static_8")
+
+
+@_STATIC_8
 def test_d0_d1_training_v8_resizes_8_4_2_8(tmp_path):
   static = static_run(8)
   assert_bitwise(static, train(((0, 8),), 8))                     # D0
@@ -340,6 +346,7 @@ def test_d1_training_v24_resizes_8_3_6():
 
 
 @pytest.mark.slow
+@_STATIC_8
 def test_d1_across_processes_through_the_store(tmp):
   """``tenplex-jax launch``: 1 process x 4 devices, then 2 x 4 from step 10,
   the state (ZeRO-3) saved to the first generation's store and restored by

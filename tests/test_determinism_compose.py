@@ -124,6 +124,12 @@ def static():
   return train(((0, 8),), fsdp=False)
 
 
+# The tests against the static run above, on one xdist worker: it (and its
+# compiled 8-device step) is made once.
+_STATIC = pytest.mark.xdist_group("compose_static")
+
+
+@_STATIC
 def test_static_run_clips_every_step(static):
   # The clip is active: the norm exceeds MAX_NORM at every step; and the
   # fixed-tree norm is the norm (up to rounding) of optax's.
@@ -133,6 +139,7 @@ def test_static_run_clips_every_step(static):
   np.testing.assert_allclose(det.global_norm(g), optax.tree.norm(g), rtol=1e-6)
 
 
+@_STATIC
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_clip_accumulation_dropout_bitwise_every_step_8_4_2_8(static, fsdp, tmp_path):
   """ZeRO-3 state: every resize changes the shard shapes of the params, of
@@ -146,6 +153,7 @@ def test_clip_accumulation_dropout_bitwise_every_step_8_4_2_8(static, fsdp, tmp_
     assert_bitwise(a[2], b[2], f"step {t} state")
 
 
+@_STATIC
 def test_one_device_bitwise_every_step(static):
   got = train(((0, 1),), fsdp=False)
   for t, (a, b) in enumerate(zip(static, got)):
@@ -203,7 +211,16 @@ def test_pipeline_axis_errors():
 # ------------------------------------------------ the LM trainer
 
 
+# The LM trainer's deterministic steps on the demo's meshes, compiled once for
+# both tests on one xdist worker (the trainer's compiled-step cache): the
+# trainer test passes the demo's compiler options, which the deterministic
+# step drops (optimisation level 0 would change its bits) but which are part
+# of the cache's key.
+_LM_DET8 = pytest.mark.xdist_group("lm_deterministic_8")
+
+
 @pytest.mark.slow
+@_LM_DET8
 def test_lm_trainer_deterministic_8_4_2_8_stages_2_2_1_2():
   """examples/lm's --deterministic 8 over 8 -> 4 -> 2 -> 8 devices (stages
   2, 2, 1, 2; tensor 2, 1, 2, 2; fsdp at 4): the static run's losses at
@@ -211,17 +228,19 @@ def test_lm_trainer_deterministic_8_4_2_8_stages_2_2_1_2():
   lm = demo.load_lm_trainer()
   phases = lm.configs.parse("0:data=2,tensor=2,stage=2 2:fsdp=2,stage=2"
                             " 4:tensor=2 6:data=2,tensor=2,stage=2")
+  opts = {"xla_backend_optimization_level": 0}  # the demo's (see above)
   el, st = {}, {}
   a = lm.train(phases, 8, lm.configs.TINY, log=lambda *_: None,
-               deterministic=8, final=el)
+               deterministic=8, compiler_options=opts, final=el)
   b = lm.train(phases[:1], 8, lm.configs.TINY, log=lambda *_: None,
-               deterministic=8, final=st)
+               deterministic=8, compiler_options=opts, final=st)
   assert [r["mesh"]["stage"] for r in a[::2]] == [2, 2, 1, 2]
   assert [r["loss"] for r in a] == [r["loss"] for r in b]
   assert_bitwise(el["params"], st["params"], "final params")
 
 
 @pytest.mark.slow
+@_LM_DET8
 def test_demo_deterministic_8_default_pipelined_schedule(capsys):
   """``tenplex-jax demo --deterministic 8`` with its default phases (stages
   2, 2, 1, 2) is no longer refused and prints the bitwise line."""

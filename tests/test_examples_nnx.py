@@ -52,6 +52,10 @@ def test_help_documents_the_contract_flags(capsys):
     assert flag in out
 
 
+# The in-process resize tests run the same schedule: the second reuses the
+# steps the first compiled (the trainer's compiled-step cache) on one xdist
+# worker.
+@pytest.mark.xdist_group("nnx_in_process")
 def test_resize_with_stage_change_follows_static_run(tmp_path, capsys):
   out_json, out_png = tmp_path / "nnx.json", tmp_path / "nnx.png"
   diff = train.main(["--steps", "4", "--schedule", SCHEDULE, "--json", str(out_json),
@@ -89,6 +93,7 @@ def test_resize_with_stage_change_follows_static_run(tmp_path, capsys):
     assert not stacked & set(gathered), (shape, gathered)
 
 
+@pytest.mark.xdist_group("nnx_in_process")
 def test_resize_moves_params_and_optimizer_state_to_nnx_targets(tmp):
   """After the re-mesh every array of ``nnx.state((model, optimizer))`` has the
   sharding nnx itself derives from the variable's names and the rules on the

@@ -102,6 +102,11 @@ def lm1b():
   return boxed, bits(boxed), abstract
 
 
+# The tests that read the lm1b state above, on one xdist worker: it is built
+# once.
+_LM1B = pytest.mark.xdist_group("flax_idioms_lm1b")
+
+
 # The meshes the lm1b state moves between (lm1b's data/fsdp/tensor degrees,
 # subsets and a permutation of the devices).
 TARGETS = [((2, 1, 4), None), ((1, 2, 2), DEVS[4:]), ((8, 1, 1), DEVS[::-1]),
@@ -109,6 +114,7 @@ TARGETS = [((2, 1, 4), None), ((1, 2, 2), DEVS[4:]), ((8, 1, 1), DEVS[::-1]),
 
 
 @pytest.mark.parametrize("boxed_state", [True, False], ids=["boxed", "unboxed"])
+@_LM1B
 def test_reshard_takes_lm1b_prefix_sharding_tree(lm1b, boxed_state):
   boxed, ref, abstract = lm1b
   state = boxed if boxed_state else unboxed(boxed)
@@ -134,6 +140,7 @@ def test_reshard_takes_lm1b_prefix_sharding_tree(lm1b, boxed_state):
     assert is_lp(k) and k.names == ("vocab", "embed")
 
 
+@_LM1B
 def test_remesh_with_prefix_shardings_reports_what_it_used(lm1b):
   boxed, ref, abstract = lm1b
   mesh = mesh_of(*TARGETS[2])
@@ -148,6 +155,7 @@ def test_remesh_with_prefix_shardings_reports_what_it_used(lm1b):
     tj.remesh(boxed, shardings=target, rules=LM1B_RULES)
 
 
+@_LM1B
 def test_boxed_lm1b_moves_between_meshes_by_rules(lm1b):
   boxed, ref, abstract = lm1b
   state = boxed
@@ -166,6 +174,7 @@ def test_boxed_lm1b_moves_between_meshes_by_rules(lm1b):
   assert_on(out, expected)
 
 
+@_LM1B
 def test_unboxed_state_rules_need_the_logical_names(lm1b):
   boxed, ref, abstract = lm1b
   state = unboxed(boxed)
@@ -186,6 +195,7 @@ def test_unboxed_state_rules_need_the_logical_names(lm1b):
     assert_same_shardings(report.shardings, expected)
 
 
+@_LM1B
 def test_maxtext_style_rules(lm1b):
   boxed, ref, abstract = lm1b
   sizes = dict(data=1, stage=1, fsdp=2, fsdp_transpose=1, sequence=1,
@@ -208,6 +218,7 @@ def test_maxtext_style_rules(lm1b):
   assert_on(back, rule_shardings(abstract, make_mesh((1, 8, 1)), LM1B_RULES))
 
 
+@_LM1B
 def test_config_search_reads_lm1b_and_hands_back_what_to_jit(lm1b):
   boxed, ref, abstract = lm1b
   # DenseGeneral's kernels carry 2 names for 3 dimensions.
@@ -232,6 +243,7 @@ def test_config_search_reads_lm1b_and_hands_back_what_to_jit(lm1b):
   assert_on(new2, rule_shardings(abstract, report2.mesh, report2.rules))
 
 
+@_LM1B
 def test_replication_fallback_report_has_the_shardings_used(lm1b):
   boxed, ref, abstract = lm1b
   mesh = mesh_of((1, 2, 3), DEVS[2:])  # tensor=3 divides none of lm1b's dims
@@ -253,6 +265,7 @@ def test_replication_fallback_report_has_the_shardings_used(lm1b):
   assert bits(out) == ref
 
 
+@_LM1B
 def test_errors_are_grouped_with_the_full_list_on_the_exception(lm1b):
   boxed, _, _ = lm1b
   no_tensor = mesh_of((2, 4), axes=("data", "fsdp"))

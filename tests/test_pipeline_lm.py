@@ -22,6 +22,9 @@ def test_help_documents_the_contract_flags(capsys):
     assert flag in out
 
 
+# On the xdist worker of tests/test_cli_and_docs.py's demo test, which then
+# runs on the steps compiled here.
+@pytest.mark.xdist_group("lm_fast_stage_change")
 def test_resize_with_stage_change_follows_static_run(tmp_path, capsys):
   """8 devices (stage 2, data 2, tensor 2) -> 4 devices (stage 4): the layers
   regroup from 2 to 4 stages; losses equal the static run's up to float order."""
