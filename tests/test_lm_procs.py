@@ -66,17 +66,33 @@ def _job_processes(where):
 def _run_2_1_2(out, *flags, timeout):
   """The LM trainer across processes, 2 x 2 devices (stage 2, data 2), 1 x 4
   (stage 4) from step 2, 2 x 2 again from step 4, 6 steps, its JSON at
-  ``out``; asserts it exited 0."""
+  ``out``; asserts it exited 0. A step that hangs (jaxlib 0.10.2's gloo
+  collectives deadlock one, rarely, on 2 processes x 2 devices) is run again
+  after 90 s (``--step-timeout``): :func:`_hang_restarts` tells."""
   env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
   env.pop("TENPLEX_JAX_STORE_TOKEN", None)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
   (run,) = procs.run_all([[
       sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
       "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
-      *flags, "--json", out, "--job-parent", os.path.dirname(out),  # the test's
+      "--step-timeout", "90", *flags, "--json", out,
+      "--job-parent", os.path.dirname(out),  # the test's
       "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
   assert run.returncode == 0, run.stdout[-5000:]
   return run.stdout
+
+
+def _hang_restarts(el, stdout):
+  """The steps whose generation was run again after a hang (the launcher's step
+  timeout), each checked to be one: the restarted generation's first step, on as
+  many processes in the phase's layout, from the last save."""
+  out = []
+  for r in el:
+    if r.get("recovered"):
+      assert r["failure"]["kind"] == "hang" and not r["layout_from_search"], r
+      assert "after a hang on" in stdout, stdout[-3000:]
+      out.append(r["step"])
+  return out
 
 
 def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
@@ -96,15 +112,24 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
   assert [(r["step"], r["procs"]) for r in el] == [(0, 2), (1, 2), (2, 1), (3, 1), (4, 2),
                                                    (5, 2)]
   first, new, back = el[0], el[2], el[4]
+  # Where a step hung (rarely: jaxlib's gloo collectives) and its generation ran again,
+  # the properties of a generation started ahead are not its; the cache's still are.
+  rerun = _hang_restarts(el, stdout)
+  assert set(rerun) <= {4}, rerun  # (a new mesh at step 2 compiles: it cannot pass)
   assert first["xla_compiles"] > 0 and first["cache_hits"] == 0, first
   assert new["procs_from"] == 2 and new["xla_compiles"] > 0, new
   assert not new["compile_cache_hit"], new
-  assert back["procs_from"] == 1 and back["mesh"] == first["mesh"], back
+  assert back["mesh"] == first["mesh"], back
   assert back["xla_compiles"] == 0 and back["cache_hits"] > 0, back
   # none of the processes compiled: each found its programs in the cache
   assert len(back["xla_compiles_procs"]) == 2, back
   assert all(c == 0 and h > 0 for c, h in back["xla_compiles_procs"]), back
   assert back["compile_cache_hit"], back
+  np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
+  assert log["max_abs_param_diff"] < 1e-5
+  if rerun:
+    return
+  assert back["procs_from"] == 1, back
   assert new["standby"] and back["standby"], (new, back)
   # both relaunched generations were started ahead (train.py announces the schedule's
   # phases with store.expect_resizes): their step compiled (the second one loaded from
@@ -133,8 +158,6 @@ def test_resize_back_onto_a_mesh_run_before_compiles_nothing(tmp):
     # started (by the launcher) before it was ready; the nice it prepared at
     assert r["ahead_lead_s"] >= r["ahead_margin_s"], r
     assert r["ahead_s"]["nice"] in (0, 10), r
-  np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
-  assert log["max_abs_param_diff"] < 1e-5
 
 
 def test_deterministic_resizes_through_generations_started_ahead_are_bitwise(tmp):
@@ -144,14 +167,16 @@ def test_deterministic_resizes_through_generations_started_ahead_are_bitwise(tmp
   # static run's.
   import json
   out = os.path.join(tmp, "det.json")
-  _run_2_1_2(out, "--deterministic", "2", timeout=650)
+  stdout = _run_2_1_2(out, "--deterministic", "2", timeout=650)
   with open(out) as f:
     log = json.load(f)
   el = log["elastic"]
   assert [r["procs"] for r in el] == [2, 2, 1, 1, 2, 2]
-  assert el[2]["ahead"] and el[4]["ahead"], (el[2], el[4])
   assert log["bitwise_identical"] is True
   assert [r["loss"] for r in el] == [r["loss"] for r in log["static"]]
+  # (a generation run again after a hang, rarely: jaxlib's gloo collectives, was not)
+  rerun = _hang_restarts(el, stdout)
+  assert all(el[s]["ahead"] for s in (2, 4) if s not in rerun), (el[2], el[4])
 
 
 def test_a_killed_process_hands_over_to_the_generation_prepared_for_the_failure(tmp):
@@ -204,6 +229,53 @@ def test_a_killed_process_hands_over_to_the_generation_prepared_for_the_failure(
   assert [r["batch_crc"] for r in el] == [r["batch_crc"] for r in st]
   assert log["bitwise_identical"] is True
   assert [r["loss"] for r in el] == [r["loss"] for r in st]
+
+
+def test_a_step_that_hangs_runs_again_on_as_many_processes_from_the_last_save(tmp):
+  # 2 processes x 2 devices (stage 2, data 2), the same processes' devices as data 2,
+  # tensor 2 from step 2 (a relaunch: its save is the last one), no snapshots; the first
+  # process to reach step 3 sleeps before it (--hang-at 3: the shape of jaxlib 0.10.2's
+  # rare gloo deadlock, one process stuck, the other waiting in the step's collectives).
+  # The launcher's step timeout stops the generation and runs it again on 2 processes in
+  # the phase's own layout (not the search's, as after a lost process) from the step-2
+  # save: step 2 runs again from the same state on the same batch, the losses and final
+  # params follow the static run, and nothing of the job is left behind.
+  import json
+  out = os.path.join(tmp, "hang.json")
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  try:
+    (run,) = procs.run_all([[
+        sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,2",
+        "--schedule", "0:stage=2,data=2 2:data=2,tensor=2", "--steps", "4",
+        "--fast-compile", "--hang-at", "3", "--step-timeout", "30", "--job-parent", tmp,
+        "--json", out, "--timeout", "400"]], timeout=450, env=env)
+    left = _job_processes(tmp)  # the launcher stopped every process of the job
+  finally:
+    for pid in _job_processes(tmp):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  assert run.returncode == 0, run.stdout[-5000:]
+  assert not left, left
+  assert "--hang-at: process" in run.stdout, run.stdout[-3000:]
+  assert "hung: no step for 30 s" in run.stdout, run.stdout[-3000:]
+  # (the one hang: the compile of a generation's first step, however slow, is no hang)
+  assert run.stdout.count("hung: no step") == 1, run.stdout[-3000:]
+  assert "at step 3; restart 1 of 2 after a hang on 2 processes" in run.stdout, \
+      run.stdout[-3000:]
+  with open(out) as f:
+    log = json.load(f)
+  el, st = log["elastic"], log["static"]
+  assert [(r["step"], r["procs"]) for r in el] == [(0, 2), (1, 2), (2, 2), (3, 2)], el
+  rec = el[2]
+  assert rec["recovered"] and not rec["layout_from_search"], rec
+  assert (rec["failed_step"], rec["restored_step"], rec["steps_redone"]) == (3, 2, [2]), rec
+  assert rec["failure"]["kind"] == "hang", rec
+  assert rec["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2, "stage": 1}, rec
+  assert [r["batch_crc"] for r in el] == [r["batch_crc"] for r in st]
+  np.testing.assert_allclose([r["loss"] for r in el], [r["loss"] for r in st], rtol=1e-5)
+  assert log["max_abs_param_diff"] < 1e-5
 
 
 def test_a_job_stopped_by_the_launchers_timeout_leaves_no_directory(tmp):

@@ -328,6 +328,23 @@ class _Background(threading.Thread):
     return self._out
 
 
+class _Beats(threading.Thread):
+  """Calls ``beat()`` every ``every`` seconds in a thread until :meth:`stop`."""
+
+  def __init__(self, beat, every=2.0):
+    super().__init__(daemon=True)
+    self._beat, self._every, self._done = beat, every, threading.Event()
+    self.start()
+
+  def run(self):
+    while not self._done.is_set():
+      self._beat()
+      self._done.wait(self._every)
+
+  def stop(self):
+    self._done.set()
+
+
 def _host_scalar(x):
   """A replicated scalar as a Python float (also when other processes hold copies)."""
   return float(np.asarray(x.addressable_data(0)))
@@ -515,18 +532,20 @@ def _kill_when_failure_ready(job_dir, m, kill, timeout=600.0):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _hang_once(marker):
-  """``--hang-ahead`` (a test's hang): the first process of a generation started ahead
-  for a resize to finish its warm-up step sleeps for ever before its ready mark (the
-  launcher's prepare timeout must stop it); ``marker``, made exclusively, holds its pid,
-  so the generation that replaces it goes on."""
+def _hang_once(marker, flag="--hang-ahead"):
+  """A test's hang, once per job. ``--hang-ahead``: the first process of a generation
+  started ahead for a resize to finish its warm-up step sleeps for ever before its ready
+  mark (the launcher's prepare timeout must stop it). ``--hang-at STEP``: the first
+  process to reach step STEP sleeps for ever before running it, the others wait for it
+  in the step's collectives (the launcher's step timeout must stop them). ``marker``,
+  made exclusively, holds its pid, so the generation that replaces it goes on."""
   try:
     fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
   except FileExistsError:
     return
   os.write(fd, str(os.getpid()).encode())
   os.close(fd)
-  print(f"--hang-ahead: process {os.environ.get('TENPLEX_PROC_ID')} of generation"
+  print(f"{flag}: process {os.environ.get('TENPLEX_PROC_ID')} of generation"
         f" {os.environ.get('TENPLEX_GENERATION')} hangs", flush=True)
   while True:
     time.sleep(3600)
@@ -564,13 +583,19 @@ def worker(args, cfg, phases, plan, trainer=None):
   # A generation after a failure (the one the launcher prepared for it, or a restart):
   # the phase's devices per process on its processes, laid out by the search.
   recovery = store.prepared_for_failure() or "TENPLEX_FAILED_STEP" in os.environ
-  lay = _failure_phase(phases, plan, phase, n) if recovery else phase
+  # On fewer processes than the phase planned (a lost process): the search's layout.
+  # On as many (a restart after a hang, --step-timeout): the phase's own.
+  shrunk = recovery and n != plan[phases.index(phase)]
+  lay = _failure_phase(phases, plan, phase, n) if shrunk else phase
   if lay.devices % n:
     raise ValueError(f"the phase at step {phase.step} has {lay.devices} devices, which"
                      f" {n} processes cannot share evenly")
   os.environ["TENPLEX_DEVICES"] = str(lay.devices // n)
-  key = _phase_key(lay, n, search=recovery)
+  key = _phase_key(lay, n, search=shrunk)
   info = store.initialize()
+  # Until the first step, this process is alive however long its compiles (the init's,
+  # the step's) take on a loaded host: --step-timeout then bounds the steps themselves.
+  beating = _Beats(store.heartbeat)
   t_init = time.time()
   lead = info["process_id"] == 0
   # A generation the launcher started ahead (it expected this resize, or prepared it for
@@ -582,7 +607,7 @@ def worker(args, cfg, phases, plan, trainer=None):
     _expect_next(store, args, phases, plan, phase, n, key)
   devices = jax.devices()
   lr, gb = configs.LEARNING_RATE, configs.GLOBAL_BATCH
-  mesh, rules, mb = tr.layout(lay, cfg, devices, search=args.search or recovery,
+  mesh, rules, mb = tr.layout(lay, cfg, devices, search=args.search or shrunk,
                               global_batch=gb)
   if args.deterministic is not None:
     tr.check_deterministic([lay], args.deterministic, [(mesh, rules, mb)])
@@ -657,7 +682,7 @@ def worker(args, cfg, phases, plan, trainer=None):
         "ahead": ahead, "ahead_s": ahead_s,
         # after a failure: the step it failed at (the launcher's), of the turn or the env
         "failed_step": last_restore.get("failed_step"),
-        "layout_from_search": bool(recovery)})
+        "layout_from_search": bool(shrunk)})
   if not ahead:
     source = tr.dataset(cfg)
   boundaries = [p.step for p in phases if p.step > phase.step]
@@ -666,6 +691,8 @@ def worker(args, cfg, phases, plan, trainer=None):
   for t in range(step, end):
     if getattr(args, "kill_at", None) == t and not recovery:  # every process waits
       _kill_when_failure_ready(info["job_dir"], n - 1, kill=info["process_id"] == n - 1)
+    if getattr(args, "hang_at", None) == t and info["job_dir"]:  # for --hang-at
+      _hang_once(os.path.join(info["job_dir"], "lm_hang_at"), "--hang-at")
     t0 = time.perf_counter()
     crc = []
     tokens, mask, data_state = batches(source, mesh, data_state, gb, crc)
@@ -679,6 +706,7 @@ def worker(args, cfg, phases, plan, trainer=None):
           tr, cfg, mesh, rules, mb, state, tokens, mask, args.deterministic,
           _compiler_options(args))
       compile_wait_s = compile_s
+    beating.stop()
     c0, t0 = time.process_time(), time.perf_counter()
     state, loss = fn(state, tokens, mask)
     dispatch_s = time.perf_counter() - t0  # the call's return (the rest: running it)
@@ -843,7 +871,8 @@ def assemble(records_path, job_dir):
                    ahead=bool(pending.get("ahead")),
                    xla_compiles_procs=_compiles(job_dir, pending["generation"]),
                    reconfig_bytes=local + net, network_bytes=net,
-                   resized_from=prev["mesh"], procs_from=prev["procs"])
+                   # (none before a restart of the first generation)
+                   resized_from=prev and prev["mesh"], procs_from=prev and prev["procs"])
         if pending.get("restore"):  # process 0's restore: manifest, plan, read, build
           rec["restore_parts_s"] = pending["restore"]["seconds"]
         restored = [t for (t,) in _compiles(job_dir, pending["generation"],
@@ -892,6 +921,13 @@ def _failures(job_dir):
 # host for these configs).
 PREPARE_TIMEOUT = 120.0
 
+# Seconds a running generation's process may go without a step (--step-timeout; the
+# first step counts from its start, so the compile of generation 0's step is in it)
+# before the launcher takes it for hung and restarts the generation on as many
+# processes from the last save (jaxlib 0.10.2's XLA:CPU gloo collectives deadlock a
+# step, rarely, with several devices per process).
+STEP_TIMEOUT = 300.0
+
 # What the launcher's standby processes import before their rank comes (the
 # launcher's default list, and this script's own modules that only define).
 STANDBY_IMPORTS = ("jax", "jax.numpy", "numpy", "flax", "flax.linen",
@@ -929,6 +965,8 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
     cmd += ["--kill-at", str(args.kill_at)]
   if getattr(args, "hang_ahead", None):
     cmd += ["--hang-ahead", os.path.abspath(args.hang_ahead)]
+  if getattr(args, "hang_at", None) is not None:
+    cmd += ["--hang-at", str(args.hang_at)]
   log(f"tenplex-jax launch: {plan[0]} processes x {phases[0].devices // plan[0]} devices;"
       f" processes per phase {plan}")
   keep = False  # a failed job's directory (its logs, failures.jsonl), named
@@ -947,7 +985,13 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
                     # a generation started ahead that hangs in its warm-up (jaxlib
                     # 0.10.2's gloo communicators can deadlock there) is stopped and
                     # prepared again, not waited for until --timeout
-                    prepare_timeout=getattr(args, "prepare_timeout", PREPARE_TIMEOUT))
+                    prepare_timeout=getattr(args, "prepare_timeout", PREPARE_TIMEOUT),
+                    # a step that hangs: stopped after --step-timeout and run again
+                    # from the last save on as many processes, in the phase's layout
+                    # (repeating the steps since that save from the same state and
+                    # data, also without snapshots)
+                    step_timeout=getattr(args, "step_timeout", STEP_TIMEOUT) or None,
+                    on_hang="same", hang_restarts=2)
     if code != 0:
       keep = True
       raise SystemExit(f"the job across processes failed (exit code {code}); its"
@@ -1078,6 +1122,14 @@ def main(argv=None):
                   " launcher stops it and prepares it again, or starts the resize's"
                   " processes afresh at its turn (tenplex-jax launch --prepare-timeout;"
                   f" default {PREPARE_TIMEOUT:g})")
+  ap.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT, metavar="SECONDS",
+                  help="(with --procs) seconds a process may go without a step (the first"
+                  " counts from its start: imports, compile, restore) before the launcher"
+                  " stops the generation as hung and runs it again on as many processes"
+                  " from the last save, up to twice (tenplex-jax launch --step-timeout;"
+                  f" default {STEP_TIMEOUT:g}, 0: no limit)")
+  # (tests) the first process to reach step STEP hangs before it (see _hang_once)
+  ap.add_argument("--hang-at", type=int, metavar="STEP", help=argparse.SUPPRESS)
   # (tests) the process of the highest rank SIGKILLs itself before step STEP, once the
   # generation prepared for the failure is ready; the job directory's parent
   ap.add_argument("--kill-at", type=int, metavar="STEP", help=argparse.SUPPRESS)
@@ -1092,6 +1144,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if args.snapshot_every < 0:
     ap.error(f"--snapshot-every {args.snapshot_every}: expected a step count >= 0")
+  if args.step_timeout < 0:
+    ap.error(f"--step-timeout {args.step_timeout:g}: expected seconds >= 0 (0: no limit)")
   cfg = dataclasses.replace(configs.CONFIGS[args.config], remat=args.remat)
   try:
     phases = configs.parse(args.schedule)

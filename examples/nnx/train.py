@@ -384,6 +384,11 @@ def main(argv=None):
                   " ready; past it the launcher stops it and prepares it again, or starts"
                   " the resize's processes afresh at its turn (tenplex-jax launch"
                   f" --prepare-timeout; default {lm.PREPARE_TIMEOUT:g})")
+  ap.add_argument("--step-timeout", type=float, default=lm.STEP_TIMEOUT, metavar="SECONDS",
+                  help="(with --procs) seconds a process may go without a step before the"
+                  " launcher stops the generation as hung and runs it again on as many"
+                  " processes from the last save, up to twice (tenplex-jax launch"
+                  f" --step-timeout; default {lm.STEP_TIMEOUT:g}, 0: no limit)")
   # (tests) the parent of the job directory (default /dev/shm)
   ap.add_argument("--job-parent", metavar="DIR", help=argparse.SUPPRESS)
   ap.add_argument("--fast-compile", action="store_true",

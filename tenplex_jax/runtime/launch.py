@@ -77,7 +77,7 @@ from tenplex_jax.store.server import (CA_ENV, TOKEN_ENV, client_ca, free_port,
                                       is_remote, new_token, resolve_token)
 
 __all__ = ["Controller", "RESIZE_EXIT_CODE", "STANDBY_IMPORTS", "controller",
-           "expect_resizes",
+           "expect_resizes", "heartbeat",
            "initialize", "launch", "prepared", "prepared_for_failure", "register", "request_resize",
            "resize_due", "restore_or_init", "save_and_exit", "save_snapshot",
            "use_controller", "wait_programs", "wait_turn"]
@@ -353,10 +353,24 @@ def _progress(step: int) -> None:
     _heartbeat()
 
 
+def heartbeat() -> None:
+  """Marks this process alive for the launcher's ``step_timeout`` without a
+  step: for a wait the script knows to be progress, not a hang (e.g. on a
+  step still compiling in a thread of its own, every few seconds). A no-op
+  outside ``tenplex-jax launch`` and in a generation prepared ahead (until
+  its turn).
+
+  Example:
+    >>> from tenplex_jax import store
+    >>> store.heartbeat()  # outside the launcher: nothing happens
+  """
+  _heartbeat()
+
+
 def _heartbeat() -> None:
   """Marks this process alive for the launcher's ``step_timeout``: on
   entering and leaving ``initialize``, after the restore, at every step and
-  snapshot."""
+  snapshot, and on :func:`heartbeat`."""
   env = job_env()
   if env.job_dir and env.launched and not prepared():
     # (a prepared process's index is the running generation's until its turn)
@@ -1617,7 +1631,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            standby_imports: Sequence[str] | None = None,
            prepare_ahead: int = 4, prepare_nice: int = 10,
            prepare_timeout: float | None = None,
-           prepare_retries: int = 1) -> int:
+           prepare_retries: int = 1, on_hang: str | None = None,
+           hang_restarts: int | None = None) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
   after failures.
 
@@ -1717,6 +1732,17 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     prepare_retries: how many times a generation prepared ahead that was
       not ready in time is prepared again, per resize (and per running
       generation for the one prepared for a failure); default 1.
+    on_hang: like ``on_failure``, for a generation stopped by
+      ``step_timeout`` (default: ``on_failure``). A hang loses no device: a
+      deadlock in a step (e.g. jaxlib 0.10.2's XLA:CPU gloo collectives,
+      rarely, with several devices per process) is restarted on as many
+      processes with ``"same"``, where a script keeps its layout.
+    hang_restarts: relaunches after hangs (``step_timeout``) before giving
+      up, counted apart from ``max_restarts`` (default: they share
+      ``max_restarts``). A script that allows no restart after a lost
+      process (it would repeat the steps since its last save) may still
+      allow them after a hang, which repeats those steps from the same
+      state on the same layout.
 
   Each process runs in its own process group; on the first failure the
   launcher sends SIGTERM to the others' groups and SIGKILL 2 s later (0.2 s
@@ -1738,6 +1764,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if on_failure not in ("same", "shrink"):
     raise UsageError(f"on_failure must be 'same' or 'shrink', not"
                      f" {on_failure!r}")
+  if on_hang not in (None, "same", "shrink"):
+    raise UsageError(f"on_hang must be 'same', 'shrink' or None, not"
+                     f" {on_hang!r}")
+  if hang_restarts is not None and (not isinstance(hang_restarts, int)
+                                    or hang_restarts < 0):
+    raise UsageError(f"launch: hang_restarts must be a count >= 0, not"
+                     f" {hang_restarts!r}")
   for name, v in (("procs", procs), ("devices_per_proc", devices_per_proc)):
     if not isinstance(v, int) or v < 1:
       raise UsageError(f"launch: {name} must be a positive integer, not {v!r}")
@@ -1817,6 +1850,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   start_step = 0
   failed_step = None
   restarts = 0
+  hangs = 0  # restarts after a hang, when hang_restarts counts them apart
   code = 1
   record = None  # the last failure's line, written once the job went on
   t_end = None if timeout is None else time.time() + timeout
@@ -2210,16 +2244,23 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       print(f"tenplex-jax launch: generation {gen}: process {first}"
             f" {out['error']}; detected after {detect:.2f} s, generation"
             f" stopped after {stopped:.2f} s", flush=True)
-      if restarts >= max_restarts:
+      hung = out["kind"] == "hang"
+      apart = hung and hang_restarts is not None  # counted apart
+      used, allowed = (hangs, hang_restarts) if apart else (restarts, max_restarts)
+      if used >= allowed:
         write_record()
         record = None
         print(f"tenplex-jax launch: generation {gen}: process {first}"
               f" failed (exit code {code}) at step {failed_step}; no"
-              f" restarts left ({max_restarts} used), giving up",
-              file=sys.stderr, flush=True)
+              f" {'hang ' if apart else ''}restarts left ({allowed} used),"
+              f" giving up", file=sys.stderr, flush=True)
         break
-      restarts += 1
-      if on_failure == "shrink":  # drop the failed process's slot
+      if apart:
+        hangs += 1
+      else:
+        restarts += 1
+      mode = on_hang if hung and on_hang is not None else on_failure
+      if mode == "shrink":  # drop the failed process's slot
         n = max(1, n - 1)
       # The generation prepared for this failure takes over, if it is alive
       # and has the restart's process count.
@@ -2230,7 +2271,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         spare = None
       print(f"tenplex-jax launch: generation {gen}: process {first} failed"
             f" (exit code {code}) at step {failed_step}; restart"
-            f" {restarts} of {max_restarts} on {n} processes"
+            f" {used + 1} of {allowed}{' after a hang' if apart else ''}"
+            f" on {n} processes"
             + (f" (generation {spare.gen}, prepared for a failure)" if spare
                else ""), flush=True)
       if spare is not None:
@@ -2350,7 +2392,8 @@ def _launch_cmd(args) -> int:
                 prepare_ahead=args.prepare_ahead,
                 prepare_nice=args.prepare_nice,
                 prepare_timeout=args.prepare_timeout,
-                prepare_retries=args.prepare_retries)
+                prepare_retries=args.prepare_retries, on_hang=args.on_hang,
+                hang_restarts=args.hang_restarts)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
 
 
@@ -2367,6 +2410,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                  help="relaunches after a process failure (default 3)")
   p.add_argument("--on-failure", choices=("same", "shrink"), default="same",
                  help="relaunch on as many processes, or on one fewer")
+  p.add_argument("--on-hang", choices=("same", "shrink"), default=None,
+                 help="after a hang (--step-timeout): relaunch on as many"
+                 " processes, or on one fewer (default: as --on-failure)")
+  p.add_argument("--hang-restarts", type=int, default=None, metavar="N",
+                 help="relaunches after hangs, counted apart from"
+                 " --max-restarts (default: they share --max-restarts)")
   p.add_argument("--checkpoint", default=None,
                  help="Orbax checkpoint directory, s3://BUCKET/DIR or"
                  " gs://BUCKET/DIR (TENPLEX_CHECKPOINT) to fall back to when"

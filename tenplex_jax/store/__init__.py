@@ -23,7 +23,7 @@ from tenplex_jax.store.api import (RestoreReport, open_store, replicate, restore
                                    save, save_checkpoint)
 from tenplex_jax.store.checkpoint import latest_step
 from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, expect_resizes,
-                                      initialize, launch, prepared,
+                                      heartbeat, initialize, launch, prepared,
                                       prepared_for_failure,
                                       request_resize, resize_due, restore_or_init,
                                       save_and_exit, save_snapshot, wait_programs,
@@ -48,6 +48,7 @@ __all__ = [
     "UnsafePathError",
     "UsageError",
     "gc",
+    "heartbeat",
     "initialize",
     "latest_step",
     "make_server",
