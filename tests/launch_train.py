@@ -14,9 +14,9 @@ processes from step S started ahead; each process of a job with it writes
 ``initialize`` had returned, its turn, its nice value then and after it; ``TRAIN_AHEAD_FAIL=1``: processes
 started ahead exit with status 3 before their turn), ``TRAIN_EXPECT_FAILURE=M``
 (``expect_resizes``'s ``failure``: a generation of M processes prepared for a
-failure; it writes the same files; ``TRAIN_WAIT_READY=S:G:M``: generation 0
-waits at step S until the M processes of generation G are ready for their
-turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
+failure; it writes the same files; ``TRAIN_WAIT_READY=S:G:M,...``: the
+generation before G that reaches step S waits there until the M processes of
+generation G are ready for their turn), and ``TRAIN_CRASH=S:P:KIND`` (in generation 0, process P exits
 with code 3 after step S; KIND ``host`` first deletes its store, as if its
 host were lost; KIND ``server`` first SIGKILLs its store server (its
 store stays); KIND ``midsave`` exits before its ``save_snapshot`` of step
@@ -172,11 +172,10 @@ while step < total:
         kill_store_server(info["store"])
       print(f"launch_train: process {p} crashes at step {step}", flush=True)
       os._exit(3)
-  wait_ready = os.environ.get("TRAIN_WAIT_READY")
-  if wait_ready and info["generation"] == 0:
-    s, g, m = map(int, wait_ready.split(":"))
+  for wait in filter(None, os.environ.get("TRAIN_WAIT_READY", "").split(",")):
+    s, g, m = map(int, wait.split(":"))
     deadline = time.time() + 120
-    while s == step and time.time() < deadline and not all(
+    while s == step and info["generation"] < g and time.time() < deadline and not all(
         os.path.exists(os.path.join(info["job_dir"], f"ready_{g}_{i}.txt"))
         for i in range(m)):
       time.sleep(0.05)

@@ -30,13 +30,15 @@ def test_expected_generations_are_started_ahead_and_take_their_turn(tmp):
   # (1 process) starts with generation 0; generation 2 (2 processes, generation 0's
   # key) once generation 0 stepped. Each had jax.distributed up before its turn came,
   # restored the state saved at its step (launch_train checks the values) and the
-  # job ends right with no process left.
+  # job ends right with no process left. The generation before each resize waits at
+  # its step until the one started ahead for it is ready (TRAIN_WAIT_READY): a
+  # launcher that did not start it ahead fails the test, however fast the host.
   job = os.path.join(tmp, "job")
   sched = os.path.join(tmp, "sched.txt")
   with open(sched, "w") as f:
     f.write("step 4 procs 1\nstep 8 procs 2\n")
   with launcher(tmp, train(10), "--procs", "2", "--schedule", sched,
-                TRAIN_SLEEP=1.5, TRAIN_EXPECT="4:1,8:2") as (p, log, seen):
+                TRAIN_EXPECT="4:1,8:2", TRAIN_WAIT_READY="4:1:1,8:2:2") as (p, log, seen):
     rc, out = finish(p, log)
     seen.update(pids_of(job))
   assert rc == 0, out[-5000:]

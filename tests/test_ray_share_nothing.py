@@ -3,10 +3,14 @@ each node in its own mount namespace with private /dev/shm, /tmp and
 working directory, on its own loopback address."""
 
 import json
+import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -23,13 +27,17 @@ from share_nothing import (  # noqa: E402
 
 from tenplex_jax.data.order import global_batch_ids  # noqa: E402
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+EXAMPLE = os.path.join(ROOT, "examples", "ray", "train.py")
+
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def sn_cluster():
   """Three share-nothing nodes (the head first), every process, mount and
-  directory gone at the end, also when a test fails."""
+  directory gone at the end, also when a test fails (and checked gone)."""
   why = namespaces_permitted()
   if why:
     pytest.skip(why)
@@ -45,6 +53,9 @@ def sn_cluster():
   finally:
     ray.shutdown()
     c.shutdown()
+  assert not os.path.exists(c.base)
+  for node in c.nodes:
+    assert c.left_in(node) == []
 
 
 @ray.remote(num_cpus=0)
@@ -302,3 +313,102 @@ def test_workers_follow_the_gpus(sn_cluster):
   finally:
     shutil.rmtree(shared, ignore_errors=True)
     c.kill_node(gpu, wait_dead=True)
+
+
+def _s3_objects(bucket: str, prefix: str) -> list[str]:
+  import boto3
+  c = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+  pages = c.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                      Prefix=prefix)
+  return [o["Key"] for p in pages for o in p.get("Contents", [])]
+
+
+# Last in the module: it kills one of the module cluster's nodes.
+def test_example_with_address_restores_a_killed_node_from_s3(sn_cluster,
+                                                             monkeypatch):
+  """``examples/ray/train.py --address HEAD --storage s3://BUCKET/runs`` on
+  the running share-nothing cluster, 3 nodes alive (no disk or /dev/shm
+  shared: the checkpoint and the check's logs go to the bucket, moto's
+  server on loopback, started here; the nodes' own environment has no S3
+  endpoint or credentials, the driver passes them): a (1, 3)-worker job
+  starts on 3 workers, each uploading its own shards to the checkpoint
+  every 4 steps (no snapshots, no replicas: the stores hold nothing to
+  restore from). A worker node is killed after the step-8 checkpoint: the
+  job restarts on the 2 nodes left and restores the newest checkpoint
+  from S3 (3 saving processes' shards onto 2), then runs to the end. The
+  example exits 0 after checking every restored digest against the saved
+  one and every step's global batch read exactly once."""
+  pytest.importorskip("moto")
+  from objservers import moto_server, new_bucket, s3_env
+  c = sn_cluster
+  while len(_alive(c)) < 3:
+    c.add_node()
+  # Until Ray lists the 3 nodes alive with their CPUs free (the earlier
+  # tests' workers gone): the job sizes itself on what is free.
+  deadline = time.monotonic() + 120
+  while not (len([n for n in ray.nodes() if n["Alive"]]) == 3
+             and ray.available_resources().get("CPU", 0) >= 3):
+    assert time.monotonic() < deadline, (ray.nodes(), ray.available_resources())
+    time.sleep(0.2)
+  logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per
+  # request otherwise
+  with moto_server() as srv:
+    s3_env(monkeypatch, srv.endpoint)
+    bucket = new_bucket(srv.endpoint)
+    proc, lines = None, []
+    try:
+      env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "",
+             "PYTHONUNBUFFERED": "1"}
+      proc = subprocess.Popen(
+          [sys.executable, EXAMPLE, "--address", c.address,
+           "--storage", f"s3://{bucket}/runs", "--steps", "16",
+           "--max-workers", "3", "--snapshot-every", "0", "--replicas",
+           "0", "--checkpoint-every", "4", "--sleep", "0.3"],
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          env=env, start_new_session=True)
+      killed = threading.Event()
+      victim = _alive(c)[2]  # a worker node
+
+      def watch():
+        for line in proc.stdout:
+          lines.append(line)
+          m = re.search(r"step (\d+) workers 3 ", line)
+          if m and int(m.group(1)) >= 9 and not killed.is_set():
+            killed.set()  # after the step-8 checkpoint
+            c.kill_node(victim)
+
+      reader = threading.Thread(target=watch, daemon=True)
+      reader.start()
+      rc = proc.wait(timeout=1200)
+      reader.join(timeout=60)
+      out = "".join(lines)
+      print(out[-4000:])  # shown with -rP or on failure
+      assert rc == 0, out[-6000:]
+      assert killed.is_set(), out[-6000:]
+      groups = re.findall(r"^group (\d+): (\d+) workers, steps (\d+)\.\.(\d+),"
+                          r" ([^;]*);", out, re.M)
+      assert groups[0][1] == "3" and groups[0][4].startswith("failed"), groups
+      assert groups[-1][1] == "2", groups
+      m = re.search(r"restored step (\d+) from checkpoint \(failed at step"
+                    r" (\d+)", groups[-1][4])
+      assert m and int(m.group(1)) in (8, 12), groups
+      assert groups[-1][2] == m.group(1) and groups[-1][3] == "16", groups
+      assert re.search(r"^check: 1 restores, each bitwise the saved state"
+                       r" \(digests\); 16 steps, each global batch exactly"
+                       r" once$", out, re.M), out[-3000:]
+      job = re.search(r"checkpoint goes to s3://\S+/runs/(example-\d+),",
+                      out).group(1)
+      keys = _s3_objects(bucket, f"runs/{job}/")
+      store = f"runs/{job}/tenplex-store/procs/"
+      # Every one of the 3 first workers uploaded its own shards; the
+      # 2-worker group after the kill, its own.
+      assert {k[len(store):].split("/")[0] for k in keys
+              if k.startswith(store)} == {"0", "1", "2"}, keys[:20]
+      assert not _s3_objects(bucket, f"runs/{job}-logs/")  # removed at the end
+      assert c.left_in(victim) == []  # (the whole cluster: the fixture's end)
+    finally:
+      if proc is not None:
+        if proc.poll() is None:
+          os.killpg(proc.pid, signal.SIGKILL)
+          proc.wait(timeout=60)
+        proc.stdout.close()
