@@ -33,6 +33,15 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   gradient all-gathered inside the step, also the FSDP ones that ``det``
   leaves in the reduce-scatter layout (the behaviour before; FSDP cells
   only: in DP it is ``det``'s program);
+* ``det_a2a``: ``det`` with ``determinism._TOP_BY_PERMUTE`` and
+  ``_ROOT_ADD_IN_TOP`` False, the behaviour before: the top of the tree
+  exchanges the subtree sums by one ``all_to_all`` per leaf (each chunk
+  first sliced out into a buffer of its own), and the root of an unrolled
+  subtree is added before the FSDP gradients' top branches (the sum
+  written whole);
+* ``det_root_out``: ``det`` with ``_ROOT_ADD_IN_TOP`` False only (the
+  permutes kept); where ``det`` does not unroll or keeps no gradient in
+  the reduce-scatter layout, ``det``'s program;
 * ``det_scan`` / ``det_unroll``: the same with
   ``determinism._UNROLL_LEVELS`` 0 / 3: each device's subtree as nested
   scans whose carries start at ``-0.0`` (the CPU default before), or its top
@@ -102,7 +111,8 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "25m": dict(d=1024, ff=4096, blocks=3),
          "100m": dict(d=1024, ff=4096, blocks=12)}
 METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_gather",
-           "det_scan", "det_unroll", "det_cond", "det_barrier", "det_old")
+           "det_root_out", "det_a2a", "det_scan", "det_unroll", "det_cond",
+           "det_barrier", "det_old")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -198,12 +208,15 @@ def programs(mesh, params, fsdp, k, rows, methods):
       vg_g = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                                 param_shardings=out[1])
     fns["det_gather"] = det.jit(lambda p, b: vg_g(p, b), out_shardings=out)
-  for name, attr, value in (("det_scan", "_UNROLL_LEVELS", 0),
-                            ("det_unroll", "_UNROLL_LEVELS", 3),
-                            ("det_cond", "_ISOLATE_BY_COND", True),
-                            ("det_barrier", "_ISOLATE_BY_COND", False)):
+  for name, settings in (("det_root_out", {"_ROOT_ADD_IN_TOP": False}),
+                         ("det_a2a", {"_TOP_BY_PERMUTE": False,
+                                      "_ROOT_ADD_IN_TOP": False}),
+                         ("det_scan", {"_UNROLL_LEVELS": 0}),
+                         ("det_unroll", {"_UNROLL_LEVELS": 3}),
+                         ("det_cond", {"_ISOLATE_BY_COND": True}),
+                         ("det_barrier", {"_ISOLATE_BY_COND": False})):
     if name in methods:
-      with mock.patch.object(det, attr, value):
+      with mock.patch.multiple(det, **settings):
         vg_l = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                                   param_shardings=out[1])
       fns[name] = det.jit(lambda p, b, vg_l=vg_l: vg_l(p, b),
@@ -408,7 +421,8 @@ def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
   op (each node rounded to the dtype), and divided by ``V``.
   """
   res = {}
-  for name in ("det_scan", "det_unroll", "det_cond", "det_barrier"):
+  for name in ("det_root_out", "det_a2a", "det_scan", "det_unroll", "det_cond",
+               "det_barrier"):
     if name in outs:
       res[f"det_equals_{name}"] = _bits(outs["det"]) == _bits(outs[name])
   one = Mesh(np.array(jax.devices()[:1]), ("data",))

@@ -425,6 +425,32 @@ _GATHER_INSIDE_JIT: bool | None = None
 _ORDER_BY_PREDICATE = True
 
 
+# Where the FSDP gradients keep the reduce-scatter layout inside the
+# caller's jit (each leaf's top in a ``lax.cond`` branch) and the device's
+# subtree is unrolled, whether the root of the subtree's addition runs in
+# each leaf's top branch (True), chunk by chunk, where XLA fuses it with
+# what reads the chunks (the permutes' sends and the own chunk's sum, or
+# the all_to_all's slices), or before the branches (False: the sum written
+# whole, then read again; the behaviour before). Same bits.
+# benchmarks/bench_determinism.py times False as ``det_root_out``.
+_ROOT_ADD_IN_TOP = True
+
+# How the top of the tree exchanges the devices' subtree sums: True, by
+# n - 1 collective permutes per leaf (device d sends chunk (d + s) % n at
+# shift s, keeps its own chunk and adds the n chunks in device order, each
+# device in a ``lax.switch`` branch of its own), False, by one all_to_all
+# per leaf (the behaviour before). XLA:CPU gives an all_to_all each chunk
+# as a buffer of its own, sliced out of the sum (one gradient-sized pass
+# more than a reduce-scatter); the permutes slice only what they send and
+# the addition reads the own chunk in place (25M on 2 CPU devices, CPU
+# time over ``plain_acc``'s, V/n = 1: f32 FSDP 1.21x -> 1.11x, f32 DP
+# 1.14x -> 1.00x, bf16 FSDP 0.69x -> 0.61x, but bf16 DP 0.84x -> 0.96x;
+# docs/determinism.md). Same bits (the same n chunks, the same tree). Not with a ``pipeline_axis`` (the all_to_all there). Read when
+# ``value_and_grad`` is called;
+# benchmarks/bench_determinism.py times False as ``det_a2a``.
+_TOP_BY_PERMUTE = True
+
+
 def _gather_inside_jit(mesh: Mesh) -> bool:
   if _GATHER_INSIDE_JIT is not None:
     return bool(_GATHER_INSIDE_JIT)
@@ -732,6 +758,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   unroll_setting = _UNROLL_LEVELS
   by_cond = _isolate_by_cond(mesh)
   gather_inside_jit = _gather_inside_jit(mesh)
+  root_add_in_top = _ROOT_ADD_IN_TOP
+  # Not with a pipeline axis left to the pipeline's own shard_map: with
+  # the permutes there the process of tests/test_determinism_compose.py's
+  # pipeline test aborted (not investigated); the all_to_all gives the
+  # same bits.
+  top_by_permute = _TOP_BY_PERMUTE and pipeline_axis is None
 
   def body_tree(dims, gather, shard_in, isolate, grad_bytes, params, batch,
                 *args):
@@ -816,7 +848,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       acc, _ = lax.scan(half_step, init, jnp.arange(2, dtype=jnp.int32))
       return acc
 
-    def counter(leaf_levels):
+    def counter(leaf_levels, defer_last=False):
       # The top levels of the tree unrolled: leaves (perfect subtrees of
       # the given levels, level 0 a single worker) in worker order, each
       # pushed onto a binary-counter stack of partial sums that merges its
@@ -829,9 +861,11 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       # after the other (at most one partial sum per level is live), and
       # every node's sum leaves a barrier, so it is rounded to its dtype on
       # its own (never fused with the next node's addition).
+      # ``defer_last``: the last merge (the root's addition) is not done;
+      # the root's two children come back as ``[(left, right)]``.
       stack: list = []
       j0 = 0
-      for level in leaf_levels:
+      for i, level in enumerate(leaf_levels):
         xb = local
         if stack:
           xb, held = lax.optimization_barrier(
@@ -842,6 +876,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         j0 += 1 << level
         while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
           (lv, left), (_, right) = stack[-2], stack[-1]
+          if defer_last and len(stack) == 2 and i == len(leaf_levels) - 1:
+            return [(left, right)]
           stack[-2:] = [(lv + 1, lax.optimization_barrier(
               jax.tree.map(jnp.add, left, right)))]
       return [v for _, v in stack]
@@ -852,8 +888,15 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       u = min(level, unroll)
       return [level - u] * (1 << u)
 
+    # The root's two children, when its addition is left to the top
+    # (``_ROOT_ADD_IN_TOP``, below), else None.
+    root = None
     if n > 1:
-      if unroll:
+      if unroll and isolate and root_add_in_top and k > 1:
+        [root] = counter(leaves_of(k.bit_length() - 1), defer_last=True)
+        loss = root[0][0] + root[1][0]
+        grads = root[0][1]
+      elif unroll:
         [(loss, grads)] = counter(leaves_of(k.bit_length() - 1))
       else:
         loss, grads = perfect(k.bit_length() - 1, jnp.int32(0), local)
@@ -875,26 +918,59 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       for part in parts[-2::-1]:
         loss, grads = jax.tree.map(jnp.add, part, (loss, grads))
 
-    def top(x, a):
+    def top(xs, a):
       # The top of the tree over the n devices' subtrees, one chunk each:
       # device d receives chunk d of every device's subtree sum and adds
-      # the n chunks by the tree.
-      if x.ndim == 0 or a is None:
-        size = x.size
-        x = jnp.reshape(x, (-1,))
-        if size % n:
-          x = jnp.pad(x, (0, n - size % n))
-        a = 0
-      shape = x.shape
-      x = jnp.reshape(x, shape[:a] + (n, shape[a] // n) + shape[a + 1:])
+      # the n chunks by the tree. ``xs``: the subtree sum, or the root's
+      # two children (``_ROOT_ADD_IN_TOP``), added here chunk by chunk (each
+      # element's one IEEE addition, left operand first), so that XLA fuses
+      # the addition with what reads the chunks and the sum is never
+      # written whole.
+      def prep(x, a):
+        if x.ndim == 0 or a is None:
+          size = x.size
+          x = jnp.reshape(x, (-1,))
+          if size % n:
+            x = jnp.pad(x, (0, n - size % n))
+          a = 0
+        shape = x.shape
+        return jnp.reshape(
+            x, shape[:a] + (n, shape[a] // n) + shape[a + 1:]), a
+
+      xs, a = zip(*[prep(x, a) for x in xs])
+      a = a[0]
+      scale = jnp.asarray(virtual_workers, xs[0].dtype)
+
+      def chunk(ys, i, dynamic=False):
+        index = lax.dynamic_index_in_dim if dynamic else lax.index_in_dim
+        parts = [index(y, i, a, keepdims=False) for y in ys]
+        return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+      if n > 1 and top_by_permute:
+        # Chunk (d + s) % n of this device's sum goes to that device, by
+        # n - 1 collective permutes (shift s = 1 .. n - 1); device d keeps
+        # its own chunk d. Device j's chunk arrives here by the shift
+        # (d - j) % n: the branch of device d adds them in device order.
+        recv = [lax.ppermute(chunk(xs, (d + s) % n, dynamic=True), axes,
+                             [(i, (i + s) % n) for i in range(n)])
+                for s in range(1, n)]
+
+        def total(ops, dd):
+          ys, rs = ops
+          rs = [chunk(ys, dd)] + list(rs)
+          return _tree_list([rs[(dd - j) % n] for j in range(n)]) / scale
+
+        return lax.switch(d, [lambda ops, dd=dd: total(ops, dd)
+                              for dd in range(n)], (xs, recv))
+      x = xs[0] if len(xs) == 1 else xs[0] + xs[1]
       if n > 1:
         x = lax.all_to_all(x, axes, a, a, tiled=True)
       chunks = [lax.index_in_dim(x, i, a, keepdims=False) for i in range(n)]
-      return _tree_list(chunks) / jnp.asarray(virtual_workers, x.dtype)
+      return _tree_list(chunks) / scale
 
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     if not isolate:
-      out = [top(x, a) for x, a in zip(leaves, dims)]
+      out = [top((x,), a) for x, a in zip(leaves, dims)]
     else:
       # FSDP gradients leaving in the reduce-scatter layout inside the
       # caller's jit: XLA would fuse the top's last addition and the
@@ -915,9 +991,21 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       pred = jnp.isnan(jnp.ravel(first)[0])
       if n > 1:
         pred = lax.psum(pred.astype(jnp.int32), axes) > 0
-      out = [lax.cond(pred, lambda y, a=a: top(y, a),
-                      lambda y, a=a: top(y, a), x)
-             for x, a in zip(leaves, dims)]
+      if root is None:
+        out = [lax.cond(pred, lambda y, a=a: top((y,), a),
+                        lambda y, a=a: top((y,), a), x)
+               for x, a in zip(leaves, dims)]
+      else:
+        # The root's addition runs in the branch, chunk by chunk, where
+        # XLA fuses it with what reads the chunks (the permutes' sends, the
+        # own chunk's sum): the sum is never written whole (one
+        # gradient-sized pass less per leaf). It is the same one IEEE
+        # addition, left operand first, of each element.
+        out = [lax.cond(pred, lambda lr, a=a: top(lr, a),
+                        lambda lr, a=a: top(lr, a), lr)
+               for lr, a in zip(zip(jax.tree_util.tree_leaves(root[0][1]),
+                                    jax.tree_util.tree_leaves(root[1][1])),
+                                dims)]
     # Inside the caller's jit the update consumes the gradients; handing
     # it gathered arrays (an all-gather on every mesh, 1 device included)
     # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
@@ -1245,7 +1333,7 @@ def partial_gradient_bytes(params: Any, *, virtual_workers: int, devices: int
     full gradient per level of the device's subtree, ``log2(V/n)`` of them;
     otherwise, the per-worker exchange, the flat copy of a worker's gradient
     plus ``bit_length(V)`` chunks of ``1/n`` of it), ``exchange`` (the
-    ``all_to_all`` result: one full gradient, at most; the subtree path
+    chunks sent and received: one full gradient, at most; the subtree path
     exchanges leaf by leaf), ``result`` (the summed gradient: ``1/n`` of it
     per device, gathered where the params are replicated) and ``total``.
 

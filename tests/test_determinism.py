@@ -203,6 +203,81 @@ def test_inside_jit_with_param_shardings_matches_outside(monkeypatch):
       assert gathers(step) == gathers(before) - len(params), n
 
 
+def test_top_by_permutes_has_the_all_to_all_bits(monkeypatch):
+  # The top of the tree exchanges the subtree sums by n - 1 collective
+  # permutes per leaf (no all_to_all left in the step), with the bits of
+  # the all_to_all it replaced and of the 1-device run: V = 8 on 2 and 4
+  # devices, DP and FSDP (param_shardings: the tops in conditionals).
+  params, batch = mlp_data(16)
+  mesh1 = mesh1d(1)
+  ref = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh1)(
+      *place(params, batch, mesh1, False))
+  want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(ref)]
+  for n, fsdp in ((2, True), (4, False), (4, True)):
+    mesh = mesh1d(n)
+    p, b = place(params, batch, mesh, fsdp)
+    sh = jax.tree.map(lambda x: x.sharding, p)
+    counts = {}
+    for permute in (True, False):
+      monkeypatch.setattr(det, "_TOP_BY_PERMUTE", permute)
+      f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh,
+                             param_shardings=sh)
+      compiled = det.jit(lambda p, b, f=f: f(p, b), out_shardings=(
+          NamedSharding(mesh, P()), sh)).lower(p, b).compile()
+      got = [np.asarray(x).tobytes()
+             for x in jax.tree_util.tree_leaves(compiled(p, b))]
+      assert got == want, (n, fsdp, permute)
+      text = compiled.as_text()
+      counts[permute] = (len(re.findall(r" all-to-all\(", text)),
+                         len(re.findall(r" collective-permute\(", text)))
+    assert counts[True][0] == 0 and counts[True][1] > 0, counts
+    assert counts[False][0] >= len(params) and counts[False][1] == 0, counts
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unrolled_root_added_in_the_top_branch(monkeypatch, dtype):
+  # Inside jit with param_shardings the FSDP gradients keep the
+  # reduce-scatter layout, each leaf's top in a conditional's branch; with
+  # the unrolled counter the root of each device's subtree is added in that
+  # branch (fused with the slices that feed the all_to_all), not before it.
+  # The bits are those of the 1-device run (float32, V = 8: V/n = 4 on 2
+  # devices, 2 on 4; bfloat16, V = 4 on 2 devices: its unrolled programs
+  # compile slowly, and CPU unrolls only float32 by default), and of the
+  # root added before the branches (_ROOT_ADD_IN_TOP False).
+  monkeypatch.setattr(det, "_UNROLL_LEVELS", 3)
+  params, batch = mlp_data(16)
+  params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
+  leaf = "bf16" if dtype == jnp.bfloat16 else "f32"
+  v, ns = (4, (2,)) if dtype == jnp.bfloat16 else (8, (2, 4))
+  batch = jax.tree.map(lambda x: x[:2 * v], batch)
+  mesh1 = mesh1d(1)
+  ref = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
+      *place(params, batch, mesh1, False))
+  for n in ns:
+    mesh = mesh1d(n)
+    p, b = place(params, batch, mesh, True)
+    sh = jax.tree.map(lambda x: x.sharding, p)
+    branches = {}
+    for in_top in (True, False):
+      monkeypatch.setattr(det, "_ROOT_ADD_IN_TOP", in_top)
+      f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh,
+                             param_shardings=sh)
+      step = det.jit(lambda p, b, f=f: f(p, b),
+                     out_shardings=(NamedSharding(mesh, P()), sh))
+      compiled = step.lower(p, b).compile()
+      got = [np.asarray(x).tobytes()
+             for x in jax.tree_util.tree_leaves(compiled(p, b))]
+      assert got == [np.asarray(x).tobytes()
+                     for x in jax.tree_util.tree_leaves(ref)], (v, n, in_top)
+      # Branches that take two whole gradients of a leaf (the root's
+      # children) and return its shard: both branches of each leaf's top.
+      branches[in_top] = len(re.findall(
+          rf"\(param[.\d]*: \((?:s32\[\], )?({leaf}\[[\d,]*\]), \1\)\)"
+          rf" -> \({leaf}\[",
+          compiled.as_text()))
+    assert branches == {True: 2 * len(params), False: 0}, (v, n, branches)
+
+
 # ------------------------------------------------ flax's lm1b transformer
 
 TINY = dict(vocab_size=64, emb_dim=32, num_heads=2, num_layers=1, qkv_dim=32,
