@@ -445,7 +445,9 @@ _ROOT_ADD_IN_TOP = True
 # the addition reads the own chunk in place (25M on 2 CPU devices, CPU
 # time over ``plain_acc``'s, V/n = 1: f32 FSDP 1.21x -> 1.11x, f32 DP
 # 1.14x -> 1.00x, bf16 FSDP 0.69x -> 0.61x, but bf16 DP 0.84x -> 0.96x;
-# docs/determinism.md). Same bits (the same n chunks, the same tree). Not with a ``pipeline_axis`` (the all_to_all there). Read when
+# docs/determinism.md). Same bits (the same n chunks, the same tree). Not
+# with a ``pipeline_axis`` (the all_to_all there), nor for 16-bit float
+# gradients left replicated (bf16 DP keeps the all_to_all). Read when
 # ``value_and_grad`` is called;
 # benchmarks/bench_determinism.py times False as ``det_a2a``.
 _TOP_BY_PERMUTE = True
@@ -946,7 +948,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         parts = [index(y, i, a, keepdims=False) for y in ys]
         return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
-      if n > 1 and top_by_permute:
+      # (Not for 16-bit float gradients left replicated (DP): there the
+      # permutes were slower than the all_to_all on CPU, bf16 DP V/n = 1
+      # 1.72x a plain step against 1.47x; that case keeps the code before.)
+      narrow = (jnp.issubdtype(xs[0].dtype, jnp.floating)
+                and jnp.finfo(xs[0].dtype).bits <= 16)
+      if n > 1 and top_by_permute and (isolate or not narrow):
         # Chunk (d + s) % n of this device's sum goes to that device, by
         # n - 1 collective permutes (shift s = 1 .. n - 1); device d keeps
         # its own chunk d. Device j's chunk arrives here by the shift

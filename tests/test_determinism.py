@@ -232,6 +232,22 @@ def test_top_by_permutes_has_the_all_to_all_bits(monkeypatch):
                          len(re.findall(r" collective-permute\(", text)))
     assert counts[True][0] == 0 and counts[True][1] > 0, counts
     assert counts[False][0] >= len(params) and counts[False][1] == 0, counts
+  # bfloat16 gradients left replicated (DP) keep the all_to_all (the permutes were
+  # slower there on CPU), with the 1-device bits.
+  monkeypatch.setattr(det, "_TOP_BY_PERMUTE", True)
+  params, batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (params, batch))
+  ref = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh1)(
+      *place(params, batch, mesh1, False))
+  mesh = mesh1d(2)
+  p, b = place(params, batch, mesh, False)
+  f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh)
+  compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
+  got = compiled(p, b)
+  assert ([np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(got)]
+          == [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(ref)])
+  text = compiled.as_text()
+  assert len(re.findall(r" all-to-all\(", text)) >= len(params), text[-2000:]
+  assert not re.findall(r" collective-permute\(", text)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
