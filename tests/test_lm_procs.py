@@ -63,21 +63,41 @@ def _job_processes(where):
   return [p for p in found if p != os.getpid()]
 
 
+def _env():
+  """The trainer's environment: this checkout, CPU devices, no store token or
+  compilation cache of the caller's."""
+  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  return env
+
+
+def _run_job(tmp, *args, timeout):
+  """``train.py ARGS --job-parent TMP`` to its end; returns the run and the
+  job's processes still alive at its end (then killed, also on failure)."""
+  try:
+    (run,) = procs.run_all([[
+        sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), *args,
+        "--job-parent", tmp]], timeout=timeout, env=_env())
+    return run, _job_processes(tmp)  # the launcher stopped every process of the job
+  finally:
+    for pid in _job_processes(tmp):
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def _run_2_1_2(out, *flags, timeout):
   """The LM trainer across processes, 2 x 2 devices (stage 2, data 2), 1 x 4
   (stage 4) from step 2, 2 x 2 again from step 4, 6 steps, its JSON at
   ``out``; asserts it exited 0. A step that hangs (jaxlib 0.10.2's gloo
   collectives deadlock one, rarely, on 2 processes x 2 devices) is run again
   after 90 s (``--step-timeout``): :func:`_hang_restarts` tells."""
-  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   (run,) = procs.run_all([[
       sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,1,2",
       "--schedule", "0:stage=2,data=2 2:stage=4,mb=2 4:stage=2,data=2", "--steps", "6",
       "--step-timeout", "90", *flags, "--json", out,
       "--job-parent", os.path.dirname(out),  # the test's
-      "--timeout", str(timeout - 50)]], timeout=timeout, env=env)
+      "--timeout", str(timeout - 50)]], timeout=timeout, env=_env())
   assert run.returncode == 0, run.stdout[-5000:]
   return run.stdout
 
@@ -189,20 +209,10 @@ def test_a_killed_process_hands_over_to_the_generation_prepared_for_the_failure(
   # losses and final params are bitwise the static run's.
   import json
   out = os.path.join(tmp, "kill.json")
-  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  try:
-    (run,) = procs.run_all([[
-        sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2",
-        "--schedule", "0:stage=2,data=2", "--steps", "6", "--deterministic", "2",
-        "--snapshot-every", "2", "--kill-at", "5", "--job-parent", tmp, "--json", out,
-        "--timeout", "600"]], timeout=650, env=env)
-    left = _job_processes(tmp)  # the launcher stopped every process of the job
-  finally:
-    for pid in _job_processes(tmp):
-      with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+  run, left = _run_job(
+      tmp, "--procs", "2", "--schedule", "0:stage=2,data=2", "--steps", "6",
+      "--deterministic", "2", "--snapshot-every", "2", "--kill-at", "5", "--json", out,
+      "--timeout", "600", timeout=650)
   assert run.returncode == 0, run.stdout[-5000:]
   assert not left, left
   assert "--kill-at: process 1 kills itself" in run.stdout, run.stdout[-3000:]
@@ -242,20 +252,10 @@ def test_a_step_that_hangs_runs_again_on_as_many_processes_from_the_last_save(tm
   # params follow the static run, and nothing of the job is left behind.
   import json
   out = os.path.join(tmp, "hang.json")
-  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
-  try:
-    (run,) = procs.run_all([[
-        sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2,2",
-        "--schedule", "0:stage=2,data=2 2:data=2,tensor=2", "--steps", "4",
-        "--fast-compile", "--hang-at", "3", "--step-timeout", "30", "--job-parent", tmp,
-        "--json", out, "--timeout", "400"]], timeout=450, env=env)
-    left = _job_processes(tmp)  # the launcher stopped every process of the job
-  finally:
-    for pid in _job_processes(tmp):
-      with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+  run, left = _run_job(
+      tmp, "--procs", "2,2", "--schedule", "0:stage=2,data=2 2:data=2,tensor=2",
+      "--steps", "4", "--fast-compile", "--hang-at", "3", "--step-timeout", "30",
+      "--json", out, "--timeout", "400", timeout=450)
   assert run.returncode == 0, run.stdout[-5000:]
   assert not left, left
   assert "--hang-at: process" in run.stdout, run.stdout[-3000:]
@@ -283,16 +283,13 @@ def test_a_job_stopped_by_the_launchers_timeout_leaves_no_directory(tmp):
   # the launcher stops every process and store server and raises, and the
   # trainer removes its job directory (tenplex-lm-*, in /dev/shm unless
   # --job-parent) on the way out: nothing of the job is left in host memory.
-  env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  env.pop("TENPLEX_JAX_STORE_TOKEN", None)
-  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   log = open(os.path.join(tmp, "out.log"), "w+")
   parent = os.path.join(tmp, "jobs")
   os.mkdir(parent)
   p = subprocess.Popen([
       sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2",
       "--schedule", "0:stage=2,data=2", "--steps", "100000", "--fast-compile",
-      "--job-parent", parent, "--timeout", "40"], env=env, stdout=log,
+      "--job-parent", parent, "--timeout", "40"], env=_env(), stdout=log,
       stderr=subprocess.STDOUT, start_new_session=True)
   try:
     t0, running = time.time(), []
