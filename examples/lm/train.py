@@ -199,15 +199,30 @@ def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=N
   model = LM(dataclasses.replace(cfg, microbatches=microbatches), mesh)
 
   def step(state, tokens, mask):
+    count, tokens = ordered_count(mask, tokens)
+
     def loss_fn(params):
       logits = model.apply({"params": params}, tokens[:, :-1])
       per_seq = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(-1)
-      return (per_seq * mask).sum() / mask.sum()
+      return (per_seq * mask).sum() / count
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
   return jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
+
+
+def ordered_count(mask, tokens):
+  """``(mask.sum(), tokens)``, the tokens waiting for the sum: the sum's all-reduce
+  (over the batch axes) runs on every device before the pipeline's loop. Without that
+  data dependence jaxlib 0.10.2's XLA:CPU runs it and the loop's first collective-permute
+  in either order, and, with gloo across processes, devices that took opposite orders
+  wait for each other for ever (docs/pipeline.md, caught with native stacks)."""
+  count = mask.sum()
+  # A real dependence (an optimization barrier would not do: XLA:CPU removes barriers
+  # before it runs the program): the tokens plus count * 0, which XLA does not fold for
+  # floats (NaN * 0 is NaN); the count of a mask is finite, so the tokens are unchanged.
+  return count, tokens + (count * 0.0).astype(tokens.dtype)
 
 
 def batches(source, mesh, data_state, global_batch, crc=None):

@@ -214,10 +214,11 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None,
 
   def train_step(state, tokens, mask):
     model, optimizer = nnx.merge(graphdef, state)
+    count, tokens = lm.ordered_count(mask, tokens)  # (its all-reduce before the pipeline)
 
     def loss_fn(model):
       per_seq = seq_loss(model(tokens[:, :-1], mesh=mesh, microbatches=microbatches), tokens)
-      return (per_seq * mask).sum() / mask.sum()
+      return (per_seq * mask).sum() / count
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
