@@ -596,7 +596,7 @@ def worker(args, cfg, phases, plan, trainer=None):
   n = int(os.environ.get("TENPLEX_NUM_PROCS", "1"))
   phase = phase_at(phases, int(os.environ.get("TENPLEX_START_STEP", "0")))
   # A generation after a failure (the one the launcher prepared for it, or a restart):
-  # the phase's devices per process on its processes, laid out by the search.
+  # the phase's devices per process on its processes.
   recovery = store.prepared_for_failure() or "TENPLEX_FAILED_STEP" in os.environ
   # On fewer processes than the phase planned (a lost process): the search's layout.
   # On as many (a restart after a hang, --step-timeout): the phase's own.
@@ -936,11 +936,11 @@ def _failures(job_dir):
 # host for these configs).
 PREPARE_TIMEOUT = 120.0
 
-# Seconds a running generation's process may go without a step (--step-timeout; the
-# first step counts from its start, so the compile of generation 0's step is in it)
+# Seconds a running generation's process may go without a step (--step-timeout; until
+# its first step the worker marks itself alive, so imports and compiles are not in it)
 # before the launcher takes it for hung and restarts the generation on as many
-# processes from the last save (jaxlib 0.10.2's XLA:CPU gloo collectives deadlock a
-# step, rarely, with several devices per process).
+# processes from the last save (a step deadlocked by jaxlib 0.10.2's XLA:CPU gloo
+# collectives, for one: docs/pipeline.md).
 STEP_TIMEOUT = 300.0
 
 # What the launcher's standby processes import before their rank comes (the
@@ -1138,9 +1138,9 @@ def main(argv=None):
                   " processes afresh at its turn (tenplex-jax launch --prepare-timeout;"
                   f" default {PREPARE_TIMEOUT:g})")
   ap.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT, metavar="SECONDS",
-                  help="(with --procs) seconds a process may go without a step (the first"
-                  " counts from its start: imports, compile, restore) before the launcher"
-                  " stops the generation as hung and runs it again on as many processes"
+                  help="(with --procs) seconds a process may go without a step (until its"
+                  " first step it counts as alive: compiles and the restore are not in"
+                  " it) before the launcher stops the generation as hung and runs it again on as many processes"
                   " from the last save, up to twice (tenplex-jax launch --step-timeout;"
                   f" default {STEP_TIMEOUT:g}, 0: no limit)")
   # (tests) the first process to reach step STEP hangs before it (see _hang_once)

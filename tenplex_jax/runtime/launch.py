@@ -185,7 +185,7 @@ def initialize() -> dict:
   n, i = env.procs, env.proc_id
   if env.job_dir and env.launched:
     _install_failure_hooks()
-    _heartbeat()  # started; the next one after jax.distributed is up
+    heartbeat()  # started; the next one after jax.distributed is up
   if env.devices:
     jax.config.update("jax_num_cpu_devices", env.devices)
   if n > 1:
@@ -195,7 +195,7 @@ def initialize() -> dict:
     jax.distributed.initialize(coordinator_address=env.coordinator,
                                num_processes=n, process_id=i,
                                initialization_timeout=120)
-  _heartbeat()
+  heartbeat()
   return {"num_processes": n, "process_id": i,
           "store": env.store, "job_dir": env.job_dir,
           "generation": env.generation, "checkpoint": env.checkpoint}
@@ -350,27 +350,21 @@ def _progress(step: int) -> None:
     with private.open_private(p + ".tmp") as f:
       f.write(str(step))
     os.replace(p + ".tmp", p)
-    _heartbeat()
+    heartbeat()
 
 
 def heartbeat() -> None:
-  """Marks this process alive for the launcher's ``step_timeout`` without a
-  step: for a wait the script knows to be progress, not a hang (e.g. on a
-  step still compiling in a thread of its own, every few seconds). A no-op
-  outside ``tenplex-jax launch`` and in a generation prepared ahead (until
-  its turn).
+  """Marks this process alive for the launcher's ``step_timeout``, as
+  ``initialize`` (entering and leaving), the restore, every step and every
+  snapshot do; a script calls it for a wait it knows to be progress, not a
+  hang (e.g. every few seconds while a step compiles). A no-op outside
+  ``tenplex-jax launch`` and in a generation prepared ahead (until its
+  turn).
 
   Example:
     >>> from tenplex_jax import store
     >>> store.heartbeat()  # outside the launcher: nothing happens
   """
-  _heartbeat()
-
-
-def _heartbeat() -> None:
-  """Marks this process alive for the launcher's ``step_timeout``: on
-  entering and leaving ``initialize``, after the restore, at every step and
-  snapshot, and on :func:`heartbeat`."""
   env = job_env()
   if env.job_dir and env.launched and not prepared():
     # (a prepared process's index is the running generation's until its turn)
@@ -573,7 +567,7 @@ def wait_turn() -> dict:
   os.environ.update(turn.get("env") or {})
   if turn.get("failure"):
     _turn["failure"] = True
-  _heartbeat()
+  heartbeat()
   return dict(_turn)
 
 
@@ -607,7 +601,7 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
                        " (TENPLEX_STORE is not set)")
   out = save(state, store, step=step, replicas=replicas,
              peers=peers or None, run=run)
-  _heartbeat()
+  heartbeat()
   return out
 
 
@@ -674,7 +668,7 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
   last_restore.clear()
   if not stores or (start == 0 and failed is None):
     state = init_fn()
-    _heartbeat()
+    heartbeat()
     return state, 0
   if target is None:
     target = jax.eval_shape(init_fn)
@@ -727,7 +721,7 @@ def restore_or_init(init_fn: Callable[[], Any], target: Any = None
         os.replace(p + ".tmp", p)
     # resize_due counts schedule steps after the restored one.
     os.environ["TENPLEX_START_STEP"] = str(step)
-  _heartbeat()
+  heartbeat()
   return state, step
 
 
