@@ -29,14 +29,26 @@ from fixtures import lm1b_models, lm1b_state  # noqa: E402
 
 
 def bits(tree):
-  return [np.asarray(x).view(np.uint32) for x in jax.tree_util.tree_leaves(tree)]
+  """Each leaf's bits, as unsigned integers of its width (float32, bfloat16)."""
+  return [np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}")
+          for x in jax.tree_util.tree_leaves(tree)]
 
 
-def assert_bitwise(a, b):
+def assert_bitwise(a, b, where=""):
   la, lb = bits(a), bits(b)
-  assert len(la) == len(lb)
+  assert len(la) == len(lb), where
   for x, y in zip(la, lb):
-    np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(x, y, err_msg=str(where))
+
+
+def compiled_in_jit(v, mesh, params, batch):
+  """``value_and_grad`` over ``v`` workers inside ``determinism.jit``, the
+  params' shardings passed (``param_shardings``), compiled for these args."""
+  sh = jax.tree.map(lambda x: x.sharding, params)
+  f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh,
+                         param_shardings=sh)
+  return det.jit(lambda p, b: f(p, b), out_shardings=(
+      NamedSharding(mesh, P()), sh)).lower(params, batch).compile()
 
 
 def same_bits(a, b) -> bool:
@@ -141,9 +153,7 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
         f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
         outs[lv] = f(*place(params, b_v, mesh, fsdp=n == 2))
       for lv in levels:
-        got = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[lv])]
-        want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outs[0])]
-        assert got == want, (v, n, lv)
+        assert_bitwise(outs[0], outs[lv], (v, n, lv))
   monkeypatch.setattr(det, "_UNROLL_LEVELS", None)
   # The default on CPU: unrolled for float32 (the workers ordered by
   # predicate) from _UNROLL_MIN_BYTES of gradient per worker; the scans for
@@ -212,21 +222,14 @@ def test_top_by_permutes_has_the_all_to_all_bits(monkeypatch):
   mesh1 = mesh1d(1)
   ref = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh1)(
       *place(params, batch, mesh1, False))
-  want = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(ref)]
   for n, fsdp in ((2, True), (4, False), (4, True)):
     mesh = mesh1d(n)
     p, b = place(params, batch, mesh, fsdp)
-    sh = jax.tree.map(lambda x: x.sharding, p)
     counts = {}
     for permute in (True, False):
       monkeypatch.setattr(det, "_TOP_BY_PERMUTE", permute)
-      f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh,
-                             param_shardings=sh)
-      compiled = det.jit(lambda p, b, f=f: f(p, b), out_shardings=(
-          NamedSharding(mesh, P()), sh)).lower(p, b).compile()
-      got = [np.asarray(x).tobytes()
-             for x in jax.tree_util.tree_leaves(compiled(p, b))]
-      assert got == want, (n, fsdp, permute)
+      compiled = compiled_in_jit(8, mesh, p, b)
+      assert_bitwise(ref, compiled(p, b), (n, fsdp, permute))
       text = compiled.as_text()
       counts[permute] = (len(re.findall(r" all-to-all\(", text)),
                          len(re.findall(r" collective-permute\(", text)))
@@ -242,9 +245,7 @@ def test_top_by_permutes_has_the_all_to_all_bits(monkeypatch):
   p, b = place(params, batch, mesh, False)
   f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh)
   compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
-  got = compiled(p, b)
-  assert ([np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(got)]
-          == [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(ref)])
+  assert_bitwise(ref, compiled(p, b))
   text = compiled.as_text()
   assert len(re.findall(r" all-to-all\(", text)) >= len(params), text[-2000:]
   assert not re.findall(r" collective-permute\(", text)
@@ -272,19 +273,11 @@ def test_unrolled_root_added_in_the_top_branch(monkeypatch, dtype):
   for n in ns:
     mesh = mesh1d(n)
     p, b = place(params, batch, mesh, True)
-    sh = jax.tree.map(lambda x: x.sharding, p)
     branches = {}
     for in_top in (True, False):
       monkeypatch.setattr(det, "_ROOT_ADD_IN_TOP", in_top)
-      f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh,
-                             param_shardings=sh)
-      step = det.jit(lambda p, b, f=f: f(p, b),
-                     out_shardings=(NamedSharding(mesh, P()), sh))
-      compiled = step.lower(p, b).compile()
-      got = [np.asarray(x).tobytes()
-             for x in jax.tree_util.tree_leaves(compiled(p, b))]
-      assert got == [np.asarray(x).tobytes()
-                     for x in jax.tree_util.tree_leaves(ref)], (v, n, in_top)
+      compiled = compiled_in_jit(v, mesh, p, b)
+      assert_bitwise(ref, compiled(p, b), (v, n, in_top))
       # Branches that take two whole gradients of a leaf (the root's
       # children) and return its shard: both branches of each leaf's top.
       branches[in_top] = len(re.findall(
