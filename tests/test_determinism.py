@@ -189,27 +189,19 @@ def test_inside_jit_with_param_shardings_matches_outside(monkeypatch):
   for n, fsdp in ((8, True), (2, True), (4, False)):
     mesh = mesh1d(n)
     p, b = place(params, batch, mesh, fsdp)
-    sh = jax.tree.map(lambda x: x.sharding, p)
-    f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh,
-                           param_shardings=sh)
-    step = det.jit(lambda p, b: f(p, b),
-                   out_shardings=(NamedSharding(mesh, P()), sh))
-    assert_bitwise(ref, step(p, b))
+    step = compiled_in_jit(8, mesh, p, b)
+    assert_bitwise(ref, step(p, b), n)
     if fsdp:
       # The FSDP gradients leave in the reduce-scatter layout: the step
       # all-gathers one array per leaf fewer than with every gradient
       # gathered inside jit (the behaviour before), same bits.
       def gathers(step):
-        return len(re.findall(r" all-gather(?:-start)?\(",
-                              step.lower(p, b).compile().as_text()))
+        return len(re.findall(r" all-gather(?:-start)?\(", step.as_text()))
 
       monkeypatch.setattr(det, "_GATHER_INSIDE_JIT", True)
-      g = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh,
-                             param_shardings=sh)
+      before = compiled_in_jit(8, mesh, p, b)
       monkeypatch.setattr(det, "_GATHER_INSIDE_JIT", None)
-      before = det.jit(lambda p, b: g(p, b),
-                       out_shardings=(NamedSharding(mesh, P()), sh))
-      assert_bitwise(ref, before(p, b))
+      assert_bitwise(ref, before(p, b), n)
       assert gathers(step) == gathers(before) - len(params), n
 
 
