@@ -753,9 +753,10 @@ class _Interrupted(KeyboardInterrupt):
     self.signum = signum
 
 
-def _no_orphans() -> Callable[[], None] | None:
+def _no_orphans(nice: int | None = None) -> Callable[[], None] | None:
   """A ``preexec_fn`` that makes the kernel SIGKILL the child when the
-  launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``)."""
+  launcher dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), and, with
+  ``nice``, gives it that nice value before it runs its command."""
   if not sys.platform.startswith("linux"):
     return None
   try:
@@ -768,6 +769,11 @@ def _no_orphans() -> Callable[[], None] | None:
     prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the launcher died before prctl
       os._exit(1)
+    if nice is not None:
+      try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+      except OSError:
+        pass
   return setup
 
 
@@ -944,15 +950,20 @@ class _Child:
   for a SIGKILL, which leaves no report."""
 
   def __init__(self, index: int, cmd: Sequence[str], env: dict,
-               wake: threading.Event, standby: _Standby | None = None):
+               wake: threading.Event, standby: _Standby | None = None,
+               nice: int | None = None):
+    # ``nice``: the nice value the process runs its command at (from its
+    # first instruction, not from whenever the launcher gets to it).
     if standby is not None:  # already started: hand it its rank
+      if nice is not None:
+        _set_nice(standby.popen.pid, nice)
       self.popen, r = standby.assign(cmd, env)
     else:
       r, w = os.pipe()
       try:
         self.popen = subprocess.Popen(list(cmd), env=env, pass_fds=(w,),
                                       start_new_session=True,
-                                      preexec_fn=_no_orphans())
+                                      preexec_fn=_no_orphans(nice))
       except BaseException:
         os.close(r)
         raise
@@ -1088,18 +1099,19 @@ class _Standby:
 
 
 def _start_child(index: int, cmd: Sequence[str], env: dict,
-                 wake: threading.Event, standbys: list[_Standby]) -> _Child:
+                 wake: threading.Event, standbys: list[_Standby],
+                 nice: int | None = None) -> _Child:
   """A generation's process: a live standby's (taken from ``standbys``),
-  else a new one."""
+  else a new one; ``nice``: its nice value from the start (see _Child)."""
   while standbys:
     sb = standbys.pop(0)
     if sb.alive():
       try:
-        return _Child(index, cmd, env, wake, standby=sb)
+        return _Child(index, cmd, env, wake, standby=sb, nice=nice)
       except OSError:  # it died just now
         pass
     sb.kill()
-  return _Child(index, cmd, env, wake)
+  return _Child(index, cmd, env, wake, nice=nice)
 
 
 def _set_nice(pid: int, nice: int) -> bool:
@@ -1157,17 +1169,14 @@ class _Ahead:
     self.children, self.turn_file = children, turn_file
     # While it prepares, its processes run at a lower priority (``nice``
     # more than the launcher's) than the running generation's: their
-    # threads, and those they start, until the turn.
+    # threads, and those they start, until the turn. The children were
+    # started at it (_start_child's ``nice``).
     self.nice = nice if nice and _can_renice(nice) else 0
     self.started = time.time()
     # The prepare timeout's clock: from the start, or, for a generation that
     # waits for another's programs (wait_programs), from when they came.
     self.since = self.started
     self.programs: str | None = None  # wait_programs's file, until written
-    if self.nice:
-      base = os.getpriority(os.PRIO_PROCESS, 0)
-      for c in children:
-        _set_nice(c.popen.pid, base + self.nice)
 
   def alive(self) -> bool:
     return all(c.code is None for c in self.children)
@@ -1923,9 +1932,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       extra["TENPLEX_FOR_FAILURE"] = "1"
     if wait:
       extra["TENPLEX_PROGRAMS_FILE"] = programs
+    # Its processes prepare at the lower priority from their start: a
+    # standby given its rank runs the script at once.
+    low = (min(19, os.getpriority(os.PRIO_PROCESS, 0) + prepare_nice)
+           if prepare_nice and _can_renice(prepare_nice) else None)
     kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
                                   **extra},
-                         wake, standbys) for i in range(count)]
+                         wake, standbys, nice=low) for i in range(count)]
     a = _Ahead(g, count, step, key, kids, turn, prepare_nice)
     a.programs = programs if wait else None
     return a
