@@ -25,7 +25,7 @@ _NAMES = {
         "UsageError")},
     **{n: "layout" for n in ("PTC", "Placement", "TensorLayout",
                              "key_path_name", "named_layout")},
-    "bubble_fraction": "pipeline", "pipeline": "pipeline",
+    "bubble_fraction": "pipeline", "pipeline": "pipeline", "tie": "pipeline",
     "Plan": "planner", "Transfer": "planner", "plan": "planner",
     "RemeshReport": "remesh", "remesh": "remesh",
     "ReshardReport": "reshard", "reshard": "reshard",
@@ -102,4 +102,5 @@ __all__ = [
     "remesh",
     "reshard",
     "reshard_with_report",
+    "tie",
 ]

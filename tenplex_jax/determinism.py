@@ -1179,7 +1179,7 @@ def unfused(fn: Callable, *args: Any) -> Any:
   resharding that produced their operands, and XLA:CPU's code for such a
   fusion, with its fused multiply-adds, depends on that indexing, which
   differs from mesh to mesh. Here ``fn`` runs as both branches of a
-  ``lax.cond`` whose predicate (is the first element of the first float
+  ``lax.cond`` whose predicate (is the first element of the last float
   leaf NaN) XLA cannot know while compiling, so its fusions read plain local
   arrays (the branch's parameters) on every mesh; either branch computes
   ``fn(*args)``.
@@ -1193,8 +1193,12 @@ def unfused(fn: Callable, *args: Any) -> Any:
   if not leaves:
     return fn(*args)
   # A branch whose predicate XLA cannot know while compiling: both branches
-  # are ``fn``, each compiled on its own parameters.
-  pred = jnp.isnan(jnp.ravel(leaves[0])[0])
+  # are ``fn``, each compiled on its own parameters. The predicate reads the
+  # last float leaf (the trainers': a gradient), so that its collective (one
+  # element of a sharded leaf, broadcast) comes after whatever computed it: read
+  # from a param instead, nothing ordered it against the workers' conditional
+  # of collectives, which XLA:CPU may then run beside it (docs/pipeline.md).
+  pred = jnp.isnan(jnp.ravel(leaves[-1])[0])
   return lax.cond(pred, lambda a: fn(*a), lambda a: fn(*a), args)
 
 

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, PartitionSpec
 from tenplex_jax.errors import LayoutError, UsageError
 from tenplex_jax.layout import key_path_name
 
-__all__ = ["pipeline", "bubble_fraction"]
+__all__ = ["pipeline", "bubble_fraction", "tie"]
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -337,3 +337,59 @@ def pipeline(stage_fn: Callable[[Any, Any], Any], stacked_params: Any, x: Any,
                       axis_names={stage_axis, *batch_axes, *gather_axes})(
                           stacked_params, xm)
   return jax.tree.map(join, out)
+
+
+def _zero_of(v: Any, dtype: Any) -> jax.Array:
+  """A ``0`` of ``dtype`` that XLA computes from ``v``: ``isnan(sum(v))`` is 0
+  or 1 and times ``0`` always ``0`` (XLA does not fold a float ``x * 0``)."""
+  total = sum(jnp.sum(leaf, dtype=jnp.float32) for leaf in jax.tree_util.tree_leaves(v))
+  return jnp.isnan(total).astype(dtype) * jnp.zeros((), dtype)
+
+
+@jax.custom_vjp
+def tie(x: Any, w: jax.Array) -> tuple[Any, jax.Array]:
+  """``(x, w)`` unchanged, ``w`` waiting for ``x`` and ``x``'s gradient for ``w``'s.
+
+  The values are the same bits (``w - 0`` is ``w``, ``-0.0`` included, and
+  so are the gradients), but in the compiled program ``w`` and what is
+  computed from it come after ``x`` (a data dependence: ``w`` minus a zero
+  that XLA computes from ``x``), and in the backward pass ``x``'s gradient
+  comes after ``w``'s. Between :func:`pipeline`'s output ``x`` and the next
+  weight ``w`` (a tied embedding's head) this orders the collectives of the
+  head (``w``'s resharding, its gradient's all-reduce over ``data``) after
+  the forward pipeline's loop and before the backward one, on every device.
+
+  jaxlib 0.10.2's XLA:CPU orders the collectives of one computation among
+  themselves (their start, on one shared communicator resource), but not a
+  loop that holds collectives against the collectives around it once the
+  executable comes from jax's persistent compilation cache; devices that
+  then run them in opposite orders wait for each other for ever over gloo
+  (docs/pipeline.md, "Ordering collectives").
+
+  Args:
+    x: an array or pytree (the pipeline's output).
+    w: an array (a weight used after ``x``).
+
+  Returns:
+    ``(x, w)``, the same values.
+
+  Example:
+    >>> x, w = tie(jnp.ones(3), jnp.arange(2.0))
+    >>> w.tolist()
+    [0.0, 1.0]
+  """
+  return x, w - _zero_of(x, w.dtype)
+
+
+def _tie_fwd(x, w):
+  return tie(x, w), None
+
+
+def _tie_bwd(_, grads):
+  gx, gw = grads
+  zero = _zero_of(gw, jnp.float32)
+  return jax.tree.map(lambda g: g if g.dtype == jax.dtypes.float0
+                      else g - zero.astype(g.dtype), gx), gw
+
+
+tie.defvjp(_tie_fwd, _tie_bwd)

@@ -40,7 +40,8 @@ def tmp():
 # the end while the other idles.
 _LONG_FIRST = ("test_ray.py", "test_lm_procs.py", "test_examples_nnx.py",
                "test_jobarray_example.py", "test_launch_recovery.py", "test_launch_ahead.py",
-               "test_determinism.py", "test_pipeline_lm.py", "test_store_multiprocess.py")
+               "test_determinism.py", "test_pipeline_lm.py", "test_store_multiprocess.py",
+               "test_collective_order.py")
 
 
 def pytest_collection_modifyitems(config, items):

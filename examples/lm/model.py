@@ -153,6 +153,11 @@ class LM(nn.Module):
       x = tj.pipeline(layer, stack, x, mesh=self.mesh, microbatches=c.microbatches,
                       remat=c.remat, batch_axes=batch_axes, skip_bubbles=not det,
                       gather_axes=("tensor",) if gather else ())
+      if not det:
+        # The head's collectives (its weight's resharding, its gradient's all-reduce)
+        # after the forward loop and before the backward one, by data: XLA:CPU does
+        # not order them against a loop of collectives in a cached executable.
+        x, emb = tj.tie(x, emb)
     else:
       step = jax.checkpoint(layer) if c.remat else layer
       x = jax.lax.scan(lambda h, p: (step(p, h), None), x, stack)[0]

@@ -37,6 +37,7 @@ import functools
 
 import flax.core.spmd as core_spmd
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -120,6 +121,15 @@ class LM(nnx.Module):
     if mesh is not None:
       x = tj.pipeline(layer, stack, x, mesh=mesh, microbatches=microbatches,
                       remat=self.cfg.remat)
+      ctx = jax.sharding.get_abstract_mesh()
+      if ctx.empty or not ctx.manual_axes:  # (not inside determinism's shard_map)
+        # ``self.embed.attend`` with the weight tied to the pipeline's output: the
+        # head's collectives (the weight's resharding, its gradient's all-reduce)
+        # after the forward loop and before the backward one, by data (XLA:CPU does
+        # not order them against a loop of collectives in a cached executable).
+        x, emb = tj.tie(x, self.embed.embedding[...])
+        query, emb = self.embed.promote_dtype((self.norm(x), emb), dtype=self.embed.dtype)
+        return jnp.dot(query, emb.T)
     else:
       step = jax.checkpoint(layer) if self.cfg.remat else layer
       x = jax.lax.scan(lambda h, s: (step(s, h), None), x, stack)[0]
