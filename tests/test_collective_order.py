@@ -13,6 +13,7 @@ another, and over gloo they wait for each other for ever (docs/pipeline.md,
 CPU devices as the cross-process meshes have: the same program.
 """
 
+import os
 import pathlib
 import sys
 
@@ -79,24 +80,32 @@ def _step_text(trainer, schedule_phase, deterministic=None, fresh=False):
 # against the backward one), data2xtensor2xstage2 with V = 2 (unfused's predicate
 # against the workers' conditional); nnx the same three meshes without V, and
 # stage2xdata2 and stage4 with V = 8 (unfused's predicate against the workers' loop).
+# Each case compiles a whole step (15-50 s on the loaded 2-core VM), so the suite
+# runs the marked ones and the hang's own mesh; the others (lm data2xtensor2,
+# stage2xdata2 with V = 2, fsdp2xstage2 with V = 2, nnx stage2xdata2) had no such
+# pair before either; TENPLEX_ALL_ORDER_CASES=1 checks them too.
 CASES = [
     ("lm", "stage=2,data=2", None),
-    ("lm", "data=2,tensor=2", None),
     ("lm", "data=2,tensor=2,stage=2", None),  # *
     ("lm", "fsdp=2,stage=2", None),  # *
     ("lm", "fsdp=2,stage=4", None),  # *
-    ("lm", "stage=2,data=2", 2),
     ("lm", "data=2,tensor=2,stage=2", 2),  # *
-    ("lm", "fsdp=2,stage=2", 2),
-    ("nnx", "stage=2,data=2", None),
     ("nnx", "data=2,tensor=2,stage=2", None),  # *
     ("nnx", "fsdp=2,stage=2", None),  # *
     ("nnx", "stage=2,data=2", 8),  # *
     ("nnx", "stage=4,mb=2", 8),  # *
 ]
+QUIET = [
+    ("lm", "data=2,tensor=2", None),
+    ("lm", "stage=2,data=2", 2),
+    ("lm", "fsdp=2,stage=2", 2),
+    ("nnx", "stage=2,data=2", None),
+]
 
 
-@pytest.mark.parametrize("trainer,mesh,deterministic", CASES)
+@pytest.mark.parametrize(
+    "trainer,mesh,deterministic",
+    CASES + (QUIET if os.environ.get("TENPLEX_ALL_ORDER_CASES") == "1" else []))
 def test_no_loop_of_collectives_is_unordered_against_another_collective(
     trainer, mesh, deterministic):
   text = _step_text(LM if trainer == "lm" else NNX, mesh, deterministic)
@@ -119,9 +128,8 @@ def test_without_the_data_edges_the_loops_are_unordered(monkeypatch):
   pairs = hlo_order.Module(_step_text(LM, "fsdp=2,stage=2", fresh=True)).region_pairs()
   loops = {op.name for _, a, b in pairs for op in (a, b) if op.opcode == "while"}
   assert len(loops) == 2 and len(pairs) >= 3, pairs  # the forward loop and the backward one
-  monkeypatch.undo()
-  for mesh in ("stage=2,data=2", "fsdp=2,stage=2"):
-    assert hlo_order.Module(_step_text(LM, mesh, fresh=True)).region_pairs() == []
+  # With them, none: CASES' lm stage=2,data=2 and fsdp=2,stage=2 (the same programs,
+  # through the trainer).
 
 
 def test_finds_a_loop_of_collectives_next_to_an_independent_collective():
