@@ -564,7 +564,7 @@ class Job:
                standby_imports: Sequence[str] | None = None,
                compilation_cache: bool | str = True, prepare: bool = True,
                prepare_timeout: float | None = None,
-               free_arrays: bool = True, allocate_ahead: bool = False):
+               free_arrays: bool = True, allocate_ahead: bool = True):
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
@@ -1456,11 +1456,13 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       up to the timeout), ``free_arrays`` (``True``: a
       worker deletes its jax arrays once it saved for a resize, before the
       next group restores, so that memory is free for it),
-      ``allocate_ahead`` (``True``: a group started ahead also allocates
-      the arrays its restore reads into, every page faulted in, before its
-      turn, with ``store.api.compile_restore(target, allocate=True)``; each
-      of its workers holds its share of the state that much earlier, freed
-      with the worker if the group is dropped).
+      ``allocate_ahead`` (``True``, the default: a group started ahead
+      also allocates the arrays its restore reads into, every page faulted
+      in, before its turn, with
+      ``store.api.compile_restore(target, allocate=True)``; each of its
+      workers holds its share of the state that much earlier, beside the
+      running group's, freed with the worker if the group is dropped;
+      ``False`` where memory is short: the restore allocates at the turn).
 
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,
