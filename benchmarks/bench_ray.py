@@ -11,13 +11,15 @@ job (``tenplex, ray, ray, tenplex, ...``, so each way does 2 grows and 2
 shrinks):
 
 * **tenplex**: every worker saves its shards to its node's tenplex store
-  (a detached store actor's ``/dev/shm`` directory); the new group is the
-  job's standby workers (started ahead with the imports done), handed
-  their ranks before the resize (``Job.prepare_next``: they start
-  ``jax.distributed``, build the target and compile the step from it,
-  from jax's persistent compilation cache when the job ran that mesh
-  before, then wait at their turn), which restore from the stores (own
-  node first, then the peers' servers) once the last old worker saved;
+  (a detached store actor's ``/dev/shm`` directory), each array deleted
+  once written (``delete_arrays``, as ``save_and_exit`` does); the new
+  group is the job's standby workers (started ahead with the imports
+  done), handed their ranks before the resize (``Job.prepare_next``: they
+  start ``jax.distributed``, build the target and compile the step from
+  it, from jax's persistent compilation cache when the job ran that mesh
+  before, allocate the arrays the restore reads into (``allocate_ahead``),
+  then wait at their turn), which restore from the stores (own node
+  first, then the peers' servers) once the last old worker saved;
 * **ray** (Ray Train's restart from a checkpoint): every worker writes its
   shards into one Orbax checkpoint in the run's storage
   (``RunConfig(storage_path=..., name=...)``, a local disk directory here,
@@ -44,7 +46,7 @@ chart beside it).
 
 Usage: python benchmarks/bench_ray.py [--resizes 8] [--layers 6] [--dim 4096]
           [--no-standby] [--no-cache] [--no-prepare] [--no-free]
-          [--allocate-ahead]
+          [--no-allocate-ahead]
           [--out benchmarks/bench_ray_result.json]
 """
 
@@ -263,9 +265,11 @@ def main() -> None:
   ap.add_argument("--no-prepare", dest="prepare", action="store_false",
                   help="tenplex's next group gets its ranks after the save"
                   " (not started ahead, waiting at its turn)")
-  ap.add_argument("--allocate-ahead", action="store_true",
-                  help="tenplex's group started ahead also allocates its"
-                  " restore's arrays before its turn")
+  ap.add_argument("--no-allocate-ahead", dest="allocate_ahead",
+                  action="store_false",
+                  help="tenplex's group started ahead does not allocate its"
+                  " restore's arrays before its turn (the restore does, at"
+                  " the turn)")
   args = ap.parse_args()
   state_gib = 3 * args.layers * args.dim**2 * 4 / 2**30
   with open("/proc/meminfo") as f:

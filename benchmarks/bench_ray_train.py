@@ -165,7 +165,9 @@ while True:
     if mode_out == "ray":
       save_checkpoint(CKPT, state, step)  # Orbax, every process its shards
     else:
-      store.save_snapshot(state, step)  # this node's tenplex store
+      # this node's tenplex store, each array deleted once written (as
+      # save_and_exit does)
+      store.save_snapshot(state, step, delete_arrays=True)
     record(kind="save", mode=mode_out, step=step, t_signal=t_signal,
            t_saved=time.time(), step_s=step_s)
     raise ResizeExit(m, step)  # what save_and_exit raises after its save

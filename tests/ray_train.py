@@ -7,7 +7,8 @@ the job) adds each step's global batch of sample ids (48 samples, batch 12,
 shuffled per epoch by ``tenplex_jax.data.order``). The state holds the
 step and the data position (epoch, step in the epoch). On every start it
 checks that the restored state is bitwise what a static run has at that
-step. Each process appends the sample ids its devices read to
+step. Each process appends the sample ids its devices read in each step
+the job completed (after the step's all-reduce) to
 ``LOG_DIR/ids_<generation>_<process>.jsonl``; process 0 writes
 ``LOG_DIR/final.json`` at the end. ``TRAIN_SLEEP=s`` sleeps s seconds
 per step, ``TRAIN_SNAPSHOT_EVERY=k`` calls ``save_snapshot`` every k steps,
@@ -21,7 +22,9 @@ each group wait after its first step (once it has asked ``resize_due``)
 until ``DIR/go_<generation>`` exists, and at each step of
 ``TRAIN_HOLD_STEPS`` (``7,9``) until ``DIR/go_<generation>_<step>``
 exists: a test's driver acts at a known step however slowly the machine
-runs. Process ``p`` of group ``g`` writes to ``LOG_DIR/compiles_<g>_<p>.json``
+runs. ``TRAIN_PREPARE_HANG=1``: process 1 of a group started ahead of its
+turn (``TENPLEX_TURN_FILE`` set) hangs after ``jax.distributed`` came up,
+before its restore (it never reaches its turn). Process ``p`` of group ``g`` writes to ``LOG_DIR/compiles_<g>_<p>.json``
 how many programs XLA compiled for the group's first step, after the
 restore (jax's backend compile requests less the persistent compilation
 cache's hits).
@@ -95,6 +98,10 @@ def init():
 
 target = {"w": jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sh),
           "step": 0, "data": {"epoch": 0, "index": 0}}
+if (os.environ.get("TRAIN_PREPARE_HANG") and os.environ.get("TENPLEX_TURN_FILE")
+    and info["process_id"] == 1):
+  while True:  # a hang while preparing: killed by whoever started it
+    time.sleep(1)
 state, step = store.restore_or_init(init, target)
 assert state["step"] == step, (state["step"], step)
 assert state["data"] == {"epoch": step * B // N, "index": step % (N // B)}, (
@@ -139,13 +146,13 @@ while step < total:
   ids = global_batch_ids(SEED, d["epoch"], d["index"], N, B)
   x = jax.make_array_from_callback(
       (B,), sh, lambda idx: ids[idx].astype(np.float32))  # local shards only
-  for s in x.addressable_shards:
+  w = add(state["w"], x)
+  total_sum(w).block_until_ready()
+  for s in x.addressable_shards:  # a step every process completed
     log.write(json.dumps({"step": step, "lo": s.index[0].start or 0,
                           "ids": np.asarray(s.data).astype(int).tolist()})
               + "\n")
   log.flush()
-  w = add(state["w"], x)
-  total_sum(w).block_until_ready()
   step += 1
   if step == first:
     with open(os.path.join(log_dir, f"compiles_{gen}_{proc}.json"), "w") as f:

@@ -556,3 +556,85 @@ def test_group_prepared_for_another_size_is_dropped(cluster, tmp_path):
     _assert_each_sample_once(_read_ids(log_dir), total)
   finally:
     shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.parametrize("at_turn", [False, True],
+                         ids=["before_turn", "at_turn"])
+def test_prepared_group_not_ready_in_time_is_dropped(cluster, tmp_path, capfd,
+                                                     at_turn):
+  """A 1 -> 2-worker job on 2 nodes (``schedule={3: 2}``) whose group started
+  ahead for the resize hangs (``TRAIN_PREPARE_HANG``: its worker 1 never
+  reaches its turn). Past ``prepare_timeout`` the driver drops it, says so
+  on stderr (the group, its size, the worker not ready) and kills its
+  processes; the resize starts its 2 workers as without it (not prepared)
+  and restores the saved step bitwise (the script's check), 0 steps lost,
+  each step's batch once. ``before_turn``: the running group is held until
+  the drop (the running group's record has it); ``at_turn``: the running
+  group saves while the prepared one hangs, and the resize waits for it
+  only up to its timeout (the new group's record has it)."""
+  _nodes(cluster, 2)
+  total, job_name = 6, f"test-prepare-timeout-{int(at_turn)}"
+  timeout = 20.0 if at_turn else 8.0
+  shm = f"/dev/shm/tenplex-ray-{job_name}"
+  log_dir = str(tmp_path / "logs")
+  hold = str(tmp_path / "hold")
+  os.makedirs(log_dir)
+  os.makedirs(hold)
+  seen = {}
+  started = procs.Seen()
+  try:
+    def driver(job, step):
+      gen = len(job.generations)
+      if gen == 1:
+        open(os.path.join(hold, "go_1"), "w").close()
+        return
+      if "pids" not in seen:
+        prepared = [s for s in job.standbys() if s.get("prepared")]
+        if len(prepared) == 2:
+          seen["pids"] = [s["pid"] for s in prepared]
+          started.update(seen["pids"])
+          if at_turn:  # the resize comes while it hangs
+            open(os.path.join(hold, "go_0"), "w").close()
+      elif not at_turn and job.current.get("dropped_prepared"):
+        open(os.path.join(hold, "go_0"), "w").close()
+
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=1,
+                      schedule={3: 2}, job=job_name, on_progress=driver,
+                      prepare_timeout=timeout, max_restarts=0,
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_HOLD": hold,
+                           "TRAIN_PREPARE_HANG": "1"})
+    gens = result["generations"]
+    assert "pids" in seen, seen  # a group was started ahead
+    assert [(g["workers"], g["start_step"], g["outcome"], g["prepared"])
+            for g in gens] == [(1, 0, "resize", False),
+                               (2, 3, "done", False)], gens
+    dropped = gens[1 if at_turn else 0]["dropped_prepared"]
+    assert "dropped_prepared" not in gens[0 if at_turn else 1]
+    assert len(dropped) == 1, dropped
+    d = dropped[0]
+    assert (d["generation"], d["workers"], d["not_ready"], d["at_turn"]) == (
+        1, 2, [1], at_turn), d
+    assert d["waited_s"] > timeout, d
+    assert sorted(d["pids"]) == sorted(seen["pids"]), (d, seen)
+    err = capfd.readouterr().err
+    assert ("the group prepared ahead for the resize to 2 workers"
+            " (generation 1) not ready") in err, err
+    assert f"(prepare timeout {timeout:g} s; workers not waiting at their" \
+           " turn: [1])" in err, err
+    assert not set(seen["pids"]) & set(gens[1]["pids"])
+    assert gens[1]["restored"]["step"] == 3
+    assert gens[1]["restored"]["source"] == "stores"
+    assert gens[1]["restored"]["report"]["steps_lost"] == 0
+
+    def left():  # the dropped group's processes, the hung one too
+      return [p for p in seen["pids"] if _alive(p) and started.same(p)]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and left():
+      time.sleep(0.5)
+    assert not left(), seen
+    with open(os.path.join(log_dir, "final.json")) as f:
+      final = json.load(f)
+    assert final["step"] == total and final["procs"] == 2
+    _assert_each_sample_once(_read_ids(log_dir), total)
+  finally:
+    shutil.rmtree(shm, ignore_errors=True)

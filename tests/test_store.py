@@ -192,7 +192,10 @@ def test_server_sub_box_reads_and_errors(sdir):
   rs.close()
 
 
-def test_central_mode_uploads_to_one_store(tmp_path):
+@pytest.mark.parametrize("delete_arrays", [False, True])
+def test_central_mode_uploads_to_one_store(tmp_path, delete_arrays):
+  """(``delete_arrays``: the array is deleted once uploaded, and the
+  upload is the array's bytes all the same.)"""
   central = str(tmp_path / "central")
   srv = make_server(central, 0)
   th = threading.Thread(target=srv.serve_forever, daemon=True)
@@ -202,7 +205,8 @@ def test_central_mode_uploads_to_one_store(tmp_path):
     x = _value("bfloat16", (8, 8))
     a = jax.device_put(x, NamedSharding(_mesh(4, (2, 2)), P("d", "t")))
     store.save({"w": a, "step": 5}, str(tmp_path / "unused"), step=5,
-               mode="central", central=url)
+               mode="central", central=url, delete_arrays=delete_arrays)
+    assert a.is_deleted() == delete_arrays
     assert srv.stats["bytes_received"] == x.nbytes
     assert not os.path.exists(tmp_path / "unused")
     tgt = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
@@ -292,3 +296,36 @@ def test_bad_trees_name_every_leaf_and_the_numbers(sdir):
     store.restore([sdir], {"w": 0})
   # Leaving a saved array out of the target skips it.
   assert store.restore([sdir], {"step": None}) == {"step": 7}
+
+
+def test_save_with_delete_arrays_frees_each_array_and_restores_bitwise(sdir):
+  """``save(..., delete_arrays=True)`` (a save for a resize, as
+  ``save_and_exit``'s): every array of the tree is deleted once the save
+  returns, a leaf held at two paths (as Adam's zero moments at init) and a
+  PRNG key array included, and the snapshot restores bitwise what the
+  arrays held, onto another layout."""
+  src, dst = _mesh(4, (2, 2)), _mesh(4, (1, 4), start=4)
+  want, tree, target = {}, {}, {}
+  for i, dt in enumerate(["float32", "bfloat16", "int8"]):
+    x = _value(dt, (8, 4), i)
+    want[dt] = x
+    tree[dt] = jax.device_put(x, NamedSharding(src, P("t", "d")))
+    target[dt] = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                      sharding=NamedSharding(dst, P(None, "t")))
+  tree["again"] = tree["float32"]  # the same array at a second path
+  want["again"], target["again"] = want["float32"], target["float32"]
+  keys = jax.random.split(jax.random.key(3), 4)
+  want["key"] = np.asarray(jax.random.key_data(keys))
+  tree["key"] = jax.device_put(keys, NamedSharding(src, P("t")))
+  target["key"] = jax.ShapeDtypeStruct(keys.shape, keys.dtype,
+                                       sharding=NamedSharding(dst, P("t")))
+  tree["step"], target["step"] = 5, 0
+  arrays = [v for v in tree.values() if isinstance(v, jax.Array)]
+  store.save(tree, sdir, step=5, delete_arrays=True)
+  assert all(a.is_deleted() for a in arrays)
+  out = store.restore([sdir], target)
+  for k, w in want.items():
+    assert out[k].sharding == target[k].sharding, k
+    got = jax.random.key_data(out[k]) if k == "key" else out[k]
+    np.testing.assert_array_equal(_bits(got), _bits(w), err_msg=k)
+  assert out["step"] == 5

@@ -572,7 +572,7 @@ def wait_turn() -> dict:
 
 
 def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
-                  run: str | None = None) -> str:
+                  run: str | None = None, delete_arrays: bool = False) -> str:
   """Saves this process's shards to its host store and goes on training.
 
   Call it in every process at the same steps (e.g. every 10 steps): after a
@@ -585,6 +585,9 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
   round complete for the restore. ``run`` (default: ``TENPLEX_RUN``, which
   the launcher sets per generation) is recorded in the snapshot; restore
   never combines snapshots of one step from different runs.
+  ``delete_arrays``: each array of ``state`` is deleted as soon as it is
+  written (``store.save``'s; for a save after which the process does not
+  use the state, as :func:`save_and_exit`'s).
 
   Returns:
     The committed snapshot's directory.
@@ -600,7 +603,7 @@ def save_snapshot(state: Any, step: int, *, replicas: int | None = None,
     raise RuntimeError("save_snapshot needs tenplex-jax launch"
                        " (TENPLEX_STORE is not set)")
   out = save(state, store, step=step, replicas=replicas,
-             peers=peers or None, run=run)
+             peers=peers or None, run=run, delete_arrays=delete_arrays)
   heartbeat()
   return out
 
@@ -614,10 +617,14 @@ def save_and_exit(state: Any, step: int, *, procs: int | None = None,
   the state. Under :mod:`tenplex_jax.ray` it raises
   ``tenplex_jax.ray.ResizeExit`` instead of exiting (the Ray worker catches
   it, shuts ``jax.distributed`` down and reports the resize to the driver):
-  this process's :func:`controller` ends it.
+  this process's :func:`controller` ends it. The arrays of ``state`` are
+  deleted as they are written (``save_snapshot``'s ``delete_arrays``): the
+  snapshot's pages reuse their memory.
   """
   procs = procs or resize_due(step) or job_env().procs
-  save_snapshot(state, step, replicas=replicas)
+  # The state is not used again: each array's memory is free as soon as it
+  # is written, for the rest of the save and the next generation.
+  save_snapshot(state, step, replicas=replicas, delete_arrays=True)
   controller().leave_for_resize(procs, step)
 
 

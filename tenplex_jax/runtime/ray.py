@@ -142,6 +142,9 @@ __all__ = ["Job", "ResizeExit", "STANDBY_IMPORTS", "checkpoint_dir",
 NAMESPACE = "tenplex"
 _MARGIN = 3  # steps ahead of the furthest worker for a request
 _STANDBY_CHECK_S = 5.0  # how often the driver replaces dead standbys
+# Seconds a group started ahead may take to be ready by default (the
+# launcher's default prepare timeout without a step timeout).
+_PREPARE_TIMEOUT = 600.0
 # The job's jax persistent compilation cache on a node, beside its store
 # directories: <store_root>/tenplex-ray-<job>/xla.
 _CACHE_DIR = "xla"
@@ -327,6 +330,14 @@ class _Controller:
       self.waiting.setdefault(gen, set()).add(int(rank))
       self.cond.wait_for(lambda: gen in self.turns, timeout)
       return self.turns.get(gen)
+
+  def withdraw(self, gen: int) -> None:
+    """Takes back generation ``gen``'s turn (its group, prepared ahead, was
+    dropped at the turn): the group started instead runs as generation
+    ``gen`` (:meth:`new_generation`)."""
+    with self.cond:
+      self.turns.pop(int(gen), None)
+      self.waiting.pop(int(gen), None)
 
   @_ray.method(concurrency_group="turn")
   def waiting_ranks(self, gen: int) -> list[int]:
@@ -552,7 +563,8 @@ class Job:
                tls_ca: str | None = None, standby: bool | int = True,
                standby_imports: Sequence[str] | None = None,
                compilation_cache: bool | str = True, prepare: bool = True,
-               free_arrays: bool = True, allocate_ahead: bool = False):
+               prepare_timeout: float | None = None,
+               free_arrays: bool = True, allocate_ahead: bool = True):
     if not _ray.is_initialized():
       raise UsageError("tenplex_jax.ray.run: call ray.init(address=...)"
                        " first")
@@ -563,6 +575,9 @@ class Job:
       raise UsageError(f"num_workers must be n >= 1 or (min, max) with"
                        f" 1 <= min <= max, got {num_workers!r}")
     self.bounds = (int(lo), int(hi))
+    if prepare_timeout is not None and not prepare_timeout > 0:
+      raise UsageError(f"prepare_timeout must be positive seconds, not"
+                       f" {prepare_timeout!r}")
     # What each worker asks Ray for (its CPU, and e.g. a GPU): the unit the
     # auto-resize counts on the alive nodes.
     self.worker_resources = {"CPU": 1.0, **{
@@ -614,6 +629,12 @@ class Job:
     # ranks, waiting for the turn in their restore): {"n", "start",
     # "group": _start_group's answer}.
     self.prepare = bool(prepare)
+    # Seconds a group started ahead may take to get ready (every worker
+    # waiting at its turn), from its start; past it, not ready: dropped.
+    self.prepare_timeout = float(_PREPARE_TIMEOUT if prepare_timeout is None
+                                 else prepare_timeout)
+    self._given_up: set[int] = set()  # running groups whose prepared one
+    # was dropped (not prepared again for them)
     self.free_arrays = bool(free_arrays)
     self.allocate_ahead = bool(allocate_ahead)
     self._next: dict | None = None
@@ -1054,7 +1075,8 @@ class Job:
     (:meth:`_start_group`'s ``prepared``)."""
     cur = self.current
     if (not self.prepare or not self._standby_ok() or self._next is not None
-        or "generation" not in cur or cur.get("outcome")):
+        or "generation" not in cur or cur.get("outcome")
+        or cur["generation"] in self._given_up):
       return
     gen, n, start = cur["generation"], cur["workers"], cur["start_step"]
     st = _ray.get(self.ctrl.state.remote(gen))
@@ -1083,6 +1105,80 @@ class Job:
     if got is not None:
       self._next = {"n": m, "group": got}
 
+  def _not_ready(self, nxt: dict) -> list[int]:
+    """The workers of the group prepared ahead ``nxt`` that have not
+    reached their turn's wait yet, by rank."""
+    rec = nxt["group"][0]
+    if nxt.get("ready"):
+      return []
+    waiting = set(_ray.get(self.ctrl.waiting_ranks.remote(rec["generation"])))
+    late = [i for i in range(rec["workers"]) if i not in waiting]
+    nxt["ready"] = not late
+    return late
+
+  def _overdue(self, nxt: dict) -> list[int]:
+    """The workers of ``nxt`` not ready (:meth:`_not_ready`) once the group
+    is past its prepare timeout or one of its workers ended (a worker not
+    ready then never will be); else ``[]``."""
+    rec, _, refs = nxt["group"]
+    if (time.time() - rec["t0"] <= self.prepare_timeout
+        and not _ray.wait(refs, num_returns=1, timeout=0)[0]):
+      return []
+    return self._not_ready(nxt)
+
+  def _give_up(self, nxt: dict, late: list[int], at_turn: bool) -> dict:
+    """Drops the group prepared ahead ``nxt`` (its workers ``late`` not
+    ready in time), says so on stderr and returns what happened; its
+    resize starts its workers as without it."""
+    rec, workers, refs = nxt["group"]
+    ended = [i for i, r in enumerate(refs) if _ray.wait([r], timeout=0)[0]]
+    waited = time.time() - rec["t0"]
+    what = (f"tenplex_jax.ray: job {self.job}: the group prepared ahead for"
+            f" the resize to {rec['workers']} workers (generation"
+            f" {rec['generation']}) not ready {waited:.1f} s after its start"
+            f" (prepare timeout {self.prepare_timeout:g} s; workers not"
+            f" waiting at their turn: {late}"
+            + (f", ended: {ended}" if ended else "") + ")")
+    then = ("its turn came: starting its workers as without it" if at_turn
+            else "its resize starts its workers as without it")
+    print(f"{what}; dropped it, {then}", file=sys.stderr, flush=True)
+    for w in workers:
+      _ray.kill(w, no_restart=True)
+    if at_turn:
+      _ray.get(self.ctrl.withdraw.remote(rec["generation"]))
+    else:
+      self._next = None
+      try:
+        _ray.get(self.ctrl.prepare.remote(None))
+      except _ray.exceptions.RayError:
+        pass
+    return {"generation": rec["generation"], "workers": rec["workers"],
+            "pids": rec["standby_pids"], "not_ready": late, "ended": ended,
+            "waited_s": waited, "at_turn": at_turn}
+
+  def _guard_next(self) -> None:
+    """In the driver's poll: drops the group prepared ahead once it is past
+    its prepare timeout and not ready, or one of its workers ended (it is
+    not prepared again for the running group)."""
+    nxt, cur = self._next, self.current
+    if nxt is None:
+      return
+    late = self._overdue(nxt)
+    if late:
+      cur.setdefault("dropped_prepared", []).append(
+          self._give_up(nxt, late, at_turn=False))
+      self._given_up.add(cur["generation"])
+
+  def _await_ready(self, nxt: dict) -> list[int]:
+    """At its turn: waits until every worker of the group prepared ahead
+    ``nxt`` is ready, up to its prepare timeout; returns those not ready
+    then (``[]``: ready)."""
+    while True:
+      late = self._not_ready(nxt)
+      if not late or self._overdue(nxt):
+        return late
+      time.sleep(0.02)
+
   def _drop_next(self) -> None:
     """Ends the group prepared ahead (its resize did not come)."""
     nxt, self._next = self._next, None
@@ -1097,14 +1193,21 @@ class Job:
 
   def _generation(self, n: int, start: int, failed: int | None) -> dict:
     gen = len(self.generations)
-    nxt = self._next
+    nxt, dropped = self._next, None
     if nxt is not None and failed is None and nxt["n"] == n and (
         nxt["group"][0]["generation"] == gen):
       self._next = None
       self._expect = None
       # Its turn (given by the controller at the last save already, unless
-      # a worker's word did not arrive).
+      # a worker's word did not arrive); taken back if the group is not
+      # ready within its prepare timeout (e.g. a hang in its start).
       _ray.get(self.ctrl.give_turn.remote(gen, start))
+      late = self._await_ready(nxt)
+      if late:
+        dropped, nxt = self._give_up(nxt, late, at_turn=True), None
+    else:
+      nxt = None
+    if nxt is not None:
       rec, workers, refs = nxt["group"]
       rec["start_step"] = start
       self.current = rec
@@ -1112,6 +1215,8 @@ class Job:
       self._drop_next()
       self._expect = None
       rec, workers, refs = self._start_group(gen, n, start, failed)
+      if dropped is not None:
+        rec["dropped_prepared"] = [dropped]
     t0 = rec["t0"]
     try:
       results, error = [None] * n, None
@@ -1134,6 +1239,7 @@ class Job:
             checked = time.monotonic()
           self._watch_nodes(refilled)
           self._autoscale(n)
+          self._guard_next()
           self._maybe_prepare()
           if self.on_progress is not None:
             st = _ray.get(self.ctrl.state.remote(gen))
@@ -1342,14 +1448,21 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       ``prepare`` (``True``: start the next group ahead of a resize whose
       size is known, from ready standbys: ranks, ``jax.distributed`` and
       the script up to its restore, where it waits for the running group's
-      save; see :meth:`Job.prepare_next`), ``free_arrays`` (``True``: a
+      save; see :meth:`Job.prepare_next`), ``prepare_timeout`` (seconds
+      such a group may take to be ready, every worker waiting at its turn,
+      from its start; default 600: past it, or once one of its workers
+      ended, the driver drops it with a line on stderr and the resize
+      starts its workers as without it, waiting for it at its turn only
+      up to the timeout), ``free_arrays`` (``True``: a
       worker deletes its jax arrays once it saved for a resize, before the
       next group restores, so that memory is free for it),
-      ``allocate_ahead`` (``True``: a group started ahead also allocates
-      the arrays its restore reads into, every page faulted in, before its
-      turn, with ``store.api.compile_restore(target, allocate=True)``; each
-      of its workers holds its share of the state that much earlier, freed
-      with the worker if the group is dropped).
+      ``allocate_ahead`` (``True``, the default: a group started ahead
+      also allocates the arrays its restore reads into, every page faulted
+      in, before its turn, with
+      ``store.api.compile_restore(target, allocate=True)``; each of its
+      workers holds its share of the state that much earlier, beside the
+      running group's, freed with the worker if the group is dropped;
+      ``False`` where memory is short: the restore allocates at the turn).
 
   Returns:
     ``{"job", "generations"}``: per worker group its ``workers``,
@@ -1358,7 +1471,11 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
     ``checkpoint``, ``failed_step``, the restore report with
     ``steps_lost``; also for a group that failed after its first step),
     ``auto_request`` (the ``workers`` and ``step`` of a resize it chose
-    from the node table),
+    from the node table), ``dropped_prepared`` (a group prepared ahead
+    that was not ready in time: its ``generation``, ``workers``, ``pids``,
+    the ranks ``not_ready``, those ``ended``, ``waited_s`` and whether
+    ``at_turn``; in the running group's record, or at the turn in the
+    record of the group started instead),
     ``standby`` (how many of its workers were standbys),
     ``standby_ready_s`` (per worker, when its standby's imports were done,
     seconds from the group's start: < 0 before the resize began; ``None``

@@ -221,7 +221,7 @@ def _job_run() -> str:
 def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
          central: str | None = None, replicas: int = 0,
          peers: Sequence[str] | None = None, keep: int = 2,
-         run: str | None = None) -> str:
+         run: str | None = None, delete_arrays: bool = False) -> str:
   """Writes this process's shards and the job's layout to its host store.
 
   Call it in every process of the job (no collectives are used). Each
@@ -256,6 +256,16 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
       restore never combines snapshots of one step written by different
       runs. Default: the ``TENPLEX_RUN`` environment variable (set per
       generation by ``tenplex-jax launch``), else ``""`` (a single run).
+    delete_arrays: delete each ``jax.Array`` of ``tree``
+      (``jax.Array.delete``) as soon as its shards are written (a leaf
+      that appears at several paths once all of them are), for a save
+      after which this process does not use the state (a save for a
+      resize): the memory each array held is free for the rest of the
+      save, so the snapshot's pages reuse it instead of growing the
+      process's footprint by the state's size first (a directory or
+      object-storage store; to a store server, once the upload is done).
+      Once it returns every array of ``tree`` is deleted (after a failure,
+      some may be).
 
   Every call is one *round*: the processes of a run number their saves
   alike (1, 2, ...), and the manifest records ``(run, step, seq)``;
@@ -301,21 +311,27 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
   target = loc.target
   seq = next_seq(target, proc, run)
   if loc.kind == PEER:
-    return _upload(RemoteStore(target), proc, nproc, step, ptc, extras,
-                   arrays, mode, keep, run, seq)
+    out = _upload(RemoteStore(target), proc, nproc, step, ptc, extras,
+                  arrays, mode, keep, run, seq)
+    if delete_arrays:  # once the whole upload is done
+      for leaf in {id(x): x for _, x, _, _ in arrays}.values():
+        leaf.delete()
+    return out
   if loc.kind == OBJECT:
     # No rename on object storage: the snapshot is written here, then
     # uploaded chunks first and its manifest (the commit) last.
     tmp = tempfile.mkdtemp(prefix="tenplex-jax-upload-")
     try:
       local = _write_snapshot(tmp, proc, nproc, step, seq, run, ptc, extras,
-                              arrays, mode, keep=0)
+                              arrays, mode, keep=0,
+                              delete_arrays=delete_arrays)
       snap = upload_snapshot(target, tmp, proc, local, keep=keep)
     finally:
       shutil.rmtree(tmp, ignore_errors=True)
   else:
     snap = _write_snapshot(target, proc, nproc, step, seq, run, ptc, extras,
-                           arrays, mode, keep=keep)
+                           arrays, mode, keep=keep,
+                           delete_arrays=delete_arrays)
   if replicas:
     if not peers or len(peers) < 2:
       raise StoreError(f"replicas={replicas} needs peers=[every process's"
@@ -326,17 +342,38 @@ def save(tree: Any, location: str, *, step: int = 0, mode: str = "local",
 
 
 def _write_snapshot(root, proc, nproc, step, seq, run, ptc, extras, arrays,
-                    mode, *, keep):
+                    mode, *, keep, delete_arrays=False):
   w = SnapshotWriter(root, proc, step=step, seq=seq, run=run)
+  # delete_arrays: a leaf is deleted once the writes of every path holding
+  # it are done, one leaf behind the writes submitted (the pool stays busy).
+  uses = collections.Counter(id(leaf) for _, leaf, _, _ in arrays)
+  pending: list = []  # (leaf, its writes' futures), oldest first
+
+  def release(upto: int) -> None:
+    while len(pending) > upto:
+      leaf, futs = pending.pop(0)
+      for f in futs:
+        try:
+          f.result()
+        except Exception:  # noqa: BLE001 - commit raises it, as a StoreError
+          pass
+      uses[id(leaf)] -= 1
+      if not uses[id(leaf)]:
+        leaf.delete()
   try:
     for name, leaf, impl, boxes in arrays:
       t = ptc[name]
       w.declare(name, dtype=t.dtype, itemsize=t.itemsize, shape=t.shape,
                 key_impl=impl)
-      for box, data in boxes:
-        w.add(name, box, np.asarray(data))
-    return w.commit(ptc_json=ptc.to_json(), extras=extras,
-                    num_processes=nproc, mode=mode, keep=keep, run=run)
+      futs = [w.add(name, box, np.asarray(data)) for box, data in boxes]
+      if delete_arrays:
+        del boxes[:]  # the shards' arrays, held here
+        pending.append((leaf, [f for f in futs if f is not None]))
+        release(1)
+    out = w.commit(ptc_json=ptc.to_json(), extras=extras,
+                   num_processes=nproc, mode=mode, keep=keep, run=run)
+    release(0)
+    return out
   except BaseException:
     w.abort()
     raise

@@ -961,11 +961,13 @@ class SnapshotWriter:
           "shape": [int(n) for n in shape], "storage": storage,
           "extra": list(extra), "key_impl": key_impl, "boxes": []})
 
-  def add(self, path: str, box: Box, data: np.ndarray) -> None:
+  def add(self, path: str, box: Box, data: np.ndarray
+          ) -> cf.Future | None:
     """Writes ``data`` (logical dtype or storage dtype) as box ``box``.
 
     The write runs on a thread pool and reads ``data`` in place (no copy):
-    ``data`` must not change until :meth:`commit`.
+    ``data`` must not change until :meth:`commit`, or until the returned
+    future (``None`` for an empty box) is done.
     """
     t = self.tensors[path]
     extra = tuple(t["extra"])
@@ -986,7 +988,7 @@ class SnapshotWriter:
       t["boxes"].append(entry)
       self.nbytes += data.nbytes
     if data.size == 0:
-      return
+      return None
     if self._pool is None:
       self._pool = cf.ThreadPoolExecutor(_WRITE_THREADS,
                                          thread_name_prefix="tenplex-write")
@@ -996,7 +998,9 @@ class SnapshotWriter:
       entry["chunk_rows"], entry["crc32c"] = write_zarr3(dest, data,
                                                          fsync=self.fsync)
 
-    self._futures.append(self._pool.submit(write))
+    fut = self._pool.submit(write)
+    self._futures.append(fut)
+    return fut
 
   def commit(self, *, ptc_json: str, extras: Mapping[str, Any] | None = None,
              num_processes: int = 1, mode: str = "local",
