@@ -56,7 +56,8 @@ def run_all(cmds, *, timeout: float, env=None, merge_stderr: bool = True,
 
 
 def check_stage_change_resize(script: str, out: str, *, root: str,
-                              n_params: int, hang_ahead: bool = False):
+                              n_params: int, hang_ahead: bool = False,
+                              static_cache: str | None = None):
   """Runs an example trainer (``script``) with ``--procs 2,1``: 2 processes x
   2 devices (data 2, stage 2), then at step 2 one process x 4 devices (stage
   4, 2 microbatches), and checks what every such trainer promises: the steps
@@ -70,6 +71,9 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   it and replace it, so the job ends well inside its ``--timeout`` with the
   same steps and losses, nothing of it left running or on disk (its job
   directory, its processes' ``TMPDIR``).
+
+  ``static_cache`` (the LM trainer's ``--static-cache``): where the static run
+  it compares with is shared with other tests'.
   """
   import json
   import sys
@@ -85,6 +89,8 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
     extra = ["--hang-ahead", marker, "--prepare-timeout", "30"]
     env["TMPDIR"] = os.path.join(where, "tmp")
     os.mkdir(env["TMPDIR"])
+  if static_cache is not None:
+    extra += ["--static-cache", static_cache]
   t0 = time.monotonic()
   (run,) = run_all([[sys.executable, str(script), "--procs", "2,1",
                      "--schedule", "0:stage=2,data=2 2:stage=4,mb=2",

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -27,6 +28,13 @@ ROOT = os.path.dirname(HERE)
 
 pytestmark = pytest.mark.slow
 
+# The trainer's static run, shared by the tests that compare with the same one
+# (train.py --static-cache): the killed-process and the resizes-ahead tests
+# (--deterministic 2, 6 steps), the hang and the stage-change tests
+# (--fast-compile, 4 steps), on one worker or both. In the run's temporary
+# directory, which the suite removes at its end.
+STATIC_CACHE = os.path.join(tempfile.gettempdir(), "tenplex-lm-static")
+
 
 def test_cross_process_resize_with_stage_change_follows_static_run(tmp):
   # Also when the generation started ahead for the resize hangs in its warm-up, before
@@ -36,7 +44,8 @@ def test_cross_process_resize_with_stage_change_follows_static_run(tmp):
   procs.check_stage_change_resize(
       os.path.join(ROOT, "examples", "lm", "train.py"),
       os.path.join(tmp, "lm.json"), root=ROOT,
-      n_params=sum(int(np.prod(s)) for s in _param_shapes()), hang_ahead=True)
+      n_params=sum(int(np.prod(s)) for s in _param_shapes()), hang_ahead=True,
+      static_cache=STATIC_CACHE)
 
 
 def _param_shapes():
@@ -187,7 +196,8 @@ def test_deterministic_resizes_through_generations_started_ahead_are_bitwise(tmp
   # static run's.
   import json
   out = os.path.join(tmp, "det.json")
-  stdout = _run_2_1_2(out, "--deterministic", "2", timeout=650)
+  stdout = _run_2_1_2(out, "--deterministic", "2", "--static-cache", STATIC_CACHE,
+                      timeout=650)
   with open(out) as f:
     log = json.load(f)
   el = log["elastic"]
@@ -212,7 +222,7 @@ def test_a_killed_process_hands_over_to_the_generation_prepared_for_the_failure(
   run, left = _run_job(
       tmp, "--procs", "2", "--schedule", "0:stage=2,data=2", "--steps", "6",
       "--deterministic", "2", "--snapshot-every", "2", "--kill-at", "5", "--json", out,
-      "--timeout", "600", timeout=650)
+      "--static-cache", STATIC_CACHE, "--timeout", "600", timeout=650)
   assert run.returncode == 0, run.stdout[-5000:]
   assert not left, left
   assert "--kill-at: process 1 kills itself" in run.stdout, run.stdout[-3000:]
@@ -255,7 +265,7 @@ def test_a_step_that_hangs_runs_again_on_as_many_processes_from_the_last_save(tm
   run, left = _run_job(
       tmp, "--procs", "2,2", "--schedule", "0:stage=2,data=2 2:data=2,tensor=2",
       "--steps", "4", "--fast-compile", "--hang-at", "3", "--step-timeout", "30",
-      "--json", out, "--timeout", "400", timeout=450)
+      "--json", out, "--static-cache", STATIC_CACHE, "--timeout", "400", timeout=450)
   assert run.returncode == 0, run.stdout[-5000:]
   assert not left, left
   assert "--hang-at: process" in run.stdout, run.stdout[-3000:]
@@ -283,13 +293,15 @@ def test_a_job_stopped_by_the_launchers_timeout_leaves_no_directory(tmp):
   # the launcher stops every process and store server and raises, and the
   # trainer removes its job directory (tenplex-lm-*, in /dev/shm unless
   # --job-parent) on the way out: nothing of the job is left in host memory.
+  # (The processes are up, their pid files written, 7.5-8.2 s after the start
+  # at load 8-13 on 2 cores; a 25 s timeout leaves three times that.)
   log = open(os.path.join(tmp, "out.log"), "w+")
   parent = os.path.join(tmp, "jobs")
   os.mkdir(parent)
   p = subprocess.Popen([
       sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2",
       "--schedule", "0:stage=2,data=2", "--steps", "100000", "--fast-compile",
-      "--job-parent", parent, "--timeout", "40"], env=_env(), stdout=log,
+      "--job-parent", parent, "--timeout", "25"], env=_env(), stdout=log,
       stderr=subprocess.STDOUT, start_new_session=True)
   try:
     t0, running = time.time(), []

@@ -57,7 +57,9 @@ if __name__ == "__main__" and "--worker" not in sys.argv:
   jax.config.update("jax_num_cpu_devices", 8)
 
 import dataclasses  # noqa: E402
+import fcntl  # noqa: E402
 import functools  # noqa: E402
+import hashlib  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -1036,6 +1038,41 @@ LM_TRAINER = Trainer(
     check_deterministic=check_deterministic, step_waits=True)
 
 
+def static_run(phases, steps, cfg, *, search, deterministic, compiler_options, final,
+               cache=None):
+  """The static run: ``steps`` steps on the first phase's layout, no resize.
+
+  ``cache`` (tests), a directory: the records and final params of a static run
+  with the same arguments are read from there when one saved them, else this
+  run saves its own. One run at a time per arguments (a file lock), so that
+  two jobs that compare with the same static run compute it once.
+  """
+  def run():
+    return train(phases[:1], steps, cfg, search=search, log=lambda *_: None,
+                 deterministic=deterministic, compiler_options=compiler_options, final=final)
+
+  if cache is None:
+    return run()
+  key = json.dumps([dataclasses.asdict(cfg), steps, repr(phases[0]), search, deterministic,
+                    compiler_options, [str(d) for d in jax.devices()]], sort_keys=True)
+  os.makedirs(cache, exist_ok=True)
+  base = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16])
+  with open(base + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+    if os.path.exists(base + ".json"):  # written last: the entry is whole
+      with np.load(base + ".npz") as z:
+        final["params"] = [z[f"p{i}"] for i in range(len(z.files))]
+      with open(base + ".json") as f:
+        return json.load(f)
+    records = run()
+    leaves = jax.tree.leaves(final["params"])
+    np.savez(base + ".npz", **{f"p{i}": x for i, x in enumerate(leaves)})
+    with open(base + ".json.tmp", "w") as f:
+      json.dump(records, f)
+    os.replace(base + ".json.tmp", base + ".json")
+    return records
+
+
 def _compiler_options(args):
   # Optimisation level 0 halves the compile time of each new mesh's step
   # (the demo's budget) at some cost in step time.
@@ -1152,6 +1189,9 @@ def main(argv=None):
   # its pid in this marker file (see _hang_once)
   ap.add_argument("--hang-ahead", metavar="MARKER", help=argparse.SUPPRESS)
   ap.add_argument("--job-parent", metavar="DIR", help=argparse.SUPPRESS)
+  # (tests) the static run's records and final params, shared by the runs that
+  # compare with the same static run (see static_run)
+  ap.add_argument("--static-cache", metavar="DIR", help=argparse.SUPPRESS)
   ap.add_argument("--worker", action="store_true",
                   help="(internal) one process of the --procs job, under tenplex-jax launch")
   ap.add_argument("--records", metavar="PATH",
@@ -1189,8 +1229,8 @@ def main(argv=None):
   else:
     elastic = train(phases, args.steps, cfg, search=args.search, deterministic=v,
                     compiler_options=opts, final=el_final)
-  static = train(phases[:1], args.steps, cfg, search=args.search, log=lambda *_: None,
-                 deterministic=v, compiler_options=opts, final=st_final)
+  static = static_run(phases, args.steps, cfg, search=args.search, deterministic=v,
+                      compiler_options=opts, final=st_final, cache=args.static_cache)
   diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(elastic, static))
   pdiff = max(float(np.max(np.abs(a - b))) for a, b in zip(
       jax.tree.leaves(el_final["params"]), jax.tree.leaves(st_final["params"])))
