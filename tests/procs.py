@@ -67,8 +67,10 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
 
   ``hang_ahead`` (the LM trainer's ``--hang-ahead``): the process of the
   generation started ahead for step 2 hangs after its warm-up step, before
-  its ready mark, once; the launcher's prepare timeout (30 s here) must stop
-  it and replace it, so the job ends well inside its ``--timeout`` with the
+  its ready mark, once; the launcher's prepare timeout (60 s here: it counts
+  from the generation's start, and at load 13-20 a 30 s one fired while the
+  generation still compiled, before it reached the hang) must stop it and
+  replace it, so the job ends well inside its ``--timeout`` with the
   same steps and losses, nothing of it left running or on disk (its job
   directory, its processes' ``TMPDIR``).
 
@@ -86,7 +88,7 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   extra = []
   if hang_ahead:
     marker = os.path.join(where, "hang_ahead")
-    extra = ["--hang-ahead", marker, "--prepare-timeout", "30"]
+    extra = ["--hang-ahead", marker, "--prepare-timeout", "60"]
     env["TMPDIR"] = os.path.join(where, "tmp")
     os.mkdir(env["TMPDIR"])
   if static_cache is not None:

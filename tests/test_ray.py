@@ -612,15 +612,17 @@ def test_prepared_group_not_ready_in_time_is_dropped(cluster, tmp_path, capfd,
     assert "dropped_prepared" not in gens[0 if at_turn else 1]
     assert len(dropped) == 1, dropped
     d = dropped[0]
-    assert (d["generation"], d["workers"], d["not_ready"], d["at_turn"]) == (
-        1, 2, [1], at_turn), d
+    # worker 1 hangs; worker 0 is ready unless a loaded host kept it past the
+    # timeout too (then both are named)
+    assert (d["generation"], d["workers"], d["at_turn"]) == (1, 2, at_turn), d
+    assert d["not_ready"] in ([1], [0, 1]), d
     assert d["waited_s"] > timeout, d
     assert sorted(d["pids"]) == sorted(seen["pids"]), (d, seen)
     err = capfd.readouterr().err
     assert ("the group prepared ahead for the resize to 2 workers"
             " (generation 1) not ready") in err, err
     assert f"(prepare timeout {timeout:g} s; workers not waiting at their" \
-           " turn: [1])" in err, err
+           f" turn: {d['not_ready']})" in err, err
     assert not set(seen["pids"]) & set(gens[1]["pids"])
     assert gens[1]["restored"]["step"] == 3
     assert gens[1]["restored"]["source"] == "stores"
