@@ -512,16 +512,18 @@ _ROOT_ADD_IN_TOP = True
 # time over ``plain_acc``'s, V/n = 1: f32 FSDP 1.21x -> 1.11x, f32 DP
 # 1.14x -> 1.00x, bf16 FSDP 0.69x -> 0.61x; bf16 DP was slower with them,
 # 0.84x -> 0.96x, until its chunks were contiguous and moved as 16-bit
-# ints, ``_EXCHANGE_TRANSPOSED`` and ``_COLLECTIVES_AS_BITS``;
+# ints at V/n = 1, ``_EXCHANGE_TRANSPOSED`` and ``_COLLECTIVES_AS_BITS``;
 # docs/determinism.md). Same bits (the same n chunks, the same tree). Not
-# with a ``pipeline_axis`` (the all_to_all there). Read when
+# with a ``pipeline_axis`` (the all_to_all there), nor for 16-bit float
+# gradients left replicated at V/n > 1 (bf16 DP keeps the all_to_all
+# there). Read when
 # ``value_and_grad`` is called;
 # benchmarks/bench_determinism.py times False as ``det_a2a``.
 _TOP_BY_PERMUTE = True
 
 
-# Whether gathered gradients that the worker computes as a 2-D transpose
-# (a matmul weight's) are exchanged as that transpose (split along their
+# Whether gathered 16-bit float gradients that the worker computes as a 2-D
+# transpose (a matmul weight's) are exchanged as that transpose (split along their
 # last dimension, contiguous in the column-major layout XLA:CPU gives them)
 # and transposed back after the all-gather, once, as the plain step does
 # (True), or split along their first dimension (False: the behaviour
@@ -1046,7 +1048,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         parts = [index(y, i, a, keepdims=False) for y in ys]
         return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
-      if n > 1 and top_by_permute:
+      # 16-bit float gradients left replicated (DP) at V/n > 1 keep the
+      # all_to_all (the permutes were slower there before the transposed
+      # exchange, which applies at V/n = 1 only).
+      narrow = (jnp.issubdtype(xs[0].dtype, jnp.floating)
+                and jnp.dtype(xs[0].dtype).itemsize == 2)
+      if n > 1 and top_by_permute and (isolate or not narrow or k == 1):
         # Chunk (d + s) % n of this device's sum goes to that device, by
         # n - 1 collective permutes (shift s = 1 .. n - 1); device d keeps
         # its own chunk d. Device j's chunk arrives here by the shift
@@ -1078,10 +1085,17 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # the first dimension slices every chunk out by a strided (transposing)
     # pass. The gathered sum is transposed back once, as the plain step's
     # gradients are (``_EXCHANGE_TRANSPOSED``; the same bits either way).
-    # (Not where the tops run in conditionals: ``isolate``, FSDP.)
+    # (Not where the tops run in conditionals: ``isolate``, FSDP. Only for
+    # 16-bit floats, whose branch converts the dot's float32 output and
+    # writes it column-major, and only at V/n = 1, where the leaf is that
+    # branch's output: float32 DP V/n = 1 took 2.79x the plain step with it
+    # against 0.77x without, bf16 DP V/n = 2 2.70x against 2.08x, 25M on 2
+    # CPU devices, same run.)
     transposed = _transposed_outputs(worker_jaxpr)[1:]
     trans = [exchange_transposed and not isolate and n > 1 and g and t
              and x.ndim == 2 and x.shape[1] % n == 0
+             and jnp.issubdtype(x.dtype, jnp.floating)
+             and jnp.dtype(x.dtype).itemsize == 2 and k == 1
              for x, g, t in zip(leaves, gather, transposed)]
     if not isolate:
       out = [top((x.T,), 0) if t else top((x,), a)
