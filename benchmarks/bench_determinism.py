@@ -29,6 +29,12 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   the host);
 * ``det``: :func:`tenplex_jax.determinism.value_and_grad` in a step compiled
   by ``determinism.jit``;
+* ``det_prev``: ``det`` as it was before the transposed exchange
+  (``determinism._EXCHANGE_TRANSPOSED`` and ``_COLLECTIVES_AS_BITS``
+  False: gathered gradients split along their first dimension, 16-bit
+  floats through the collectives as themselves, which XLA:CPU runs in
+  float32; 16-bit float gradients left replicated exchanged by the
+  ``all_to_all``): the "before" of the same run;
 * ``det_gather``: ``det`` with ``determinism._GATHER_INSIDE_JIT`` set: every
   gradient all-gathered inside the step, also the FSDP ones that ``det``
   leaves in the reduce-scatter layout (the behaviour before; FSDP cells
@@ -110,9 +116,9 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "6m": dict(d=512, ff=2048, blocks=3),
          "25m": dict(d=1024, ff=4096, blocks=3),
          "100m": dict(d=1024, ff=4096, blocks=12)}
-METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_gather",
-           "det_root_out", "det_a2a", "det_scan", "det_unroll", "det_cond",
-           "det_barrier", "det_old")
+METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_prev",
+           "det_gather", "det_root_out", "det_a2a", "det_scan", "det_unroll",
+           "det_cond", "det_barrier", "det_old")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -208,7 +214,16 @@ def programs(mesh, params, fsdp, k, rows, methods):
       vg_g = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                                 param_shardings=out[1])
     fns["det_gather"] = det.jit(lambda p, b: vg_g(p, b), out_shardings=out)
-  for name, settings in (("det_root_out", {"_ROOT_ADD_IN_TOP": False}),
+  # The step before the transposed exchange and the 16-bit collectives as
+  # ints (both settings False), 16-bit float gradients left replicated
+  # exchanged by the all_to_all as they were then.
+  narrow = any(jnp.dtype(x.dtype).itemsize == 2
+               for x in jax.tree_util.tree_leaves(params))
+  prev = {"_EXCHANGE_TRANSPOSED": False, "_COLLECTIVES_AS_BITS": False}
+  if narrow and not fsdp:
+    prev["_TOP_BY_PERMUTE"] = False
+  for name, settings in (("det_prev", prev),
+                         ("det_root_out", {"_ROOT_ADD_IN_TOP": False}),
                          ("det_a2a", {"_TOP_BY_PERMUTE": False,
                                       "_ROOT_ADD_IN_TOP": False}),
                          ("det_scan", {"_UNROLL_LEVELS": 0}),
@@ -421,8 +436,8 @@ def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
   op (each node rounded to the dtype), and divided by ``V``.
   """
   res = {}
-  for name in ("det_root_out", "det_a2a", "det_scan", "det_unroll", "det_cond",
-               "det_barrier"):
+  for name in ("det_prev", "det_root_out", "det_a2a", "det_scan",
+               "det_unroll", "det_cond", "det_barrier"):
     if name in outs:
       res[f"det_equals_{name}"] = _bits(outs["det"]) == _bits(outs[name])
   one = Mesh(np.array(jax.devices()[:1]), ("data",))

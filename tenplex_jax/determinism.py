@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax.errors import UsageError
@@ -110,6 +111,71 @@ def _axes(batch_axis: str | Sequence[str]) -> tuple[str, ...]:
     raise UsageError(f"batch_axis must be a mesh axis name or a tuple of names,"
                      f" got {batch_axis!r}")
   return axes
+
+
+def _bits_view(x: jax.Array) -> jax.Array:
+  """A 16-bit float array as unsigned ints of its width, for a collective.
+
+  XLA:CPU runs collectives on 16-bit floats in float32: it converts the
+  operand up and the result back (exact both ways, so the same bits), but
+  moves twice the bytes and adds two conversion passes over the gradient,
+  fused with whatever layout change the chunks need. An integer view moves
+  the same bits with none of it. Other arrays are returned as they are.
+  """
+  if (jnp.issubdtype(x.dtype, jnp.floating)
+      and jnp.dtype(x.dtype).itemsize == 2):
+    return lax.bitcast_convert_type(x, jnp.uint16)
+  return x
+
+
+def _from_bits_view(x: jax.Array, dtype: Any) -> jax.Array:
+  """Inverse of :func:`_bits_view` for an array of ``dtype``."""
+  if x.dtype == jnp.dtype(dtype):
+    return x
+  return lax.bitcast_convert_type(x, dtype)
+
+
+def _transposed_outputs(closed: Any) -> list[bool]:
+  """Per output of a closed jaxpr: is it a 2-D ``transpose`` of another value?
+
+  Followed through dtype conversions, copies, optimisation barriers,
+  conditionals (every branch) and calls (``pjit``, custom derivatives).
+  ``jax.grad`` of ``x @ w`` gives ``w``'s gradient as the transpose of a
+  ``dot_general``, which XLA:CPU computes in place by giving it the
+  transposed (column-major) layout: a gradient flagged here is likely laid
+  out that way. Only a hint for the layout of the exchange: the values never
+  depend on it.
+  """
+  producers: dict[int, dict] = {}
+
+  def walk(jaxpr, var, depth):
+    if depth > 64 or not isinstance(var, jax_core.Var):
+      return False
+    prod = producers.get(id(jaxpr))
+    if prod is None:
+      prod = producers[id(jaxpr)] = {
+          v: (e, i) for e in jaxpr.eqns for i, v in enumerate(e.outvars)}
+    if var not in prod:
+      return False
+    eqn, i = prod[var]
+    name = eqn.primitive.name
+    if name == "transpose":
+      return tuple(eqn.params["permutation"]) == (1, 0)
+    if name in ("convert_element_type", "copy", "copy_p"):
+      return walk(jaxpr, eqn.invars[0], depth + 1)
+    if name == "optimization_barrier":
+      return walk(jaxpr, eqn.invars[i], depth + 1)
+    if name == "cond":
+      return all(walk(b.jaxpr, b.jaxpr.outvars[i], depth + 1)
+                 for b in eqn.params["branches"])
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if (isinstance(inner, jax_core.Jaxpr)
+          and len(inner.outvars) == len(eqn.outvars)):
+        return walk(inner, inner.outvars[i], depth + 1)
+    return False
+
+  return [walk(closed.jaxpr, v, 0) for v in closed.jaxpr.outvars]
 
 
 def _tree_merges(w: jax.Array) -> jax.Array:
@@ -444,13 +510,33 @@ _ROOT_ADD_IN_TOP = True
 # more than a reduce-scatter); the permutes slice only what they send and
 # the addition reads the own chunk in place (25M on 2 CPU devices, CPU
 # time over ``plain_acc``'s, V/n = 1: f32 FSDP 1.21x -> 1.11x, f32 DP
-# 1.14x -> 1.00x, bf16 FSDP 0.69x -> 0.61x, but bf16 DP 0.84x -> 0.96x;
+# 1.14x -> 1.00x, bf16 FSDP 0.69x -> 0.61x; bf16 DP was slower with them,
+# 0.84x -> 0.96x, until its chunks were contiguous and moved as 16-bit
+# ints at V/n = 1, ``_EXCHANGE_TRANSPOSED`` and ``_COLLECTIVES_AS_BITS``;
 # docs/determinism.md). Same bits (the same n chunks, the same tree). Not
 # with a ``pipeline_axis`` (the all_to_all there), nor for 16-bit float
-# gradients left replicated (bf16 DP keeps the all_to_all). Read when
+# gradients left replicated at V/n > 1 (bf16 DP keeps the all_to_all
+# there). Read when
 # ``value_and_grad`` is called;
 # benchmarks/bench_determinism.py times False as ``det_a2a``.
 _TOP_BY_PERMUTE = True
+
+
+# Whether gathered 16-bit float gradients that the worker computes as a 2-D
+# transpose (a matmul weight's) are exchanged as that transpose (split along their
+# last dimension, contiguous in the column-major layout XLA:CPU gives them)
+# and transposed back after the all-gather, once, as the plain step does
+# (True), or split along their first dimension (False: the behaviour
+# before). Same bits. Read when ``value_and_grad`` is called;
+# benchmarks/bench_determinism.py times False as ``det_untransposed``.
+_EXCHANGE_TRANSPOSED = True
+
+# Whether 16-bit float arrays cross the collectives (the exchange, the
+# gathers of gradients and of FSDP params) as unsigned 16-bit ints of the
+# same bits (True) or as themselves (False: the behaviour before, which
+# XLA:CPU runs in float32, converting up and back). Read when
+# ``value_and_grad`` is called.
+_COLLECTIVES_AS_BITS = True
 
 
 def _gather_inside_jit(mesh: Mesh) -> bool:
@@ -731,7 +817,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         parts = jnp.reshape(flat, (n, groups.chunks[g]))
         # Collectives run even for n == 1 so that every mesh compiles the same
         # program structure.
-        parts = lax.all_to_all(parts, axes, 0, 0, tiled=True)
+        parts = _from_bits_view(lax.all_to_all(
+            to_bits(parts), axes, 0, 0, tiled=True), parts.dtype)
         st, s = stacks[g], sp
         for i in range(n):
           st, s = push(st, s, parts[i], (j * n + i).astype(jnp.int32))
@@ -748,7 +835,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     for g, st in enumerate(stacks):
       total = _final_merges(st, virtual_workers) / jnp.asarray(
           virtual_workers, groups.dtypes[g])
-      total = lax.all_gather(total, axes, tiled=True)
+      total = _from_bits_view(lax.all_gather(
+          to_bits(total), axes, tiled=True), total.dtype)
       flats.append(total)
     return _unflatten(groups, flats, treedef)
 
@@ -761,10 +849,20 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   by_cond = _isolate_by_cond(mesh)
   gather_inside_jit = _gather_inside_jit(mesh)
   root_add_in_top = _ROOT_ADD_IN_TOP
+  exchange_transposed = _EXCHANGE_TRANSPOSED
+  as_bits = _COLLECTIVES_AS_BITS
+
+  def to_bits(x):
+    return _bits_view(x) if as_bits else x
   # Not with a pipeline axis left to the pipeline's own shard_map: with
-  # the permutes there the process of tests/test_determinism_compose.py's
-  # pipeline test aborted (not investigated); the all_to_all gives the
-  # same bits.
+  # the permutes there the pipeline test of
+  # tests/test_determinism_compose.py deadlocks on its (2, 2, 2) mesh and
+  # XLA:CPU aborts after its 40 s rendezvous timeout: the devices of one
+  # half of ``data`` wait in a permute of the top (all 8 devices) while the
+  # other half wait in an all-gather over ``data`` (groups {0, 4}, {1, 5},
+  # ...), each half having entered a different one of two collectives with
+  # no data dependency between them (docs/determinism.md). The all_to_all
+  # gives the same bits.
   top_by_permute = _TOP_BY_PERMUTE and pipeline_axis is None
 
   def body_tree(dims, gather, shard_in, isolate, grad_bytes, params, batch,
@@ -787,7 +885,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
 
       def gather_params(p):
         return jax.tree_util.tree_unflatten(ptree, [
-            x if a is None else lax.all_gather(x, axes, axis=a, tiled=True)
+            x if a is None else _from_bits_view(lax.all_gather(
+                to_bits(x), axes, axis=a, tiled=True), x.dtype)
             for x, a in zip(jax.tree_util.tree_leaves(p), shard_in)])
 
       if k == 1:
@@ -830,7 +929,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
                                       prepare=prepare, pred=p,
                                       by_cond=by_cond)
 
-    avals = jax.eval_shape(lambda j: worker(j, local), jnp.int32(0))
+    worker_jaxpr, avals = jax.make_jaxpr(
+        lambda j: worker(j, local), return_shape=True)(jnp.int32(0))
 
     def perfect(level, j0, xb, after=None):
       # The perfect subtree over workers j0 .. j0 + 2**level - 1: a scan over
@@ -948,18 +1048,19 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         parts = [index(y, i, a, keepdims=False) for y in ys]
         return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
-      # (Not for 16-bit float gradients left replicated (DP): there the
-      # permutes were slower than the all_to_all on CPU, bf16 DP V/n = 1
-      # 1.72x a plain step against 1.47x; that case keeps the code before.)
+      # 16-bit float gradients left replicated (DP) at V/n > 1 keep the
+      # all_to_all (the permutes were slower there before the transposed
+      # exchange, which applies at V/n = 1 only).
       narrow = (jnp.issubdtype(xs[0].dtype, jnp.floating)
-                and jnp.finfo(xs[0].dtype).bits <= 16)
-      if n > 1 and top_by_permute and (isolate or not narrow):
+                and jnp.dtype(xs[0].dtype).itemsize == 2)
+      if n > 1 and top_by_permute and (isolate or not narrow or k == 1):
         # Chunk (d + s) % n of this device's sum goes to that device, by
         # n - 1 collective permutes (shift s = 1 .. n - 1); device d keeps
         # its own chunk d. Device j's chunk arrives here by the shift
         # (d - j) % n: the branch of device d adds them in device order.
-        recv = [lax.ppermute(chunk(xs, (d + s) % n, dynamic=True), axes,
-                             [(i, (i + s) % n) for i in range(n)])
+        recv = [_from_bits_view(lax.ppermute(
+            to_bits(chunk(xs, (d + s) % n, dynamic=True)), axes,
+            [(i, (i + s) % n) for i in range(n)]), xs[0].dtype)
                 for s in range(1, n)]
 
         def total(ops, dd):
@@ -971,13 +1072,34 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
                               for dd in range(n)], (xs, recv))
       x = xs[0] if len(xs) == 1 else xs[0] + xs[1]
       if n > 1:
-        x = lax.all_to_all(x, axes, a, a, tiled=True)
+        x = _from_bits_view(
+            lax.all_to_all(to_bits(x), axes, a, a, tiled=True), x.dtype)
       chunks = [lax.index_in_dim(x, i, a, keepdims=False) for i in range(n)]
       return _tree_list(chunks) / scale
 
     leaves, treedef = jax.tree_util.tree_flatten(grads)
+    # Gathered leaves (their chunk layout is free) that the worker computes
+    # as a transpose (a matmul weight's gradient; likely column-major on
+    # XLA:CPU) are exchanged as that transpose, split along their last
+    # dimension: contiguous chunks of the buffer as laid out, where splitting
+    # the first dimension slices every chunk out by a strided (transposing)
+    # pass. The gathered sum is transposed back once, as the plain step's
+    # gradients are (``_EXCHANGE_TRANSPOSED``; the same bits either way).
+    # (Not where the tops run in conditionals: ``isolate``, FSDP. Only for
+    # 16-bit floats, whose branch converts the dot's float32 output and
+    # writes it column-major, and only at V/n = 1, where the leaf is that
+    # branch's output: float32 DP V/n = 1 took 2.79x the plain step with it
+    # against 0.77x without, bf16 DP V/n = 2 2.70x against 2.08x, 25M on 2
+    # CPU devices, same run.)
+    transposed = _transposed_outputs(worker_jaxpr)[1:]
+    trans = [exchange_transposed and not isolate and n > 1 and g and t
+             and x.ndim == 2 and x.shape[1] % n == 0
+             and jnp.issubdtype(x.dtype, jnp.floating)
+             and jnp.dtype(x.dtype).itemsize == 2 and k == 1
+             for x, g, t in zip(leaves, gather, transposed)]
     if not isolate:
-      out = [top((x,), a) for x, a in zip(leaves, dims)]
+      out = [top((x.T,), 0) if t else top((x,), a)
+             for x, a, t in zip(leaves, dims, trans)]
     else:
       # FSDP gradients leaving in the reduce-scatter layout inside the
       # caller's jit: XLA would fuse the top's last addition and the
@@ -1016,10 +1138,13 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # Inside the caller's jit the update consumes the gradients; handing
     # it gathered arrays (an all-gather on every mesh, 1 device included)
     # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
-    out = [lax.all_gather(o, axes, axis=0 if a is None else a, tiled=True)
-           if g else o for o, a, g in zip(out, dims, gather)]
-    out = [o if a is not None or not g else jnp.reshape(o[:x.size], x.shape)
-           for o, x, a, g in zip(out, leaves, dims, gather)]
+    out = [_from_bits_view(lax.all_gather(
+        to_bits(o), axes, axis=0 if a is None or t else a, tiled=True),
+                           o.dtype) if g else o
+           for o, a, g, t in zip(out, dims, gather, trans)]
+    out = [o.T if t else o if a is not None or not g else
+           jnp.reshape(o[:x.size], x.shape)
+           for o, x, a, g, t in zip(out, leaves, dims, gather, trans)]
     if n > 1:
       loss = _tree_list(list(lax.all_gather(loss, axes)))
     loss = loss / jnp.asarray(virtual_workers, loss.dtype)

@@ -227,20 +227,74 @@ def test_top_by_permutes_has_the_all_to_all_bits(monkeypatch):
                          len(re.findall(r" collective-permute\(", text)))
     assert counts[True][0] == 0 and counts[True][1] > 0, counts
     assert counts[False][0] >= len(params) and counts[False][1] == 0, counts
-  # bfloat16 gradients left replicated (DP) keep the all_to_all (the permutes were
-  # slower there on CPU), with the 1-device bits.
+  # bfloat16 gradients left replicated (DP) take the permutes (as 16-bit
+  # ints) at V/n = 1 and keep the all_to_all at V/n > 1, with the 1-device
+  # bits.
   monkeypatch.setattr(det, "_TOP_BY_PERMUTE", True)
   params, batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (params, batch))
-  ref = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh1)(
-      *place(params, batch, mesh1, False))
   mesh = mesh1d(2)
   p, b = place(params, batch, mesh, False)
-  f = det.value_and_grad(mlp_loss, virtual_workers=8, mesh=mesh)
-  compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
-  assert_bitwise(ref, compiled(p, b))
-  text = compiled.as_text()
-  assert len(re.findall(r" all-to-all\(", text)) >= len(params), text[-2000:]
-  assert not re.findall(r" collective-permute\(", text)
+  for v, permutes in ((2, True), (8, False)):
+    ref = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
+        *place(params, batch, mesh1, False))
+    f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
+    compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
+    assert_bitwise(ref, compiled(p, b), v)
+    text = compiled.as_text()
+    a2a = len(re.findall(r" all-to-all\(", text))
+    cp = len(re.findall(r" collective-permute\(", text))
+    if permutes:
+      assert a2a == 0 and cp >= len(params), (v, a2a, cp)
+    else:
+      assert a2a >= len(params) and cp == 0, (v, a2a, cp)
+
+
+def collectives(text):
+  """(element type, shape) of each all-gather, permute and all-to-all."""
+  return re.findall(r"= \(?(\w+)\[([\d,]*)\]\S* (?:all-gather|"
+                    r"collective-permute|all-to-all)\(", text)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_transposed_exchange_and_16_bit_collectives(monkeypatch, dtype):
+  # bfloat16 gradients left replicated (DP) that the worker computes as a
+  # transpose (the matmul weights w1 and w2; not the bias b1) are exchanged
+  # as that transpose and gathered transposed (all-gathers of shape (48, 16)
+  # and (4, 48); float32 ones are not), and 16-bit floats cross every
+  # collective as uint16 (XLA:CPU
+  # would run them in float32): the bits of the 1-device run and of the
+  # exchange along the first dimension (_EXCHANGE_TRANSPOSED False), V = n
+  # on 2 and 4 devices, by the permutes and by the all_to_all.
+  params, batch = mlp_data(16)
+  params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
+  mesh1 = mesh1d(1)
+  for n, permute in ((2, True), (4, True), (2, False)):
+    # V = n: the transposed exchange applies at V/n = 1 only.
+    ref = det.value_and_grad(mlp_loss, virtual_workers=n, mesh=mesh1)(
+        *place(params, batch, mesh1, False))
+    monkeypatch.setattr(det, "_TOP_BY_PERMUTE", permute)
+    mesh = mesh1d(n)
+    p, b = place(params, batch, mesh, False)
+    gathered = {}
+    for transposed in (True, False):
+      monkeypatch.setattr(det, "_EXCHANGE_TRANSPOSED", transposed)
+      f = det.value_and_grad(mlp_loss, virtual_workers=n, mesh=mesh)
+      compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
+      assert_bitwise(ref, compiled(p, b), (n, permute, transposed))
+      text = compiled.as_text()
+      gathered[transposed] = {
+          shape for _, shape in re.findall(
+              r"= \(?(\w+)\[([\d,]*)\]\S* all-gather\(", text)}
+      if dtype == jnp.bfloat16:
+        # Only the loss (float32, one per device) is not uint16.
+        assert {(t, s) for t, s in collectives(text) if t != "u16"} == {
+            ("f32", str(n))}, (n, permute, collectives(text))
+    assert {"16,48", "48,4"} <= gathered[False], gathered
+    assert not {"48,16", "4,48"} & gathered[False], gathered
+    if dtype == jnp.bfloat16:
+      assert {"48,16", "4,48"} <= gathered[True], gathered
+    else:  # float32 is exchanged untransposed (it was slower transposed)
+      assert gathered[True] == gathered[False], gathered
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
