@@ -14,8 +14,6 @@ CPU devices as the cross-process meshes have: the same program.
 """
 
 import os
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,29 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import hlo_order
 import tenplex_jax as tj
+# nnx's train module, imported with lm's modules set aside (both examples have
+# ``model`` and ``train``); it imports lm's train under its own name.
+from test_examples_nnx import train as NNX  # noqa: N812
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-
-
-def _trainers():
-  """(lm's train module, nnx's train module): nnx's imports lm's under its own
-  name (both examples have ``model`` and ``train`` modules)."""
-  names = ("model", "config", "train", "data")
-  saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
-  path = list(sys.path)
-  sys.path.insert(0, str(ROOT / "examples" / "nnx"))
-  try:
-    import train as nnx_train
-  finally:
-    for n in names:
-      sys.modules.pop(n, None)
-    sys.modules.update(saved)
-    sys.path[:] = path
-  return nnx_train.lm, nnx_train
-
-
-LM, NNX = _trainers()
+LM = NNX.lm
 
 
 def _step_text(trainer, schedule_phase, deterministic=None, fresh=False):

@@ -124,6 +124,16 @@ def _alive(pid):
   return True
 
 
+def _held_job_dirs(tmp_path, job_name):
+  """(the job's ``/dev/shm`` directory, a new log directory, a new hold
+  directory) of a test whose script waits for ``go_<generation>`` files in
+  ``hold`` (``TRAIN_HOLD``)."""
+  log_dir, hold = str(tmp_path / "logs"), str(tmp_path / "hold")
+  os.makedirs(log_dir)
+  os.makedirs(hold)
+  return f"/dev/shm/tenplex-ray-{job_name}", log_dir, hold
+
+
 def _read_ids(log_dir):
   seen = {}
   for path in sorted(glob.glob(os.path.join(log_dir, "ids_*.jsonl"))):
@@ -409,11 +419,7 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
   the end are gone with the job."""
   _nodes(cluster, 2)
   total, job_name = 12, "test-standby"
-  shm = f"/dev/shm/tenplex-ray-{job_name}"
-  log_dir = str(tmp_path / "logs")
-  hold = str(tmp_path / "hold")
-  os.makedirs(log_dir)
-  os.makedirs(hold)
+  shm, log_dir, hold = _held_job_dirs(tmp_path, job_name)
   sizes = [1, 2, 1, 2]
   seen_ready = {}  # generation: pids of the standbys kept when it was let go
   started = procs.Seen()  # those pids with their start times
@@ -506,11 +512,7 @@ def test_group_prepared_for_another_size_is_dropped(cluster, tmp_path):
   each step's batch exactly once."""
   _nodes(cluster, 3)
   total, job_name = 8, "test-prepared-dropped"
-  shm = f"/dev/shm/tenplex-ray-{job_name}"
-  log_dir = str(tmp_path / "logs")
-  hold = str(tmp_path / "hold")
-  os.makedirs(log_dir)
-  os.makedirs(hold)
+  shm, log_dir, hold = _held_job_dirs(tmp_path, job_name)
   seen = {}
   try:
     def driver(job, step):
@@ -575,11 +577,7 @@ def test_prepared_group_not_ready_in_time_is_dropped(cluster, tmp_path, capfd,
   _nodes(cluster, 2)
   total, job_name = 6, f"test-prepare-timeout-{int(at_turn)}"
   timeout = 20.0 if at_turn else 8.0
-  shm = f"/dev/shm/tenplex-ray-{job_name}"
-  log_dir = str(tmp_path / "logs")
-  hold = str(tmp_path / "hold")
-  os.makedirs(log_dir)
-  os.makedirs(hold)
+  shm, log_dir, hold = _held_job_dirs(tmp_path, job_name)
   seen = {}
   started = procs.Seen()
   try:
