@@ -1171,8 +1171,8 @@ class _Ahead:
   ``step`` None: the generation prepared for a failure."""
 
   def __init__(self, gen: int, n: int, step: int | None, key: str,
-               children: list[_Child], turn_file: str, nice: int = 0,
-               started: float | None = None):
+               children: list[_Child], turn_file: str, started: float,
+               nice: int = 0):
     self.gen, self.n, self.step, self.key = gen, n, step, key
     self.children, self.turn_file = children, turn_file
     # While it prepares, its processes run at a lower priority (``nice``
@@ -1180,9 +1180,9 @@ class _Ahead:
     # threads, and those they start, until the turn. The children were
     # started at it (_start_child's ``nice``).
     self.nice = nice if nice and _can_renice(nice) else 0
-    # ``started``: before its first process was started (a standby given
-    # its rank runs the script at once), else now.
-    self.started = time.time() if started is None else started
+    # ``started``: noted before its first process was started (a standby
+    # given its rank runs the script at once).
+    self.started = started
     # The prepare timeout's clock: from the start, or, for a generation that
     # waits for another's programs (wait_programs), from when they came.
     self.since = self.started
@@ -1950,7 +1950,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
                                   **extra},
                          wake, standbys, nice=low) for i in range(count)]
-    a = _Ahead(g, count, step, key, kids, turn, prepare_nice, started)
+    a = _Ahead(g, count, step, key, kids, turn, started, prepare_nice)
     a.programs = programs if wait else None
     return a
 
