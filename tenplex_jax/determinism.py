@@ -113,6 +113,12 @@ def _axes(batch_axis: str | Sequence[str]) -> tuple[str, ...]:
   return axes
 
 
+def _is_16bit_float(dtype: Any) -> bool:
+  """Whether ``dtype`` is a 16-bit float (bfloat16, float16)."""
+  return (jnp.issubdtype(dtype, jnp.floating)
+          and jnp.dtype(dtype).itemsize == 2)
+
+
 def _bits_view(x: jax.Array) -> jax.Array:
   """A 16-bit float array as unsigned ints of its width, for a collective.
 
@@ -122,8 +128,7 @@ def _bits_view(x: jax.Array) -> jax.Array:
   fused with whatever layout change the chunks need. An integer view moves
   the same bits with none of it. Other arrays are returned as they are.
   """
-  if (jnp.issubdtype(x.dtype, jnp.floating)
-      and jnp.dtype(x.dtype).itemsize == 2):
+  if _is_16bit_float(x.dtype):
     return lax.bitcast_convert_type(x, jnp.uint16)
   return x
 
@@ -817,8 +822,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         parts = jnp.reshape(flat, (n, groups.chunks[g]))
         # Collectives run even for n == 1 so that every mesh compiles the same
         # program structure.
-        parts = _from_bits_view(lax.all_to_all(
-            to_bits(parts), axes, 0, 0, tiled=True), parts.dtype)
+        parts = via_bits(lax.all_to_all, parts, axes, 0, 0, tiled=True)
         st, s = stacks[g], sp
         for i in range(n):
           st, s = push(st, s, parts[i], (j * n + i).astype(jnp.int32))
@@ -835,8 +839,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     for g, st in enumerate(stacks):
       total = _final_merges(st, virtual_workers) / jnp.asarray(
           virtual_workers, groups.dtypes[g])
-      total = _from_bits_view(lax.all_gather(
-          to_bits(total), axes, tiled=True), total.dtype)
+      total = via_bits(lax.all_gather, total, axes, tiled=True)
       flats.append(total)
     return _unflatten(groups, flats, treedef)
 
@@ -852,8 +855,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   exchange_transposed = _EXCHANGE_TRANSPOSED
   as_bits = _COLLECTIVES_AS_BITS
 
-  def to_bits(x):
-    return _bits_view(x) if as_bits else x
+  def via_bits(op, x, *args, **kwargs):
+    # The collective ``op`` on ``x``, a 16-bit float moved as unsigned ints
+    # of the same bits (``_COLLECTIVES_AS_BITS``) and viewed back after.
+    if not as_bits:
+      return op(x, *args, **kwargs)
+    return _from_bits_view(op(_bits_view(x), *args, **kwargs), x.dtype)
   # Not with a pipeline axis left to the pipeline's own shard_map: with
   # the permutes there the pipeline test of
   # tests/test_determinism_compose.py deadlocks on its (2, 2, 2) mesh and
@@ -885,8 +892,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
 
       def gather_params(p):
         return jax.tree_util.tree_unflatten(ptree, [
-            x if a is None else _from_bits_view(lax.all_gather(
-                to_bits(x), axes, axis=a, tiled=True), x.dtype)
+            x if a is None else via_bits(lax.all_gather, x, axes, axis=a, tiled=True)
             for x, a in zip(jax.tree_util.tree_leaves(p), shard_in)])
 
       if k == 1:
@@ -1051,16 +1057,14 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       # 16-bit float gradients left replicated (DP) at V/n > 1 keep the
       # all_to_all (the permutes were slower there before the transposed
       # exchange, which applies at V/n = 1 only).
-      narrow = (jnp.issubdtype(xs[0].dtype, jnp.floating)
-                and jnp.dtype(xs[0].dtype).itemsize == 2)
+      narrow = _is_16bit_float(xs[0].dtype)
       if n > 1 and top_by_permute and (isolate or not narrow or k == 1):
         # Chunk (d + s) % n of this device's sum goes to that device, by
         # n - 1 collective permutes (shift s = 1 .. n - 1); device d keeps
         # its own chunk d. Device j's chunk arrives here by the shift
         # (d - j) % n: the branch of device d adds them in device order.
-        recv = [_from_bits_view(lax.ppermute(
-            to_bits(chunk(xs, (d + s) % n, dynamic=True)), axes,
-            [(i, (i + s) % n) for i in range(n)]), xs[0].dtype)
+        recv = [via_bits(lax.ppermute, chunk(xs, (d + s) % n, dynamic=True),
+                         axes, [(i, (i + s) % n) for i in range(n)])
                 for s in range(1, n)]
 
         def total(ops, dd):
@@ -1072,8 +1076,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
                               for dd in range(n)], (xs, recv))
       x = xs[0] if len(xs) == 1 else xs[0] + xs[1]
       if n > 1:
-        x = _from_bits_view(
-            lax.all_to_all(to_bits(x), axes, a, a, tiled=True), x.dtype)
+        x = via_bits(lax.all_to_all, x, axes, a, a, tiled=True)
       chunks = [lax.index_in_dim(x, i, a, keepdims=False) for i in range(n)]
       return _tree_list(chunks) / scale
 
@@ -1094,8 +1097,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     transposed = _transposed_outputs(worker_jaxpr)[1:]
     trans = [exchange_transposed and not isolate and n > 1 and g and t
              and x.ndim == 2 and x.shape[1] % n == 0
-             and jnp.issubdtype(x.dtype, jnp.floating)
-             and jnp.dtype(x.dtype).itemsize == 2 and k == 1
+             and _is_16bit_float(x.dtype) and k == 1
              for x, g, t in zip(leaves, gather, transposed)]
     if not isolate:
       out = [top((x.T,), 0) if t else top((x,), a)
@@ -1138,9 +1140,8 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # Inside the caller's jit the update consumes the gradients; handing
     # it gathered arrays (an all-gather on every mesh, 1 device included)
     # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
-    out = [_from_bits_view(lax.all_gather(
-        to_bits(o), axes, axis=0 if a is None or t else a, tiled=True),
-                           o.dtype) if g else o
+    out = [via_bits(lax.all_gather, o, axes, axis=0 if a is None or t else a,
+                    tiled=True) if g else o
            for o, a, g, t in zip(out, dims, gather, trans)]
     out = [o.T if t else o if a is not None or not g else
            jnp.reshape(o[:x.size], x.shape)
