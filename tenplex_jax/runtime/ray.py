@@ -142,6 +142,9 @@ __all__ = ["Job", "ResizeExit", "STANDBY_IMPORTS", "checkpoint_dir",
 NAMESPACE = "tenplex"
 _MARGIN = 3  # steps ahead of the furthest worker for a request
 _STANDBY_CHECK_S = 5.0  # how often the driver replaces dead standbys
+# Seconds a group started ahead may take to be ready by default (the
+# launcher's default prepare timeout without a step timeout).
+_PREPARE_TIMEOUT = 600.0
 # The job's jax persistent compilation cache on a node, beside its store
 # directories: <store_root>/tenplex-ray-<job>/xla.
 _CACHE_DIR = "xla"
@@ -628,8 +631,8 @@ class Job:
     self.prepare = bool(prepare)
     # Seconds a group started ahead may take to get ready (every worker
     # waiting at its turn), from its start; past it, not ready: dropped.
-    # Default: the launcher's without a step timeout (a Ray job has none).
-    self.prepare_timeout = _launch._prepare_limit(prepare_timeout, None)
+    self.prepare_timeout = float(_PREPARE_TIMEOUT if prepare_timeout is None
+                                 else prepare_timeout)
     self._given_up: set[int] = set()  # running groups whose prepared one
     # was dropped (not prepared again for them)
     self.free_arrays = bool(free_arrays)
