@@ -283,6 +283,7 @@ def test_a_standby_whose_threads_are_still_exiting_is_not_handed_a_rank():
   sb = object.__new__(L._Standby)
   r, sb._w = os.pipe()
   sb._watch, watch_w = os.pipe()
+  sb._ready, sb.ready_at, sb.started = None, None, time.monotonic()
   sb.popen = dying
   child = None
   try:
@@ -516,13 +517,117 @@ def test_standby_processes_take_the_next_generation_and_none_is_left(tmp):
   assert not [pid for pid in seen if _alive(pid) and seen.same(pid)], out  # nothing left
 
 
+def _pid_lines(path):
+  try:
+    return {int(x) for x in _text(path).split()}
+  except OSError:
+    return set()
+
+
+def test_a_standby_whose_imports_hang_is_replaced_and_never_used(tmp):
+  # 2 processes, then 1 from step 6. The launcher keeps 2 standbys, which
+  # import tests/standby_hang.py (--standby-imports): the first to import
+  # it never finishes. Past --standby-timeout the launcher kills it in the
+  # background, says so, and starts another; generation 0 waits at step 4
+  # until the test saw that (TRAIN_WAIT_READY: files only the test writes).
+  # The resize's generation runs in a standby whose imports were done (its
+  # pid file names it), never in the hung one; the state is right and
+  # nothing is left.
+  job = os.path.join(tmp, "job")
+  token = os.path.join(tmp, "token")
+  open(token, "w").close()
+  sched = os.path.join(tmp, "sched.txt")
+  with open(sched, "w") as f:
+    f.write("step 6 procs 1\n")
+  with launcher(tmp, train(8), "--procs", "2", "--schedule", sched,
+                "--standby-imports", "standby_hang", "--standby-timeout", "20",
+                TRAIN_SLEEP=0.1, TRAIN_WAIT_READY="4:1:1",
+                STANDBY_HANG_TOKEN=token) as (p, log, seen):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(token + ".hung"):
+      assert p.poll() is None and time.monotonic() < deadline, \
+          finish(p, log)[1]
+      time.sleep(0.05)
+    hung = int(_text(token + ".hung"))
+    seen.add(hung)
+    # killed, and a replacement imported (with the other standby: 2)
+    while _alive(hung) or len(_pid_lines(token + ".imported")) < 2:
+      seen.update(_standbys_of(p.pid))
+      assert p.poll() is None and time.monotonic() < deadline, (
+          hung, _alive(hung), finish(p, log)[1])
+      time.sleep(0.05)
+    # generation 0 goes on from step 4
+    open(os.path.join(job, "ready_1_0.txt"), "w").close()
+    rc, out = finish(p, log)
+    seen.update(pids_of(job))
+  assert rc == 0, out[-5000:]
+  assert f"standby process {hung} not ready" in out, out[-3000:]
+  assert "generation 0: 2 -> 1 processes at step 6" in out, out[-3000:]
+  check_final(job, procs=1, step=8, generation=1)
+  gen1 = int(_text(os.path.join(job, "pid_1_0.txt")))
+  imported = _pid_lines(token + ".imported")
+  assert gen1 != hung and gen1 in imported, (hung, gen1, imported)
+  assert not [pid for pid in seen if _alive(pid) and seen.same(pid)], out
+
+
+def test_a_generation_takes_a_ready_standby_first_and_none_past_the_timeout(
+    tmp, capfd, monkeypatch):
+  # Two standbys, the first one's imports hang (tests/standby_hang.py):
+  # a process of a generation is the second, ready one, though it came
+  # later; with the standby timeout passed, the hung one is killed (and
+  # named) instead of being handed the next rank, which a new process gets.
+  import threading
+  from tenplex_jax.runtime import launch as L
+  token = os.path.join(tmp, "token")
+  open(token, "w").close()
+  env = {**ENV, "STANDBY_HANG_TOKEN": token, "PYTHONPATH": f"{ROOT}:{HERE}",
+         "TENPLEX_STANDBY_IMPORTS": "standby_hang"}
+  script = os.path.join(tmp, "ok.py")  # what each rank runs: exits 0
+  with open(script, "w") as f:
+    f.write("pass\n")
+  cmd = [sys.executable, script]
+  form = L._standby_form(cmd)
+  standbys, children = [], []
+  try:
+    standbys.append(L._Standby(cmd, form, env))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(token + ".hung"):  # the first one hangs
+      assert time.monotonic() < deadline
+      time.sleep(0.01)
+    hung = standbys[0]
+    standbys.append(L._Standby(cmd, form, env))
+    while not standbys[1].ready():
+      assert standbys[1].alive() and time.monotonic() < deadline
+      time.sleep(0.01)
+    ready = standbys[1]
+    assert not hung.ready() and hung.alive() and not hung.late(3600)
+    children.append(L._start_child(0, cmd, dict(ENV), threading.Event(),
+                                   standbys, standby_timeout=3600))
+    assert children[0].popen is ready.popen and standbys == [hung]
+    children.append(L._start_child(1, cmd, dict(ENV), threading.Event(),
+                                   standbys, standby_timeout=0.0))
+    assert standbys == [] and hung.popen.returncode == -signal.SIGKILL
+    assert children[1].popen is not hung.popen
+    assert (f"standby process {hung.popen.pid} not ready"
+            in capfd.readouterr().err)
+    for c in children:
+      assert c.popen.wait(60) == 0
+  finally:
+    for sb in standbys:
+      sb.kill()
+    for c in children:
+      c.popen.kill()
+      c.popen.wait()
+
+
 def test_standby_runs_a_script_or_a_module_as_python_would(tmp_path, capfd):
   # A standby (imports done, no rank yet) handed a command runs it in place:
   # `python SCRIPT ARGS` with the script's directory first on sys.path,
   # `python -m MODULE ARGS` with argv[0] the module's file; the environment
   # is the one handed over (a module that fails to import is skipped), and
-  # the exit status is the script's. Other commands get no standby; an
-  # unused standby is killed and reaped.
+  # the exit status is the script's. It says when its imports are done
+  # (ready). Other commands get no standby; an unused standby is killed and
+  # reaped.
   from tenplex_jax.runtime.launch import _Standby, _standby_form
   (tmp_path / "pk").mkdir()
   (tmp_path / "pk" / "__init__.py").write_text("")
@@ -541,6 +646,11 @@ def test_standby_runs_a_script_or_a_module_as_python_would(tmp_path, capfd):
        f"SCRIPT {[str(script), 'x']} 7 {tmp_path}")):
     sb = _Standby(cmd, _standby_form(cmd), env)
     assert sb.alive()
+    deadline = time.monotonic() + 60
+    while not sb.ready():  # it says when its imports are done
+      assert sb.alive() and time.monotonic() < deadline
+      time.sleep(0.01)
+    assert not sb.late(0.0)  # ready: never late
     popen, watch = sb.assign(cmd, {**env, "RANKX": "7"})
     os.close(watch)
     assert popen.wait(60) == want_rc

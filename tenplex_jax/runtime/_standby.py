@@ -8,11 +8,13 @@ and the launcher hold: one JSON object with the training command's ``argv``
 and its whole environment (rank, process count, coordinator, stores). It
 then runs the script as ``python SCRIPT ARGS`` (or ``python -m MODULE
 ARGS``) would, in this process, with the modules already in
-``sys.modules``. When the launcher closes the pipe without an assignment
+``sys.modules``. Once its imports are done it writes one byte to a second
+pipe, ``READY_FD`` (the launcher kills a standby not ready within its
+standby timeout). When the launcher closes the pipe without an assignment
 (an unused standby at the end of the job) it exits with status 0.
 
-  python -m tenplex_jax.runtime._standby FD path SCRIPT
-  python -m tenplex_jax.runtime._standby FD module MODULE
+  python -m tenplex_jax.runtime._standby FD READY_FD path SCRIPT
+  python -m tenplex_jax.runtime._standby FD READY_FD module MODULE
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _read_all(fd: int) -> bytes:
 
 
 def main(argv: list[str]) -> None:
-  fd, mode, target = int(argv[0]), argv[1], argv[2]
+  fd, ready_fd, mode, target = int(argv[0]), int(argv[1]), argv[2], argv[3]
   if mode == "path":  # as `python SCRIPT`: the script's directory first
     sys.path[0] = os.path.dirname(os.path.abspath(target))
   for name in job_env().standby_imports:
@@ -47,6 +49,11 @@ def main(argv: list[str]) -> None:
     except Exception:  # noqa: BLE001  (the script's own import reports it)
       pass
   ready = time.time()
+  try:
+    os.write(ready_fd, b"r")
+  except OSError:  # the launcher no longer asks (assigned already)
+    pass
+  os.close(ready_fd)
   data = _read_all(fd)
   os.close(fd)
   if not data:  # released unused

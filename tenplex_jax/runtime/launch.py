@@ -1054,25 +1054,33 @@ def _standby_form(cmd: Sequence[str]) -> tuple[str, str] | None:
 class _Standby:
   """A process of a later generation, started ahead of need: Python with
   the heavy modules imported (``tenplex_jax.runtime._standby``), waiting on
-  a pipe for its rank and environment (:meth:`assign`). Its own process
-  group, and the kernel kills it with the launcher, as a child's."""
+  a pipe for its rank and environment (:meth:`assign`). It says on a second
+  pipe when its imports are done (:meth:`ready`). Its own process group, and
+  the kernel kills it with the launcher, as a child's."""
 
   def __init__(self, cmd: Sequence[str], form: tuple[str, str], env: dict):
     r, self._w = os.pipe()  # the assignment: only this process and we
     watch_r, watch_w = os.pipe()  # its end, seen as a _Child's
+    ready_r, ready_w = os.pipe()  # a byte once its imports are done
     try:
       self.popen = subprocess.Popen(
-          [cmd[0], "-m", "tenplex_jax.runtime._standby", str(r), *form],
-          env=env, pass_fds=(r, watch_w), start_new_session=True,
+          [cmd[0], "-m", "tenplex_jax.runtime._standby", str(r), str(ready_w),
+           *form],
+          env=env, pass_fds=(r, watch_w, ready_w), start_new_session=True,
           preexec_fn=_no_orphans())
     except BaseException:
       os.close(self._w)
       os.close(watch_r)
+      os.close(ready_r)
       raise
     finally:
       os.close(r)
       os.close(watch_w)
+      os.close(ready_w)
     self._watch = watch_r
+    self._ready: int | None = ready_r
+    self.started = time.monotonic()
+    self.ready_at: float | None = None  # (time.monotonic())
 
   def alive(self) -> bool:
     """Unassigned and not dying (:func:`_gone`: a process whose main thread
@@ -1080,11 +1088,31 @@ class _Standby:
     waitable)."""
     return self._w is not None and not _gone(self.popen)
 
+  def ready(self) -> bool:
+    """Whether its imports are done (it wrote its byte; never blocks)."""
+    if self.ready_at is None and self._ready is not None:
+      if select.select([self._ready], [], [], 0)[0]:
+        if os.read(self._ready, 1):  # (b"": it ended before it was ready)
+          self.ready_at = time.monotonic()
+        self._close_ready()
+    return self.ready_at is not None
+
+  def late(self, limit: float) -> bool:
+    """Not ready ``limit`` seconds after its start (its imports hang, or
+    run that much slower than they should)."""
+    return not self.ready() and time.monotonic() - self.started > limit
+
+  def _close_ready(self) -> None:
+    if self._ready is not None:
+      os.close(self._ready)
+      self._ready = None
+
   def assign(self, cmd: Sequence[str], env: dict
              ) -> tuple[subprocess.Popen, int]:
     """Hands the process its command line and environment; returns it and
     the read end of its death-watch pipe. Raises OSError when it died."""
     w, self._w = self._w, None
+    self._close_ready()
     argv = list(cmd)[2:] if cmd[1] == "-m" else list(cmd)[1:]
     try:
       os.write(w, json.dumps({"argv": argv, "env": env}).encode())
@@ -1101,15 +1129,34 @@ class _Standby:
       os.close(self._w)
       self._w = None
       os.close(self._watch)
+    self._close_ready()
     _signal_group(self.popen, signal.SIGKILL)
     self.popen.wait()
 
 
+def _drop_late_standbys(standbys: list[_Standby], limit: float) -> None:
+  """Kills and removes the standbys of ``standbys`` that died, and those not
+  ready ``limit`` seconds after their start (each named on stderr): a
+  standby whose imports hang would hold up the generation handed it."""
+  for sb in [sb for sb in standbys if not sb.alive() or sb.late(limit)]:
+    if sb.alive():
+      print(f"tenplex-jax launch: standby process {sb.popen.pid} not ready"
+            f" {time.monotonic() - sb.started:.1f} s after its start (standby"
+            f" timeout {limit:g} s): killed it", file=sys.stderr, flush=True)
+    standbys.remove(sb)
+    sb.kill()
+
+
 def _start_child(index: int, cmd: Sequence[str], env: dict,
                  wake: threading.Event, standbys: list[_Standby],
-                 nice: int | None = None) -> _Child:
-  """A generation's process: a live standby's (taken from ``standbys``),
-  else a new one; ``nice``: its nice value from the start (see _Child)."""
+                 nice: int | None = None,
+                 standby_timeout: float = float("inf")) -> _Child:
+  """A generation's process: a standby's, taken from ``standbys`` (a ready
+  one first, else the one that started first, none past
+  ``standby_timeout``: see :func:`_drop_late_standbys`), else a new one;
+  ``nice``: its nice value from the start (see _Child)."""
+  _drop_late_standbys(standbys, standby_timeout)
+  standbys.sort(key=lambda sb: (not sb.ready(), sb.started))
   while standbys:
     sb = standbys.pop(0)
     if sb.alive():
@@ -1642,6 +1689,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            compilation_cache: bool | str = True,
            standby: bool = True,
            standby_imports: Sequence[str] | None = None,
+           standby_timeout: float = 300.0,
            prepare_ahead: int = 4, prepare_nice: int = 10,
            prepare_timeout: float | None = None,
            prepare_retries: int = 1, on_hang: str | None = None,
@@ -1700,12 +1748,20 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       so far, started with the first generation and, as replacements, once
       a generation has reported its first step (their imports then do not
       slow a resize); an unused or dead one costs only its memory and is
-      replaced; all are killed when the job ends. Only for ``python SCRIPT ...`` and
-      ``python -m MODULE ...`` commands (others always start afresh).
+      replaced in the background (checked about once a second while a
+      generation runs), as is one not ready within ``standby_timeout``; a
+      generation takes the ready ones first; all are killed when the job
+      ends. Only for ``python SCRIPT ...`` and ``python -m MODULE ...``
+      commands (others always start afresh).
     standby_imports: the modules a standby imports (default: jax, numpy,
       flax, flax.linen, flax.training.train_state, optax and the store's
       restore path; those not installed are skipped). Import nothing whose
       import has effects the script relies on seeing later.
+    standby_timeout: seconds a standby may take from its start to finish
+      its imports (default 300, for a loaded host: they take seconds on an
+      idle one); one past it whose imports hang (a stuck network file
+      system, a lock) is killed, named on stderr, and replaced, and no
+      generation is handed it.
     prepare_ahead: generations the launcher starts ahead of their turn, at
       most, for the resizes the script expects (:func:`expect_resizes`):
       their processes import, start ``jax.distributed``, compile their step
@@ -1802,6 +1858,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if not isinstance(prepare_retries, int) or prepare_retries < 0:
     raise UsageError(f"launch: prepare_retries must be a count >= 0, not"
                      f" {prepare_retries!r}")
+  if not standby_timeout > 0:
+    raise UsageError(f"launch: standby_timeout must be positive seconds, not"
+                     f" {standby_timeout!r}")
   limit = _prepare_limit(prepare_timeout, step_timeout)
   if schedule and not os.path.isfile(schedule):
     raise UsageError(f"launch: the schedule {schedule!r} is not a file")
@@ -1829,14 +1888,13 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   most = procs  # standbys to keep: the largest generation so far
 
   def refill():
-    """Replaces dead standbys and starts missing ones (with the first
-    generation; later once a generation reported its first step, so that
-    their imports do not slow a resize)."""
+    """Replaces dead standbys and those not ready within the standby
+    timeout, and starts missing ones (with the first generation; later
+    once a generation reported its first step, so that their imports do
+    not slow a resize)."""
     if form is None:
       return
-    for sb in [sb for sb in standbys if not sb.alive()]:
-      standbys.remove(sb)
-      sb.kill()
+    _drop_late_standbys(standbys, standby_timeout)
     while len(standbys) < most:
       standbys.append(_Standby(cmd, form, standby_env))
   servers: dict[int, tuple[subprocess.Popen, str]] = {}
@@ -1949,7 +2007,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     started = time.time()
     kids = [_start_child(i, cmd, {**gen_env(i, count, port, g, start, urls),
                                   **extra},
-                         wake, standbys, nice=low) for i in range(count)]
+                         wake, standbys, nice=low,
+                         standby_timeout=standby_timeout)
+            for i in range(count)]
     a = _Ahead(g, count, step, key, kids, turn, started, prepare_nice)
     a.programs = programs if wait else None
     return a
@@ -2122,7 +2182,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
         for i in range(n):
           children.append(_start_child(
               i, cmd, gen_env(i, n, port, gen, start_step, urls, failed_step),
-              wake, standbys))
+              wake, standbys, standby_timeout=standby_timeout))
       else:
         # (one that still waits for another's programs compiles them now)
         adopt.release_programs()
@@ -2407,6 +2467,10 @@ def _launch_cmd(args) -> int:
                 compilation_cache=(args.compilation_cache
                                    or not args.no_compilation_cache),
                 standby=not args.no_standby,
+                standby_imports=(None if args.standby_imports is None else
+                                 [m for m in args.standby_imports.split(",")
+                                  if m]),
+                standby_timeout=args.standby_timeout,
                 prepare_ahead=args.prepare_ahead,
                 prepare_nice=args.prepare_nice,
                 prepare_timeout=args.prepare_timeout,
@@ -2462,6 +2526,14 @@ def register(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--no-standby", action="store_true",
                  help="start every generation's processes afresh instead of"
                  " keeping standby processes (Python and jax imported)")
+  p.add_argument("--standby-imports", default=None, metavar="MODULES",
+                 help="comma-separated modules a standby process imports"
+                 " ahead of its rank (default: jax, numpy, flax, optax and"
+                 " the store's restore path)")
+  p.add_argument("--standby-timeout", type=float, default=300.0,
+                 metavar="SECONDS",
+                 help="seconds a standby process may take to finish its"
+                 " imports; past it it is killed and replaced (default 300)")
   p.add_argument("--prepare-ahead", type=int, default=4, metavar="N",
                  help="generations to start ahead of their turn for the"
                  " resizes the script expects (expect_resizes; default 4,"
