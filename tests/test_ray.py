@@ -503,6 +503,96 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
     shutil.rmtree(shm, ignore_errors=True)
 
 
+@pytest.mark.slow
+def test_a_standby_whose_imports_hang_is_replaced_and_never_used(
+    cluster, tmp_path, capfd):
+  """A 1 -> 2-worker job on 2 nodes (``schedule={3: 2}``, no group
+  prepared ahead) whose standby workers import tests/standby_hang.py: the
+  first to import it once the driver armed it (the driver's first poll,
+  after the first group's worker imported it) never finishes. Past
+  ``standby_timeout`` the driver kills it, says so on stderr and in
+  ``job.late_standbys``, and starts another; the first group holds until
+  the hung process is gone and 2 standbys are ready. The resize's group is
+  those 2 standbys (their pids), never the hung one, and restores the
+  saved step bitwise (the script's check), each step's batch once; no
+  process of the job is left."""
+  _nodes(cluster, 2)
+  total, job_name = 6, "test-standby-hang"
+  shm, log_dir, hold = _held_job_dirs(tmp_path, job_name)
+  # (the module's default: Ray workers get no environment of the test's)
+  token = f"/dev/shm/tenplex-test-standby-hang-{os.getuid()}"
+  files = [token, token + ".hung", token + ".imported"]
+  seen = {}
+  started = procs.Seen()
+  try:
+    for f in files:
+      if os.path.exists(f):
+        os.unlink(f)
+
+    def driver(job, step):
+      seen["job"] = job
+      gen = len(job.generations)
+      if gen == 1:
+        open(os.path.join(hold, "go_1"), "w").close()
+        return
+      if "armed" not in seen:  # the standbys started from now on
+        open(token, "w").close()
+        seen["armed"] = True
+      if "ready" in seen or not os.path.exists(token + ".hung"):
+        return
+      if "hung" not in seen:
+        with open(token + ".hung") as f:
+          seen["hung"] = int(f.read())
+        started.add(seen["hung"])
+      if _alive(seen["hung"]):
+        return
+      ready = {s["pid"] for s in job.standbys() if s["ready"] is not None}
+      if len(ready) >= 2:
+        seen["ready"] = ready
+        started.update(ready)
+        open(os.path.join(hold, "go_0"), "w").close()
+
+    result = tray.run(SCRIPT, [str(total), log_dir], num_workers=1,
+                      schedule={3: 2}, job=job_name, on_progress=driver,
+                      prepare=False, standby_imports=("tests.standby_hang",),
+                      standby_timeout=30.0,
+                      env={"TRAIN_SLEEP": "0.2", "TRAIN_HOLD": hold})
+    gens = result["generations"]
+    assert "ready" in seen, seen
+    assert [(g["workers"], g["start_step"], g["outcome"], g["prepared"])
+            for g in gens] == [(1, 0, "resize", False),
+                               (2, 3, "done", False)], gens
+    assert gens[1]["standby"] == 2, gens[1]
+    assert set(gens[1]["pids"]) <= seen["ready"], (gens[1], seen)
+    assert seen["hung"] not in gens[1]["pids"]
+    assert gens[1]["restored"]["step"] == 3
+    assert gens[1]["restored"]["source"] == "stores"
+    # the hung one, and any other a loaded host kept past the timeout
+    late = seen["job"].late_standbys
+    assert late and all(x["waited_s"] > 30.0 for x in late), late
+    assert "(standby timeout 30 s): killed it" in capfd.readouterr().err
+    with open(os.path.join(log_dir, "final.json")) as f:
+      assert json.load(f)["step"] == total
+    _assert_each_sample_once(_read_ids(log_dir), total)
+    pids = seen["ready"] | {seen["hung"]} | set(gens[0]["pids"])
+
+    def left():  # (a pid seen with its start time: only that process)
+      return [p for p in pids if _alive(p) and (p not in started
+                                                 or started.same(p))]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and left():
+      time.sleep(0.5)
+    assert not left(), pids
+  finally:
+    if "job" in seen:  # (its standbys, if the run failed before its end)
+      seen["job"].drop_standbys()
+    started.kill()
+    shutil.rmtree(shm, ignore_errors=True)
+    for f in files:
+      if os.path.exists(f):
+        os.unlink(f)
+
+
 def test_group_prepared_for_another_size_is_dropped(cluster, tmp_path):
   """A 2-worker job on 3 nodes: the driver starts a 1-worker group ahead
   (``Job.prepare_next(1)``), which waits at its turn; then it asks for 3

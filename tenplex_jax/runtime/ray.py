@@ -26,9 +26,9 @@ What :func:`run` does on a Ray cluster:
   resize or a recovery hands them their rank and the new process count
   (:meth:`_Worker.run`) instead of starting actors. The driver starts the
   replacements after the new group's first step (and checks every 5 s),
-  and drops the dead ones
-  and those on nodes that left or drain; an unused standby costs only
-  memory. jax's persistent compilation cache sits beside each node's
+  and drops the dead ones, those whose imports are not done within
+  ``standby_timeout`` and those on nodes that left or drain; an unused
+  standby costs only memory. jax's persistent compilation cache sits beside each node's
   store (``<store_root>/tenplex-ray-<job>/xla``), so a group on a mesh the
   job ran before loads its step instead of compiling it;
 * a resize is decided by the driver through a controller actor that every
@@ -562,6 +562,7 @@ class Job:
                tls_cert: str | None = None, tls_key: str | None = None,
                tls_ca: str | None = None, standby: bool | int = True,
                standby_imports: Sequence[str] | None = None,
+               standby_timeout: float = 300.0,
                compilation_cache: bool | str = True, prepare: bool = True,
                prepare_timeout: float | None = None,
                free_arrays: bool = True, allocate_ahead: bool = True):
@@ -578,6 +579,9 @@ class Job:
     if prepare_timeout is not None and not prepare_timeout > 0:
       raise UsageError(f"prepare_timeout must be positive seconds, not"
                        f" {prepare_timeout!r}")
+    if not standby_timeout > 0:
+      raise UsageError(f"standby_timeout must be positive seconds, not"
+                       f" {standby_timeout!r}")
     # What each worker asks Ray for (its CPU, and e.g. a GPU): the unit the
     # auto-resize counts on the alive nodes.
     self.worker_resources = {"CPU": 1.0, **{
@@ -618,6 +622,10 @@ class Job:
     self.standby_imports = tuple(STANDBY_IMPORTS if standby_imports is None
                                  else standby_imports)
     self._standbys: dict[str, list[tuple[Any, Any, float]]] = {}
+    # Seconds a standby may take from its creation to its imports' end;
+    # past it, it is killed and replaced (:meth:`_drop_late_standbys`).
+    self.standby_timeout = float(standby_timeout)
+    self.late_standbys: list[dict] = []  # those killed for it
     # standbys to keep: the largest group so far (or scheduled)
     self._most = max([self.n, *map(int, self.schedule.values())])
     self._store_nodes: set[str] = set()  # whose store answered last
@@ -723,7 +731,9 @@ class Job:
     worker slot at most), none on draining or lost nodes; drops the dead
     ones and those on nodes that left. Does not wait for them. Not while
     a group prepared ahead waits for its turn (its standbys are taken; the
-    replacements come after its first step)."""
+    replacements come after its first step). Those not ready within
+    ``standby_timeout`` are killed first, also then."""
+    self._drop_late_standbys()
     if self._next is not None:
       return
     room = {x["NodeID"]: self.slots(x["Resources"]) for x in _ray.nodes()
@@ -759,6 +769,29 @@ class Job:
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node, soft=False)).remote()
         have.append((a, a.prepare.remote(self.standby_imports), time.time()))
+
+  def _drop_late_standbys(self) -> None:
+    """Kills the standbys whose imports are not done ``standby_timeout``
+    seconds after their creation (their imports hang, or their process
+    never started), each named on stderr and in :attr:`late_standbys`; the
+    next :meth:`_fill_standbys` replaces them."""
+    now = time.time()
+    for node, lst in self._standbys.items():
+      for item in [x for x in lst if now - x[2] > self.standby_timeout
+                   and not _ray.wait([x[1]], timeout=0)[0]]:
+        lst.remove(item)
+        self._late(node, item[0], item[2], "starting another")
+
+  def _late(self, node: str, actor: Any, created: float, then: str) -> None:
+    """Kills ``actor``, a standby on ``node`` not ready within the standby
+    timeout, and says so (:attr:`late_standbys`, stderr)."""
+    waited = time.time() - created
+    _ray.kill(actor, no_restart=True)
+    self.late_standbys.append({"node": node, "waited_s": waited})
+    print(f"tenplex_jax.ray: job {self.job}: a standby worker on node"
+          f" {node} not ready {waited:.1f} s after its start (standby"
+          f" timeout {self.standby_timeout:g} s): killed it, {then}",
+          file=sys.stderr, flush=True)
 
   def standbys(self) -> list[dict]:
     """The standby workers kept now: per worker its ``node`` and, once its
@@ -961,24 +994,25 @@ class Job:
       self._most = max(self._most, n)
       if self._standby_ok():
         self._fill_standbys()
-    # Standby workers where there are (started ahead, imports done), fresh
-    # actors elsewhere.
-    workers, kinds, ready = [], [], []
+    # Standby workers where there are (started ahead; those with their
+    # imports done first, then the one that started first), fresh actors
+    # elsewhere.
+    workers, kinds, ready, created = [], [], [], []
     for node in placement:
       pool = self._standbys.get(node) if self._standby_ok() else None
-      if prepared:  # the ready ones
-        k = next(i for i, (_, ref, _) in enumerate(pool)
-                 if _ray.wait([ref], timeout=0)[0])
-        pool.insert(0, pool.pop(k))
       if pool:
-        a, ref, _ = pool.pop(0)
+        pool.sort(key=lambda x: (not _ray.wait([x[1]], timeout=0)[0], x[2]))
+      if pool:
+        a, ref, t = pool.pop(0)
         workers.append(a)
         kinds.append("standby")
         ready.append(ref)
+        created.append(t)
       else:
         workers.append(self._fresh_worker(node))
         kinds.append("fresh")
         ready.append(None)
+        created.append(None)
     rec = {"generation": gen, "workers": n, "start_step": start,
            "failed_step": failed, "nodes": placement, "t0": t0,
            "prepared": prepared}
@@ -989,11 +1023,18 @@ class Job:
       addrs = []
       for i, ref in enumerate(refs):
         try:
+          if kinds[i] == "standby":  # (its imports end within its timeout)
+            left = created[i] + self.standby_timeout - time.time()
+            if not _ray.wait([ready[i]], timeout=max(0.0, left))[0]:
+              self._late(placement[i], workers[i], created[i],
+                         "starting a fresh worker instead")
+              raise TimeoutError("a standby not ready in time")
           addrs.append(_ray.get(ref, timeout=self.start_timeout))
         except (_ray.exceptions.RayError, TimeoutError):
           if kinds[i] != "standby":
             raise
-          # A standby that died (its node, or a crash): a fresh one.
+          # A standby that died (its node, or a crash), or whose imports
+          # did not end within its standby timeout: a fresh one.
           _ray.kill(workers[i], no_restart=True)
           workers[i] = self._fresh_worker(placement[i])
           kinds[i], ready[i] = "fresh", None
@@ -1439,7 +1480,10 @@ def run(train: str | Callable, args: Sequence[str] = (), **kwargs) -> dict:
       workers asking Ray for CPUs alone, since a standby holds no Ray
       resources; the driver may change ``job.standby`` for the next
       group), ``standby_imports`` (the modules a standby imports,
-      :data:`STANDBY_IMPORTS` by default), ``compilation_cache``
+      :data:`STANDBY_IMPORTS` by default), ``standby_timeout`` (seconds a
+      standby may take from its start to finish its imports, 300; past
+      it, it is killed and replaced, said on stderr and in
+      ``Job.late_standbys``, and never handed a rank), ``compilation_cache``
       (``True``: jax's persistent compilation cache in ``xla`` beside each
       node's store directory, removed with the stores; a path: that
       directory on every node, e.g. a shared file system, since in a
