@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -512,10 +513,12 @@ def test_a_standby_whose_imports_hang_is_replaced_and_never_used(
   after the first group's worker imported it) never finishes. Past
   ``standby_timeout`` the driver kills it, says so on stderr and in
   ``job.late_standbys``, and starts another; the first group holds until
-  the hung process is gone and 2 standbys are ready. The resize's group is
-  those 2 standbys (their pids), never the hung one, and restores the
-  saved step bitwise (the script's check), each step's batch once; no
-  process of the job is left."""
+  the hung process is gone and 2 standbys are ready; then the test
+  SIGKILLs one of those (a standby that dies once ready), and the driver
+  replaces it too (its ping fails) before the group goes on. The resize's
+  group is the 2 ready standbys then (their pids), neither the hung nor
+  the killed one, and restores the saved step bitwise (the script's
+  check), each step's batch once; no process of the job is left."""
   _nodes(cluster, 2)
   total, job_name = 6, "test-standby-hang"
   shm, log_dir, hold = _held_job_dirs(tmp_path, job_name)
@@ -547,9 +550,14 @@ def test_a_standby_whose_imports_hang_is_replaced_and_never_used(
       if _alive(seen["hung"]):
         return
       ready = {s["pid"] for s in job.standbys() if s["ready"] is not None}
-      if len(ready) >= 2:
+      started.update(ready)
+      if "killed" not in seen:
+        if len(ready) >= 2:  # one of them dies
+          seen["killed"] = min(ready)
+          os.kill(seen["killed"], signal.SIGKILL)
+        return
+      if len(ready) >= 2 and seen["killed"] not in ready:
         seen["ready"] = ready
-        started.update(ready)
         open(os.path.join(hold, "go_0"), "w").close()
 
     result = tray.run(SCRIPT, [str(total), log_dir], num_workers=1,
@@ -564,7 +572,7 @@ def test_a_standby_whose_imports_hang_is_replaced_and_never_used(
                                (2, 3, "done", False)], gens
     assert gens[1]["standby"] == 2, gens[1]
     assert set(gens[1]["pids"]) <= seen["ready"], (gens[1], seen)
-    assert seen["hung"] not in gens[1]["pids"]
+    assert not {seen["hung"], seen["killed"]} & set(gens[1]["pids"])
     assert gens[1]["restored"]["step"] == 3
     assert gens[1]["restored"]["source"] == "stores"
     # the hung one, and any other a loaded host kept past the timeout
@@ -574,7 +582,8 @@ def test_a_standby_whose_imports_hang_is_replaced_and_never_used(
     with open(os.path.join(log_dir, "final.json")) as f:
       assert json.load(f)["step"] == total
     _assert_each_sample_once(_read_ids(log_dir), total)
-    pids = seen["ready"] | {seen["hung"]} | set(gens[0]["pids"])
+    pids = seen["ready"] | {seen["hung"], seen["killed"]} | set(
+        gens[0]["pids"])
 
     def left():  # (a pid seen with its start time: only that process)
       return [p for p in pids if _alive(p) and (p not in started

@@ -429,6 +429,10 @@ class _Worker:
     self.ready = time.time()
     return {"pid": os.getpid(), "ready": self.ready}
 
+  def ping(self) -> int:
+    """Answers while the process lives (a standby's liveness check)."""
+    return os.getpid()
+
   def address(self) -> tuple[str, int, str]:
     with socket.socket() as s:
       s.bind(("", 0))
@@ -623,9 +627,11 @@ class Job:
                                  else standby_imports)
     self._standbys: dict[str, list[tuple[Any, Any, float]]] = {}
     # Seconds a standby may take from its creation to its imports' end;
-    # past it, it is killed and replaced (:meth:`_drop_late_standbys`).
+    # past it, it is killed and replaced (:meth:`_drop_failed_standbys`).
     self.standby_timeout = float(standby_timeout)
     self.late_standbys: list[dict] = []  # those killed for it
+    # The last ping sent to each ready standby, by its prepare() ref.
+    self._pings: dict[Any, Any] = {}
     # standbys to keep: the largest group so far (or scheduled)
     self._most = max([self.n, *map(int, self.schedule.values())])
     self._store_nodes: set[str] = set()  # whose store answered last
@@ -731,9 +737,10 @@ class Job:
     worker slot at most), none on draining or lost nodes; drops the dead
     ones and those on nodes that left. Does not wait for them. Not while
     a group prepared ahead waits for its turn (its standbys are taken; the
-    replacements come after its first step). Those not ready within
-    ``standby_timeout`` are killed first, also then."""
-    self._drop_late_standbys()
+    replacements come after its first step). Those that died or are not
+    ready within ``standby_timeout`` are dropped first, also then
+    (:meth:`_drop_failed_standbys`)."""
+    self._drop_failed_standbys()
     if self._next is not None:
       return
     room = {x["NodeID"]: self.slots(x["Resources"]) for x in _ray.nodes()
@@ -742,20 +749,9 @@ class Job:
     # Only on nodes whose store actor has answered: on a node that has just
     # joined, a standby's imports would hold up its store's start.
     room = {k: v for k, v in room.items() if v > 0 and k in self._store_nodes}
-    for node in list(self._standbys):
-      keep = []
-      for a, ref, t in self._standbys[node]:
-        if node in room:
-          done, _ = _ray.wait([ref], timeout=0)
-          try:
-            if done:
-              _ray.get(done[0])
-            keep.append((a, ref, t))
-            continue
-          except _ray.exceptions.RayError:
-            pass  # it died: replaced below
+    for node in [x for x in self._standbys if x not in room]:
+      for a, _, _ in self._standbys.pop(node):
         _ray.kill(a, no_restart=True)
-      self._standbys[node] = keep
     want = max(self._most, self._target() if self.auto else 0,
                0 if isinstance(self.standby, bool) else int(self.standby))
     nodes = sorted(room)
@@ -770,17 +766,56 @@ class Job:
                 node, soft=False)).remote()
         have.append((a, a.prepare.remote(self.standby_imports), time.time()))
 
-  def _drop_late_standbys(self) -> None:
-    """Kills the standbys whose imports are not done ``standby_timeout``
-    seconds after their creation (their imports hang, or their process
-    never started), each named on stderr and in :attr:`late_standbys`; the
-    next :meth:`_fill_standbys` replaces them."""
+  def _drop_failed_standbys(self) -> None:
+    """Kills and drops the standbys that would not serve: those whose
+    imports are not done ``standby_timeout`` seconds after their creation
+    (their imports hang, or their process never started; each named on
+    stderr and in :attr:`late_standbys`), and those that died: their
+    imports failed, or, once ready, a ping came back with an error (each
+    call pings the ready ones whose last ping answered, so a death is
+    seen at the next call but one). The next :meth:`_fill_standbys`
+    replaces them."""
     now = time.time()
     for node, lst in self._standbys.items():
-      for item in [x for x in lst if now - x[2] > self.standby_timeout
-                   and not _ray.wait([x[1]], timeout=0)[0]]:
-        lst.remove(item)
-        self._late(node, item[0], item[2], "starting another")
+      for item in list(lst):
+        a, ref, t = item
+        if _ray.wait([ref], timeout=0)[0]:
+          if not self._answers(a, ref):
+            lst.remove(item)
+            _ray.kill(a, no_restart=True)
+        elif now - t > self.standby_timeout:
+          lst.remove(item)
+          self._late(node, a, t, "starting another")
+    kept = {ref for lst in self._standbys.values() for _, ref, _ in lst}
+    self._pings = {k: v for k, v in self._pings.items() if k in kept}
+
+  def _answers(self, actor: Any, ref: Any) -> bool:
+    """Whether the ready standby ``actor`` (``ref``: its ``prepare``) lives
+    as far as the driver knows: its imports ended without an error and so
+    did its last ping, if it came back (then the next one is sent)."""
+    try:
+      _ray.get(ref)
+      ping = self._pings.get(ref)
+      if ping is not None:
+        if not _ray.wait([ping], timeout=0)[0]:
+          return True  # (not answered yet)
+        _ray.get(ping)
+    except _ray.exceptions.RayError:
+      return False
+    self._pings[ref] = actor.ping.remote()
+    return True
+
+  def _pinged_dead(self, ref: Any) -> bool:
+    """Whether the last ping to the ready standby of ``ref`` came back with
+    an error (its process died)."""
+    ping = self._pings.get(ref)
+    if ping is None or not _ray.wait([ping], timeout=0)[0]:
+      return False
+    try:
+      _ray.get(ping)
+    except _ray.exceptions.RayError:
+      return True
+    return False
 
   def _late(self, node: str, actor: Any, created: float, then: str) -> None:
     """Kills ``actor``, a standby on ``node`` not ready within the standby
@@ -808,6 +843,8 @@ class Job:
             info.update(_ray.get(ref))
           except _ray.exceptions.RayError:
             continue  # dead: replaced at the next fill
+          if self._pinged_dead(ref):
+            continue
         out.append(info)
     if self._next is not None:  # the group prepared ahead: theirs too
       rec = self._next["group"][0]
