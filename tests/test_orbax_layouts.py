@@ -163,6 +163,37 @@ def test_each_chunk_file_read_once(rows_ckpt, layout, direct, monkeypatch):
     assert _data(out[k]).tobytes() == saved[k].tobytes(), k
 
 
+def _mapped_files() -> int:
+  import tensorstore as ts
+  metrics = ts.experimental_collect_matching_metrics(
+      "/tensorstore/file/mmap_count")
+  return sum(v.get("value", 0) for m in metrics for v in m["values"])
+
+
+@pytest.mark.parametrize("ocdbt", [True, False], ids=["ocdbt", "zarr"])
+def test_local_checkpoint_files_mapped(tmp_path, ocdbt):
+  """A local checkpoint's chunk files (or OCDBT data files) are mapped for
+  zstd to decode from the page cache, not copied out with read(2) first
+  (tensorstore maps only files of about 1 MiB and more: 2 MiB chunks
+  here); the values stay bitwise Orbax's."""
+  d = str(tmp_path / "ck")
+  w = jax.device_put(
+      jax.random.normal(jax.random.key(3), (2048, 512), jnp.float32),
+      NamedSharding(_mesh((2,), ("fsdp",)), P("fsdp")))
+  with ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False), item_handlers=
+                             ocp.StandardCheckpointHandler(use_ocdbt=ocdbt)
+                             ) as m:
+    m.save(1, args=ocp.args.StandardSave({"w": w}))
+    m.wait_until_finished()
+  n0 = _mapped_files()
+  out = tor.restore(d, {"w": jax.ShapeDtypeStruct(
+      w.shape, w.dtype, sharding=NamedSharding(_mesh((2,), ("tensor",)),
+                                               P(None, "tensor")))})
+  assert _mapped_files() - n0 >= (1 if ocdbt else 2)
+  assert np.asarray(out["w"]).tobytes() == np.asarray(w).tobytes()
+
+
 def test_grouped_read_error_names_leaf(tmp_path):
   """A source box read that fails surfaces (not a silently partial array)."""
   class Broken(sources.Source):
