@@ -35,6 +35,11 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   floats through the collectives as themselves, which XLA:CPU runs in
   float32; 16-bit float gradients left replicated exchanged by the
   ``all_to_all``): the "before" of the same run;
+* ``det_s12``: ``det`` as the twelfth session left it:
+  ``determinism._ACCUMULATE_TRANSPOSED`` False (16-bit matmul weights'
+  gradients summed on the device as themselves at ``V/n > 1``, their
+  column-major worker outputs added to row-major partial sums), the "before"
+  of the thirteenth session's runs;
 * ``det_gather``: ``det`` with ``determinism._GATHER_INSIDE_JIT`` set: every
   gradient all-gathered inside the step, also the FSDP ones that ``det``
   leaves in the reduce-scatter layout (the behaviour before; FSDP cells
@@ -117,8 +122,8 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "25m": dict(d=1024, ff=4096, blocks=3),
          "100m": dict(d=1024, ff=4096, blocks=12)}
 METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_prev",
-           "det_gather", "det_root_out", "det_a2a", "det_scan", "det_unroll",
-           "det_cond", "det_barrier", "det_old")
+           "det_s12", "det_gather", "det_root_out", "det_a2a", "det_scan",
+           "det_unroll", "det_cond", "det_barrier", "det_old")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -223,6 +228,7 @@ def programs(mesh, params, fsdp, k, rows, methods):
   if narrow and not fsdp:
     prev["_TOP_BY_PERMUTE"] = False
   for name, settings in (("det_prev", prev),
+                         ("det_s12", {"_ACCUMULATE_TRANSPOSED": False}),
                          ("det_root_out", {"_ROOT_ADD_IN_TOP": False}),
                          ("det_a2a", {"_TOP_BY_PERMUTE": False,
                                       "_ROOT_ADD_IN_TOP": False}),
@@ -436,7 +442,7 @@ def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
   op (each node rounded to the dtype), and divided by ``V``.
   """
   res = {}
-  for name in ("det_prev", "det_root_out", "det_a2a", "det_scan",
+  for name in ("det_prev", "det_s12", "det_root_out", "det_a2a", "det_scan",
                "det_unroll", "det_cond", "det_barrier"):
     if name in outs:
       res[f"det_equals_{name}"] = _bits(outs["det"]) == _bits(outs[name])
@@ -481,10 +487,13 @@ KINDS = (("all-to-all", "exchange (all-to-all)"),
          ("broadcast", "broadcasts (fills)"),
          ("fusion", "other fusions"))
 # Events that are not XLA ops, or that contain others (a conditional's or a
-# while loop's event spans its branch's or body's ops: counted there).
+# while loop's event spans its branch's or body's ops: counted there), or
+# that an op contains (a transposing ``copy`` runs a ``TransposePlan``, whose
+# nested "Transpose..." events were each counted again before the
+# thirteenth session).
 SKIP = ("ThunkExecutor", "Wait", "Rendezvous", "$", "Pjit", "Common", "[",
         "Invoke", "Slinky", "end:", "conditional", "while", "Handle",
-        "Parse", "Allocate", "Python")
+        "Parse", "Allocate", "Python", "Transpose")
 
 
 def profile(compiled, args, steps=3) -> dict:

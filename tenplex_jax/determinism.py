@@ -536,6 +536,25 @@ _TOP_BY_PERMUTE = True
 # benchmarks/bench_determinism.py times False as ``det_untransposed``.
 _EXCHANGE_TRANSPOSED = True
 
+# Whether, at V/n > 1, the 16-bit float gradients that the worker computes
+# as a 2-D transpose (a matmul weight's, ``_transposed_outputs``) are
+# summed on the device as that transpose (True) or as themselves (False:
+# the behaviour before). XLA:CPU writes such a gradient column-major (the
+# worker's bfloat16 conversion of the dot's float32 output) while the
+# subtree's partial sums (scan carries, the counter's stack) are row-major,
+# so every addition of a worker's gradient was a transposing pass through
+# the elemental emitter (strided reads). Summed transposed, the worker's
+# output is a row-major array of the transposed shape (a bitcast) and every
+# addition reads both operands in order; the sum is transposed back once:
+# a gathered leaf is exchanged as the transpose and transposed back after
+# the all-gather (as ``_EXCHANGE_TRANSPOSED`` does at V/n = 1), an FSDP
+# leaf's top branch copies it to row-major before slicing its chunks.
+# Each element gets the same additions in the same order: same bits.
+# float32 is left as is (its dot writes the gradient row-major). Read when
+# ``value_and_grad`` is called; benchmarks/bench_determinism.py times False
+# as ``det_s12``.
+_ACCUMULATE_TRANSPOSED = True
+
 # Whether 16-bit float arrays cross the collectives (the exchange, the
 # gathers of gradients and of FSDP params) as unsigned 16-bit ints of the
 # same bits (True) or as themselves (False: the behaviour before, which
@@ -853,6 +872,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   gather_inside_jit = _gather_inside_jit(mesh)
   root_add_in_top = _ROOT_ADD_IN_TOP
   exchange_transposed = _EXCHANGE_TRANSPOSED
+  accumulate_transposed = _ACCUMULATE_TRANSPOSED
   as_bits = _COLLECTIVES_AS_BITS
 
   def via_bits(op, x, *args, **kwargs):
@@ -937,6 +957,31 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
 
     worker_jaxpr, avals = jax.make_jaxpr(
         lambda j: worker(j, local), return_shape=True)(jnp.int32(0))
+    # The gradients the worker computes as a 2-D transpose (a matmul
+    # weight's; column-major on XLA:CPU when 16-bit); with
+    # ``_ACCUMULATE_TRANSPOSED`` the 16-bit ones are summed as that
+    # transpose at V/n > 1 (``summed_t``): the worker hands its gradient's
+    # transpose (a bitcast of the column-major buffer) to the subtree's
+    # additions, and the sum is transposed back before the top (``as_is``;
+    # a gathered leaf whose last dimension n divides is then exchanged as
+    # the transpose, ``trans`` below, the two transposes cancelling).
+    transposed = _transposed_outputs(worker_jaxpr)[1:]
+    grad_avals, grad_tree = jax.tree_util.tree_flatten(avals[1])
+    summed_t = [accumulate_transposed and n > 1 and k > 1
+                and t and x.ndim == 2 and _is_16bit_float(x.dtype)
+                for x, t in zip(grad_avals, transposed)]
+    if any(summed_t):
+      worker_as_is = worker
+
+      def worker(j, xb, after=None):
+        loss, g = worker_as_is(j, xb, after)
+        return loss, jax.tree_util.tree_unflatten(grad_tree, [
+            x.T if t else x
+            for x, t in zip(jax.tree_util.tree_leaves(g), summed_t)])
+
+      avals = (avals[0], jax.tree_util.tree_unflatten(grad_tree, [
+          jax.ShapeDtypeStruct(x.shape[::-1], x.dtype) if t else x
+          for x, t in zip(grad_avals, summed_t)]))
 
     def perfect(level, j0, xb, after=None):
       # The perfect subtree over workers j0 .. j0 + 2**level - 1: a scan over
@@ -1080,6 +1125,15 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       chunks = [lax.index_in_dim(x, i, a, keepdims=False) for i in range(n)]
       return _tree_list(chunks) / scale
 
+    def as_is(g):
+      # The leaves summed transposed (``summed_t``) transposed back.
+      return jax.tree_util.tree_unflatten(grad_tree, [
+          x.T if t else x
+          for x, t in zip(jax.tree_util.tree_leaves(g), summed_t)])
+
+    grads = as_is(grads)
+    if root is not None:
+      root = tuple((lv, as_is(gv)) for lv, gv in root)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     # Gathered leaves (their chunk layout is free) that the worker computes
     # as a transpose (a matmul weight's gradient; likely column-major on
@@ -1093,12 +1147,13 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # writes it column-major, and only at V/n = 1, where the leaf is that
     # branch's output: float32 DP V/n = 1 took 2.79x the plain step with it
     # against 0.77x without, bf16 DP V/n = 2 2.70x against 2.08x, 25M on 2
-    # CPU devices, same run.)
-    transposed = _transposed_outputs(worker_jaxpr)[1:]
-    trans = [exchange_transposed and not isolate and n > 1 and g and t
-             and x.ndim == 2 and x.shape[1] % n == 0
-             and _is_16bit_float(x.dtype) and k == 1
-             for x, g, t in zip(leaves, gather, transposed)]
+    # CPU devices, same run; at V/n > 1 the leaves summed transposed,
+    # ``summed_t``, whose transpose XLA cancels with the one here.)
+    trans = [not isolate and g and n > 1 and x.ndim == 2
+             and x.shape[1] % n == 0 and (st or (
+                 exchange_transposed and t and _is_16bit_float(x.dtype)
+                 and k == 1))
+             for x, g, t, st in zip(leaves, gather, transposed, summed_t)]
     if not isolate:
       out = [top((x.T,), 0) if t else top((x,), a)
              for x, a, t in zip(leaves, dims, trans)]

@@ -298,6 +298,70 @@ def test_transposed_exchange_and_16_bit_collectives(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_16_bit_gradients_summed_transposed(monkeypatch, dtype):
+  # At V/n > 1 the bfloat16 matmul weights' gradients left replicated (DP)
+  # are summed on the device as the transpose the worker computes
+  # (_ACCUMULATE_TRANSPOSED: XLA:CPU writes them column-major, the partial
+  # sums are row-major), then exchanged and gathered transposed (all-gathers
+  # of shape (48, 16) and (4, 48)) and transposed back once; float32 ones
+  # and the bias are not. The bits of the 1-device run and of the sums as
+  # themselves (False), by the nested scans (the 16-bit default on CPU) and
+  # by the unrolled counter: V = 4 and 8 on 2 devices, 8 on 4.
+  params, batch = mlp_data(16)
+  params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
+  mesh1 = mesh1d(1)
+  for n, v, unroll in ((2, 4, None), (2, 8, None), (4, 8, None),
+                       (2, 4, 3)):
+    monkeypatch.setattr(det, "_UNROLL_LEVELS", unroll)
+    ref = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
+        *place(params, batch, mesh1, False))
+    mesh = mesh1d(n)
+    p, b = place(params, batch, mesh, False)
+    gathered = {}
+    for summed_t in (True, False):
+      monkeypatch.setattr(det, "_ACCUMULATE_TRANSPOSED", summed_t)
+      f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
+      compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
+      assert_bitwise(ref, compiled(p, b), (n, v, unroll, summed_t))
+      gathered[summed_t] = {
+          shape for _, shape in re.findall(
+              r"= \(?(\w+)\[([\d,]*)\]\S* all-gather\(", compiled.as_text())}
+    where = (n, v, unroll, gathered)
+    assert {"16,48", "48,4"} <= gathered[False], where
+    assert not {"48,16", "4,48"} & gathered[False], where
+    if dtype == jnp.bfloat16:
+      assert {"48,16", "4,48"} <= gathered[True], where
+      assert not {"16,48", "48,4"} & gathered[True], where
+    else:
+      assert gathered[True] == gathered[False], where
+  # FSDP inside jit with param_shardings (each leaf's top in a conditional,
+  # its shard row-major): bfloat16 summed transposed too, the column-major
+  # sums entering the tops' branches (both branches of w1's and w2's top
+  # take a column-major operand; none with it False) and copied to
+  # row-major there, once; the bits of 1 device and of the sums as
+  # themselves, V = 4 and 8 on 2 devices, by the scans and the unrolled
+  # counter (its root's two children added in the branches).
+  for v, unroll in ((4, None), (8, None), (4, 3)):
+    monkeypatch.setattr(det, "_UNROLL_LEVELS", unroll)
+    ref = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
+        *place(params, batch, mesh1, False))
+    mesh = mesh1d(2)
+    p, b = place(params, batch, mesh, True)
+    column_major = {}
+    for summed_t in (True, False):
+      monkeypatch.setattr(det, "_ACCUMULATE_TRANSPOSED", summed_t)
+      compiled = compiled_in_jit(v, mesh, p, b)
+      assert_bitwise(ref, compiled(p, b), (v, unroll, summed_t))
+      column_major[summed_t] = len(re.findall(
+          r"\((?:s32\[\], )?(\w+\[\d+,\d+\]\{0,1\})(?:, \1)?\) parameter\(",
+          compiled.as_text()))
+    if unroll is None:  # unrolled at V/n = 2 the root's children are the
+      # workers' own (column-major) outputs either way
+      want = 4 if dtype == jnp.bfloat16 else 0
+      assert column_major == {True: want, False: 0}, (v, column_major)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unrolled_root_added_in_the_top_branch(monkeypatch, dtype):
   # Inside jit with param_shardings the FSDP gradients keep the
   # reduce-scatter layout, each leaf's top in a conditional's branch; with
