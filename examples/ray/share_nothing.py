@@ -98,9 +98,11 @@ shutil.rmtree(base, ignore_errors=True)
 # ``health_check_timeout_ms``. Ray's 10 s timeout declares a node that
 # answers nothing for about 5 x 13 s dead, and its raylet then exits
 # (on a 2-core host loaded 10-fold, this happened; with 30 s too, once,
-# at load 10-26: a node the test had not killed marked dead): 60 s keeps a
-# node that answers nothing alive for about 5 x 63 s while a killed one is
-# still dead within seconds.
+# at load 10-26: a node the test had not killed marked dead): 60 s gives a
+# node that answers nothing about 5 x 63 s by the health checks, while a
+# killed one is still dead within seconds (a node with every process
+# stopped was still declared dead after 33 s, by some other mechanism of
+# Ray's: docs/ray.md).
 STARVATION_TOLERANT = {"health_check_timeout_ms": 60_000}
 
 
