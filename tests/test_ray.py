@@ -125,6 +125,20 @@ def _alive(pid):
   return True
 
 
+def _assert_ended(pids, started, seen_only=False, within=60.0):
+  """Waits up to ``within`` s for the processes of ``pids`` to end, then
+  asserts none is left. A pid ``started`` (a ``procs.Seen``) saw counts only
+  while it is that process (its start time); one it did not see counts while
+  a process has that number, unless ``seen_only``."""
+  def left():
+    return [p for p in pids if _alive(p) and (
+        started.same(p) if seen_only or p in started else True)]
+  deadline = time.monotonic() + within
+  while time.monotonic() < deadline and left():
+    time.sleep(0.5)
+  assert not left(), pids
+
+
 def _held_job_dirs(tmp_path, job_name):
   """(the job's ``/dev/shm`` directory, a new log directory, a new hold
   directory) of a test whose script waits for ``go_<generation>`` files in
@@ -492,14 +506,7 @@ def test_resizes_hand_ranks_to_standby_workers(cluster, tmp_path):
     # (Ray ends a killed actor's process within moments).
     assert jobs and jobs[0].standbys() == []
     pids = set().union(*seen_ready.values(), *(g["pids"] for g in gens))
-
-    def left():  # (a pid seen with its start time: only that process)
-      return [p for p in pids if _alive(p) and (p not in started
-                                                 or started.same(p))]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and left():
-      time.sleep(0.5)
-    assert not left(), pids
+    _assert_ended(pids, started)
   finally:
     shutil.rmtree(shm, ignore_errors=True)
 
@@ -584,14 +591,7 @@ def test_a_standby_whose_imports_hang_is_replaced_and_never_used(
     _assert_each_sample_once(_read_ids(log_dir), total)
     pids = seen["ready"] | {seen["hung"], seen["killed"]} | set(
         gens[0]["pids"])
-
-    def left():  # (a pid seen with its start time: only that process)
-      return [p for p in pids if _alive(p) and (p not in started
-                                                 or started.same(p))]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and left():
-      time.sleep(0.5)
-    assert not left(), pids
+    _assert_ended(pids, started)
   finally:
     if "job" in seen:  # (its standbys, if the run failed before its end)
       seen["job"].drop_standbys()
@@ -724,13 +724,8 @@ def test_prepared_group_not_ready_in_time_is_dropped(cluster, tmp_path, capfd,
     assert gens[1]["restored"]["step"] == 3
     assert gens[1]["restored"]["source"] == "stores"
     assert gens[1]["restored"]["report"]["steps_lost"] == 0
-
-    def left():  # the dropped group's processes, the hung one too
-      return [p for p in seen["pids"] if _alive(p) and started.same(p)]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and left():
-      time.sleep(0.5)
-    assert not left(), seen
+    # the dropped group's processes, the hung one too
+    _assert_ended(seen["pids"], started, seen_only=True)
     with open(os.path.join(log_dir, "final.json")) as f:
       final = json.load(f)
     assert final["step"] == total and final["procs"] == 2
