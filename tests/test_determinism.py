@@ -41,6 +41,19 @@ def assert_bitwise(a, b, where=""):
     np.testing.assert_array_equal(x, y, err_msg=str(where))
 
 
+def compiled_dp(v, mesh, params, batch):
+  """``value_and_grad`` over ``v`` workers inside ``determinism.jit``, no
+  param shardings (DP: gradients left replicated), compiled for these args."""
+  f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
+  return det.jit(lambda p, b: f(p, b)).lower(params, batch).compile()
+
+
+def all_gather_shapes(text):
+  """The shapes (``"16,48"``) of the all-gathers in a compiled program."""
+  return {shape for _, shape in re.findall(
+      r"= \(?(\w+)\[([\d,]*)\]\S* all-gather\(", text)}
+
+
 def compiled_in_jit(v, mesh, params, batch):
   """``value_and_grad`` over ``v`` workers inside ``determinism.jit``, the
   params' shardings passed (``param_shardings``), compiled for these args."""
@@ -237,8 +250,7 @@ def test_top_by_permutes_has_the_all_to_all_bits(monkeypatch):
   for v, permutes in ((2, True), (8, False)):
     ref = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
         *place(params, batch, mesh1, False))
-    f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
-    compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
+    compiled = compiled_dp(v, mesh, p, b)
     assert_bitwise(ref, compiled(p, b), v)
     text = compiled.as_text()
     a2a = len(re.findall(r" all-to-all\(", text))
@@ -278,13 +290,10 @@ def test_transposed_exchange_and_16_bit_collectives(monkeypatch, dtype):
     gathered = {}
     for transposed in (True, False):
       monkeypatch.setattr(det, "_EXCHANGE_TRANSPOSED", transposed)
-      f = det.value_and_grad(mlp_loss, virtual_workers=n, mesh=mesh)
-      compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
+      compiled = compiled_dp(n, mesh, p, b)
       assert_bitwise(ref, compiled(p, b), (n, permute, transposed))
       text = compiled.as_text()
-      gathered[transposed] = {
-          shape for _, shape in re.findall(
-              r"= \(?(\w+)\[([\d,]*)\]\S* all-gather\(", text)}
+      gathered[transposed] = all_gather_shapes(text)
       if dtype == jnp.bfloat16:
         # Only the loss (float32, one per device) is not uint16.
         assert {(t, s) for t, s in collectives(text) if t != "u16"} == {
@@ -322,12 +331,9 @@ def test_16_bit_gradients_summed_transposed(monkeypatch, dtype):
     gathered = {}
     for summed_t in (True, False):
       monkeypatch.setattr(det, "_ACCUMULATE_TRANSPOSED", summed_t)
-      f = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh)
-      compiled = det.jit(lambda p, b: f(p, b)).lower(p, b).compile()
+      compiled = compiled_dp(v, mesh, p, b)
       assert_bitwise(ref, compiled(p, b), (n, v, unroll, summed_t))
-      gathered[summed_t] = {
-          shape for _, shape in re.findall(
-              r"= \(?(\w+)\[([\d,]*)\]\S* all-gather\(", compiled.as_text())}
+      gathered[summed_t] = all_gather_shapes(compiled.as_text())
     where = (n, v, unroll, gathered)
     assert {"16,48", "48,4"} <= gathered[False], where
     assert not {"48,16", "4,48"} & gathered[False], where
