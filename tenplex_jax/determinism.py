@@ -962,7 +962,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # ``_ACCUMULATE_TRANSPOSED`` the 16-bit ones are summed as that
     # transpose at V/n > 1 (``summed_t``): the worker hands its gradient's
     # transpose (a bitcast of the column-major buffer) to the subtree's
-    # additions, and the sum is transposed back before the top (``as_is``;
+    # additions, and the sum is transposed back before the top (``flip``;
     # a gathered leaf whose last dimension n divides is then exchanged as
     # the transpose, ``trans`` below, the two transposes cancelling).
     transposed = _transposed_outputs(worker_jaxpr)[1:]
@@ -970,14 +970,20 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     summed_t = [accumulate_transposed and n > 1 and k > 1
                 and t and x.ndim == 2 and _is_16bit_float(x.dtype)
                 for x, t in zip(grad_avals, transposed)]
+
+    def flip(g):
+      # The leaves of ``summed_t`` transposed: the worker's gradient to the
+      # layout it is summed in, and the sum back (its own inverse).
+      return jax.tree_util.tree_unflatten(grad_tree, [
+          x.T if t else x
+          for x, t in zip(jax.tree_util.tree_leaves(g), summed_t)])
+
     if any(summed_t):
       worker_as_is = worker
 
       def worker(j, xb, after=None):
         loss, g = worker_as_is(j, xb, after)
-        return loss, jax.tree_util.tree_unflatten(grad_tree, [
-            x.T if t else x
-            for x, t in zip(jax.tree_util.tree_leaves(g), summed_t)])
+        return loss, flip(g)
 
       avals = (avals[0], jax.tree_util.tree_unflatten(grad_tree, [
           jax.ShapeDtypeStruct(x.shape[::-1], x.dtype) if t else x
@@ -1125,15 +1131,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       chunks = [lax.index_in_dim(x, i, a, keepdims=False) for i in range(n)]
       return _tree_list(chunks) / scale
 
-    def as_is(g):
-      # The leaves summed transposed (``summed_t``) transposed back.
-      return jax.tree_util.tree_unflatten(grad_tree, [
-          x.T if t else x
-          for x, t in zip(jax.tree_util.tree_leaves(g), summed_t)])
-
-    grads = as_is(grads)
+    grads = flip(grads)  # (the leaves summed transposed, back)
     if root is not None:
-      root = tuple((lv, as_is(gv)) for lv, gv in root)
+      root = tuple((lv, flip(gv)) for lv, gv in root)
     leaves, treedef = jax.tree_util.tree_flatten(grads)
     # Gathered leaves (their chunk layout is free) that the worker computes
     # as a transpose (a matmul weight's gradient; likely column-major on
