@@ -795,14 +795,13 @@ class Job:
     did its last ping, if it came back (then the next one is sent)."""
     try:
       _ray.get(ref)
-      ping = self._pings.get(ref)
-      if ping is not None:
-        if not _ray.wait([ping], timeout=0)[0]:
-          return True  # (not answered yet)
-        _ray.get(ping)
     except _ray.exceptions.RayError:
       return False
-    self._pings[ref] = actor.ping.remote()
+    if self._pinged_dead(ref):
+      return False
+    ping = self._pings.get(ref)
+    if ping is None or _ray.wait([ping], timeout=0)[0]:  # (else not answered
+      self._pings[ref] = actor.ping.remote()  # yet: no second ping)
     return True
 
   def _pinged_dead(self, ref: Any) -> bool:
@@ -1039,7 +1038,6 @@ class Job:
       pool = self._standbys.get(node) if self._standby_ok() else None
       if pool:
         pool.sort(key=lambda x: (not _ray.wait([x[1]], timeout=0)[0], x[2]))
-      if pool:
         a, ref, t = pool.pop(0)
         workers.append(a)
         kinds.append("standby")
