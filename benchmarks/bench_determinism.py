@@ -5,7 +5,8 @@ One command (simulated CPU devices):
   PYTHONPATH=. python3 benchmarks/bench_determinism.py [--sizes 100m]
       [--dtypes float32,bfloat16] [--layouts dp,fsdp] [--devices 2]
       [--ratios 1,2,4,8] [--rows 8] [--seq 1] [--reps 3] [--profile]
-      [--profile-ratios 1,8] [--lock /work/.bench.lock]
+      [--profile-ratios 1,8] [--lock /work/.bench.lock] [--lock-compile]
+      [--compile-reps 2]
 
 For each model size, dtype, layout (DP: params replicated; FSDP / ZeRO-3:
 every matrix split over ``data``) and ratio ``k = V/n`` of virtual workers to
@@ -74,8 +75,12 @@ time per call (user + system: the work done, less disturbed by other jobs
 taking the cores), ratios to ``plain`` and to ``plain_acc``, XLA's
 per-device buffer sizes (``memory_analysis``) of each program beside the
 least temp memory any evaluation of the fixed tree needs
-(``tree_temp_bound``), the process's peak RSS and the load. It compiles every cell's programs first, then (holding ``--lock``, the
-machine's benchmark lock, if given) runs the cells; it skips a cell
+(``tree_temp_bound``), the time to trace and lower each program and XLA's
+compile time (wall and CPU, medians over ``--compile-reps`` fresh compiles;
+``--lock-compile`` holds ``--lock`` while each cell compiles), the process's
+peak RSS and the load. It compiles every cell's programs first, then
+(holding ``--lock``, the machine's benchmark lock, if given) runs the
+cells; it skips a cell
 (saying why) if 1.3 x (the devices' arguments, outputs and temp buffers of the
 largest program) + 1 GiB would not fit in ``MemAvailable``. With ``--profile``
 it also traces each program of the cells whose ``V/n`` is in
@@ -93,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -269,6 +275,28 @@ def tree_temp_bound(params, k: int, fsdp: bool) -> int | None:
   return g + (levels + 1) * g if fsdp else levels * g
 
 
+def _cpu(r0, r1) -> float:
+  return r1.user - r0.user + r1.system - r0.system
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+  """Holds ``flock`` on ``path`` (nothing if empty) for the block."""
+  if not path:
+    yield
+    return
+  import fcntl
+  with open(path, "a") as f:
+    t0 = time.perf_counter()
+    fcntl.flock(f, fcntl.LOCK_EX)
+    print(f"waited {time.perf_counter() - t0:.0f} s for {path} (compile)",
+          file=sys.stderr, flush=True)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def mem_available() -> int:
   with open("/proc/meminfo") as f:
     for line in f:
@@ -301,11 +329,25 @@ def prepare(size, dt, fsdp, k, args, mesh, methods):
           mesh, P("data"))),
       jax.eval_shape(lambda: batch_for(size, mesh, dt, global_batch,
                                        args.seq)))
-  fns = programs(mesh, abstract, fsdp, k, args.rows, methods)
-  mem, compiled = {}, {}
-  for name, f in fns.items():
-    c = f.lower(aparams, abatch).compile()
-    compiled[name] = c
+  # Each rep builds the programs afresh (new closures: traced, lowered and
+  # compiled again, no cache hit), the methods interleaved; the compile
+  # times of the reps are kept, the last rep's executables timed.
+  lowering = {name: [] for name in methods}
+  compiling = {name: [] for name in methods}
+  with _locked(args.lock if args.lock_compile else ""):
+    for _ in range(max(1, args.compile_reps)):
+      fns = programs(mesh, abstract, fsdp, k, args.rows, methods)
+      compiled = {}
+      for name, f in fns.items():
+        r0, t0 = os.times(), time.perf_counter()
+        lowered = f.lower(aparams, abatch)
+        r1, t1 = os.times(), time.perf_counter()
+        compiled[name] = lowered.compile()
+        r2, t2 = os.times(), time.perf_counter()
+        lowering[name].append((t1 - t0, _cpu(r0, r1)))
+        compiling[name].append((t2 - t1, _cpu(r1, r2)))
+  mem = {}
+  for name, c in compiled.items():
     m = c.memory_analysis()
     mem[name] = {"temp": m.temp_size_in_bytes,
                  "arguments": m.argument_size_in_bytes,
@@ -325,6 +367,16 @@ def prepare(size, dt, fsdp, k, args, mesh, methods):
         kk: m["temp"] / max(1, mem["plain_acc"]["temp"])
         for kk, m in mem.items()}
   row["tree_temp_bound_bytes"] = tree_temp_bound(abstract, k, fsdp)
+  # Trace + lowering, and XLA's compile, per program: medians over the reps
+  # of the wall and of the process's CPU seconds (user + system).
+  row["compile_seconds"] = {
+      name: {"lower": statistics.median(w for w, _ in lowering[name]),
+             "lower_cpu": statistics.median(c for _, c in lowering[name]),
+             "compile": statistics.median(w for w, _ in compiling[name]),
+             "compile_cpu": statistics.median(c for _, c in compiling[name]),
+             "reps": len(compiling[name])}
+      for name in compiled}
+  row["loadavg_compile"] = os.getloadavg()
   need = n * max(sum(m.values()) for m in mem.values())
   avail = mem_available()
   row["estimated_peak_bytes"] = need
@@ -372,7 +424,7 @@ def measure(row, args, mesh):
                   for a, b in zip(jax.tree_util.tree_leaves(o),
                                   jax.tree_util.tree_leaves(ref)))
         for name, o in outs.items()}
-  if args.check_bits and "det" in outs:
+  if args.check_bits and {"det", "det_scan", "det_unroll"} & set(outs):
     row["bitwise"] = check_bits(outs, params, batch, size, dt, fsdp,
                                 row["virtual_workers"], args.rows)
     print(f"bitwise: {row['bitwise']}", file=sys.stderr, flush=True)
@@ -436,6 +488,10 @@ _SINGLE: dict = {}
 def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
   """``det``'s (loss, grads) against ``det_scan``'s, ``det_unroll``'s and the tree.
 
+  Without ``det``, ``det_scan`` against ``det_unroll``; each of ``det``,
+  ``det_scan``, ``det_unroll``, ``det_cond``, ``det_barrier`` run against
+  the tree.
+
   The reference is what ``V`` devices with one worker each give: every
   worker's slice run alone (``value_and_grad`` with one worker on one
   device), the ``V`` results summed by :func:`determinism.tree_sum`, op by
@@ -444,8 +500,11 @@ def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
   res = {}
   for name in ("det_prev", "det_s12", "det_root_out", "det_a2a", "det_scan",
                "det_unroll", "det_cond", "det_barrier"):
-    if name in outs:
+    if name in outs and "det" in outs:
       res[f"det_equals_{name}"] = _bits(outs["det"]) == _bits(outs[name])
+  if "det_scan" in outs and "det_unroll" in outs:
+    res["det_scan_equals_det_unroll"] = (_bits(outs["det_scan"])
+                                         == _bits(outs["det_unroll"]))
   one = Mesh(np.array(jax.devices()[:1]), ("data",))
   key = (size, str(dt), rows)
   if key not in _SINGLE:
@@ -463,7 +522,7 @@ def check_bits(outs, params, batch, size, dt, fsdp, v, rows) -> dict:
       total = det.tree_sum(jnp.stack([lv[i] for lv in leaves]))
       ref.append(total / jnp.asarray(v, total.dtype))
   want = [np.asarray(x).tobytes() for x in ref]
-  for name in ("det", "det_cond", "det_barrier"):
+  for name in ("det", "det_scan", "det_unroll", "det_cond", "det_barrier"):
     if name in outs:
       got = jax.tree_util.tree_leaves(outs[name])
       res[f"{name}_equals_tree_of_single_workers"] = (
@@ -565,6 +624,12 @@ def main(argv=None) -> int:
                   help="dtypes of the cells to profile (default: all)")
   ap.add_argument("--lock", default="",
                   help="a file to flock while timing (after compiling)")
+  ap.add_argument("--lock-compile", action="store_true",
+                  help="also hold --lock while compiling each cell (released"
+                       " between cells): compile times under the lock")
+  ap.add_argument("--compile-reps", type=int, default=1,
+                  help="compiles of each program per cell (interleaved,"
+                       " fresh closures each time): compile_seconds medians")
   ap.add_argument("--out", default=str(pathlib.Path(__file__).with_name(
       "bench_determinism_result.json")))
   args = ap.parse_args(argv)
