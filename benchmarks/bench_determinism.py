@@ -59,8 +59,8 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   scans whose carries start at ``-0.0`` (the CPU default before), or its top
   three levels unrolled (a binary-counter stack of partial sums: no loop
   carries, no fill; each worker's conditional waits for the partial sums
-  through its predicate), ``det``'s default (on CPU for float32 only:
-  16-bit float params default to the scans there). Same bits;
+  through its predicate), ``det``'s default (on CPU from 64 MiB of
+  gradient per worker, ``_UNROLL_MIN_BYTES``, the scans below). Same bits;
 * ``det_cond`` / ``det_barrier``: the same with
   ``determinism._ISOLATE_BY_COND`` True / False: each worker isolated by a
   ``lax.cond`` (the CPU default) or by optimisation barriers only (the GPU

@@ -448,11 +448,15 @@ _EXCHANGE_EVERY_WORKER = False
 # predicates, ``_ORDER_BY_PREDICATE``, since XLA:CPU drops the optimisation
 # barriers that order them on GPU: without that it ran them all before the
 # first addition and held every worker's gradient at once), except on CPU
-# when a param is a 16-bit float: 0 there (25M bfloat16 on 2 CPU devices:
-# the unrolled stack took 1.09-1.42x the scans' CPU time, float32
-# 0.76-0.98x; docs/determinism.md).
-# benchmarks/bench_determinism.py times both (``det_scan``, ``det_unroll``).
-# Except on CPU for small gradients (``_UNROLL_MIN_BYTES``).
+# for small gradients (``_UNROLL_MIN_BYTES``): 0 there. 16-bit floats take
+# the same rule: with their additions aligned (``_ACCUMULATE_TRANSPOSED``)
+# the unrolled stack took 0.68-0.90x the scans' CPU time in bfloat16 (25M
+# and 100M params on 2 CPU devices, DP and FSDP, V/n = 2, 4, 8; float32
+# 0.78-0.95x, 25M), the same temp memory and bits, its extra compile repaid
+# within 5-14 steps (docs/determinism.md, fourteenth session). Before the
+# alignment it took 1.09-1.42x, and 16-bit floats kept the scans on CPU.
+# benchmarks/bench_determinism.py times both (``det_scan``, ``det_unroll``)
+# and their compiles.
 _UNROLL_LEVELS: int | None = None
 
 # On CPU the top levels are unrolled only where one worker's gradient holds
@@ -461,9 +465,14 @@ _UNROLL_LEVELS: int | None = None
 # what it saves (the ``-0.0`` fills, the carries' copies) is proportional to
 # the gradient's bytes: on small models the compile dominates (the lm1b
 # SMALL bitwise test: 177 s unrolled against 59 s as scans on the 2-core
-# VM, the same bits), on large ones the step (25M f32 params, 100 MB:
-# 0.76-0.98x the scans' step time, docs/determinism.md). A resize compiles
-# the new mesh's step, so compile time is a cost the job pays again.
+# VM, the same bits), on large ones the step. Measured on 2 CPU devices at
+# V/n = 2, 4, 8 (fourteenth session, docs/determinism.md), the unrolled
+# step's extra trace and compile against the CPU seconds it saves per
+# step: 25M float32 (96 MiB) 0.1-2.4 s, repaid in 1-8 steps; 25M bfloat16
+# (48 MiB) 0.6-4.9 s, 6-14 steps; 100M bfloat16 (192 MiB) 2-24 s, 5-10
+# steps. One threshold for every dtype, in bytes (what the step saves
+# grows with them). A resize compiles the new mesh's step, so compile time
+# is a cost the job pays again.
 _UNROLL_MIN_BYTES = 64 << 20
 
 # How each virtual worker's ``value_and_grad`` is kept apart from what
@@ -576,18 +585,16 @@ def _is_gpu(mesh: Mesh) -> bool:
 def _unroll_levels(mesh: Mesh, params: Any = (), setting: int | None = None,
                    grad_bytes: int | None = None) -> int:
   """``setting`` (``_UNROLL_LEVELS`` as read when ``value_and_grad`` was
-  called), else by platform, the params' dtypes and a worker's gradient
-  bytes (``grad_bytes``; default: the params' own)."""
+  called), else by platform and a worker's gradient bytes (``grad_bytes``;
+  default: the params' own)."""
   if setting is not None:
     return int(setting)
   leaves = jax.tree_util.tree_leaves(params)
   if grad_bytes is None:
     grad_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                      for x in leaves)
-  if mesh.devices.flat[0].platform == "cpu" and (
-      grad_bytes < _UNROLL_MIN_BYTES or any(
-          jnp.issubdtype(x.dtype, jnp.floating)
-          and jnp.dtype(x.dtype).itemsize < 4 for x in leaves)):
+  if (mesh.devices.flat[0].platform == "cpu"
+      and grad_bytes < _UNROLL_MIN_BYTES):
     return 0
   return 3
 

@@ -168,17 +168,45 @@ def test_unrolled_counter_has_the_nested_scans_bits(monkeypatch, dtype):
       for lv in levels:
         assert_bitwise(outs[0], outs[lv], (v, n, lv))
   monkeypatch.setattr(det, "_UNROLL_LEVELS", None)
-  # The default on CPU: unrolled for float32 (the workers ordered by
-  # predicate) from _UNROLL_MIN_BYTES of gradient per worker; the scans for
-  # 16-bit floats (faster there) and for smaller gradients (one copy of the
-  # worker to compile).
+  # The default on CPU: unrolled (the workers ordered by predicate) from
+  # _UNROLL_MIN_BYTES of gradient per worker, float32 and 16-bit floats
+  # alike; the scans for smaller gradients (one copy of the worker to
+  # compile).
   big = det._UNROLL_MIN_BYTES
-  f32 = dtype == jnp.float32
-  assert det._unroll_levels(mesh1d(1), params, grad_bytes=big) == (3 if f32 else 0)
+  assert det._unroll_levels(mesh1d(1), params, grad_bytes=big) == 3
   assert det._unroll_levels(mesh1d(1), params, grad_bytes=big - 1) == 0
   assert det._unroll_levels(mesh1d(1), params) == 0  # this MLP is small
   assert det._unroll_levels(mesh1d(1), params, 2) == 2
   assert det._isolate_by_cond(mesh1d(1))  # barriers do not isolate on CPU
+
+
+def test_bfloat16_unrolled_by_default_from_the_threshold(monkeypatch):
+  # On CPU bfloat16 params take the unrolled counter by default from
+  # _UNROLL_MIN_BYTES of gradient per worker, as float32 ones do (the scans
+  # below): lowered here to this MLP's gradient bytes, the default steps
+  # on 2 and 4 devices (V = 8: V/n = 4 and 2; DP, and FSDP inside jit with
+  # param_shardings) compile without a loop and give the bits of the
+  # 1-device step by the nested scans (the default below the threshold).
+  params, batch = mlp_data(16)
+  params, batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                               (params, batch))
+  grad_bytes = sum(x.size * x.dtype.itemsize
+                   for x in jax.tree_util.tree_leaves(params))
+  mesh1 = mesh1d(1)
+  assert det._unroll_levels(mesh1, params) == 0
+  p1, b1 = place(params, batch, mesh1, False)
+  scans = compiled_dp(8, mesh1, p1, b1)
+  assert "while(" in scans.as_text()
+  ref = scans(p1, b1)
+  monkeypatch.setattr(det, "_UNROLL_MIN_BYTES", grad_bytes)
+  assert det._unroll_levels(mesh1, params) == 3
+  assert det._unroll_levels(mesh1, params, grad_bytes=grad_bytes - 1) == 0
+  for n, fsdp in ((2, False), (4, False), (2, True)):
+    mesh = mesh1d(n)
+    p, b = place(params, batch, mesh, fsdp)
+    compiled = (compiled_in_jit if fsdp else compiled_dp)(8, mesh, p, b)
+    assert "while(" not in compiled.as_text(), (n, fsdp)
+    assert_bitwise(ref, compiled(p, b), (n, fsdp))
 
 
 def test_inside_jit_matches_outside():
@@ -314,8 +342,9 @@ def test_16_bit_gradients_summed_transposed(monkeypatch, dtype):
   # sums are row-major), then exchanged and gathered transposed (all-gathers
   # of shape (48, 16) and (4, 48)) and transposed back once; float32 ones
   # and the bias are not. The bits of the 1-device run and of the sums as
-  # themselves (False), by the nested scans (the 16-bit default on CPU) and
-  # by the unrolled counter: V = 4 and 8 on 2 devices, 8 on 4.
+  # themselves (False), by the nested scans (the CPU default for gradients
+  # this small) and by the unrolled counter: V = 4 and 8 on 2 devices, 8 on
+  # 4.
   params, batch = mlp_data(16)
   params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
   mesh1 = mesh1d(1)
@@ -378,8 +407,8 @@ def test_unrolled_root_added_in_the_top_branch(monkeypatch, dtype):
   # branch (fused with the slices that feed the all_to_all), not before it.
   # The bits are those of the 1-device run (float32, V = 8: V/n = 4 on 2
   # devices, 2 on 4; bfloat16, V = 4 on 2 devices: its unrolled programs
-  # compile slowly, and CPU unrolls only float32 by default), and of the
-  # root added before the branches (_ROOT_ADD_IN_TOP False).
+  # compile slowly), and of the root added before the branches
+  # (_ROOT_ADD_IN_TOP False).
   monkeypatch.setattr(det, "_UNROLL_LEVELS", 3)
   params, batch = mlp_data(16)
   params, batch = jax.tree.map(lambda x: x.astype(dtype), (params, batch))
