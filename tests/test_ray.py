@@ -56,6 +56,14 @@ def _kill_leftovers(seen):
 pytestmark = pytest.mark.xdist_group("ray")
 
 
+# Ray's GCS health-checks each raylet every 3 s by default and declares a
+# node dead after 5 checks in a row fail: a killed node (each check refused
+# at once) about 15 s after its kill. The tests' clusters check every 1 s:
+# a killed node is dead in about 5 s, while a node starved of CPU still has
+# 5 x (60 + 1) s (each check fails only at STARVATION_TOLERANT's timeout).
+SYSTEM_CONFIG = {**STARVATION_TOLERANT, "health_check_period_ms": 1000}
+
+
 # Loopback only: the head on 127.0.0.2 (Ray turns 127.0.0.1 and
 # "localhost" into the machine's outward address), each added node on its
 # own 127.0.0.K.
@@ -71,15 +79,18 @@ def cluster():
   within seconds)."""
   c = Cluster(initialize_head=True, head_node_args={
       "num_cpus": 1, "include_dashboard": False,
-      "node_ip_address": HEAD_IP, "_system_config": STARVATION_TOLERANT})
+      "node_ip_address": HEAD_IP, "_system_config": SYSTEM_CONFIG})
   c.pids = procs.Seen(_pids(c))
   c.next_ip = 3
   try:
     assert c.address.startswith(HEAD_IP + ":"), c.address
     ray.init(address=c.address, _node_ip_address=HEAD_IP,
              log_to_driver=False)
+    # the GCS's settings
     assert ray._config.health_check_timeout_ms() == \
-        STARVATION_TOLERANT["health_check_timeout_ms"]  # the GCS's setting
+        STARVATION_TOLERANT["health_check_timeout_ms"]
+    assert ray._config.health_check_period_ms() == \
+        SYSTEM_CONFIG["health_check_period_ms"]
     yield c
   finally:
     ray.shutdown()

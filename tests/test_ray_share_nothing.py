@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
 from share_nothing import (  # noqa: E402
     STARVATION_TOLERANT, ShareNothingCluster, namespaces_permitted)
 
+import test_ray  # noqa: E402
 from tenplex_jax.data.order import global_batch_ids  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,14 +42,17 @@ def sn_cluster():
   why = namespaces_permitted()
   if why:
     pytest.skip(why)
-  c = ShareNothingCluster()
+  c = ShareNothingCluster(system_config=test_ray.SYSTEM_CONFIG)
   try:
     for _ in range(3):
       c.add_node()
     ray.init(address=c.address, _node_ip_address=c.head_ip,
              log_to_driver=False)
+    # the GCS's settings
     assert ray._config.health_check_timeout_ms() == \
-        STARVATION_TOLERANT["health_check_timeout_ms"]  # the GCS's setting
+        STARVATION_TOLERANT["health_check_timeout_ms"]
+    assert ray._config.health_check_period_ms() == \
+        test_ray.SYSTEM_CONFIG["health_check_period_ms"]
     yield c
   finally:
     ray.shutdown()
@@ -96,9 +100,10 @@ def test_nodes_share_no_memory_or_disk(sn_cluster):
   assert r.returncode != 0 and "No such file" in r.stderr
   t0 = time.monotonic()
   c.kill_node(writer, wait_dead=True)
-  # Dead within seconds (each health check refused at once: about 5 x 3 s),
-  # though a node that answers them late gets 30 s each (STARVATION_TOLERANT:
-  # 5 x 33 s), and the kill itself waits for the processes' exits.
+  # Dead within seconds (each health check refused at once: about 5 x 1 s,
+  # test_ray.SYSTEM_CONFIG), though a node that answers them late gets 60 s
+  # each (STARVATION_TOLERANT: 5 x 61 s), and the kill itself waits for the
+  # processes' exits.
   assert time.monotonic() - t0 < 100, time.monotonic() - t0
   assert writer["proc"].poll() is not None
   assert c.left_in(writer) == []  # no process of the node is left
@@ -156,7 +161,6 @@ def test_job_grows_survives_a_kill_and_a_drain(sn_cluster):
   exact; the script checks every restored shard bitwise; every step's
   global batch is read exactly once in the surviving trajectory."""
   import tempfile
-  import test_ray
   from tenplex_jax import ray as tray
   c = sn_cluster
   while len(_alive(c)) > 2:
@@ -285,7 +289,6 @@ def test_workers_follow_the_gpus(sn_cluster):
   CPUs) joins CPU-only nodes: a (1, 8)-worker job asking a GPU per worker
   runs 2 workers, both on it (JAX on CPU devices), to the end."""
   import tempfile
-  import test_ray
   from tenplex_jax import ray as tray
   c = sn_cluster
   gpu = c.add_node(num_cpus=2, num_gpus=2)
