@@ -518,11 +518,11 @@ _ROOT_ADD_IN_TOP = True
 # 1.14x -> 1.00x, bf16 FSDP 0.69x -> 0.61x; bf16 DP was slower with them,
 # 0.84x -> 0.96x, until its chunks were contiguous and moved as 16-bit
 # ints at V/n = 1, ``_EXCHANGE_TRANSPOSED`` and ``_COLLECTIVES_AS_BITS``;
-# docs/determinism.md). Same bits (the same n chunks, the same tree). Not
-# with a ``pipeline_axis`` (the all_to_all there), nor for 16-bit float
+# docs/determinism.md). Same bits (the same n chunks, the same tree). Also
+# with a ``pipeline_axis`` (since the fourteenth session: the own chunk is
+# sliced outside the branches there, see ``top``). Not for 16-bit float
 # gradients left replicated at V/n > 1 (bf16 DP keeps the all_to_all
-# there). Read when
-# ``value_and_grad`` is called;
+# there). Read when ``value_and_grad`` is called;
 # benchmarks/bench_determinism.py times False as ``det_a2a``.
 _TOP_BY_PERMUTE = True
 
@@ -881,16 +881,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     if not as_bits:
       return op(x, *args, **kwargs)
     return _from_bits_view(op(_bits_view(x), *args, **kwargs), x.dtype)
-  # Not with a pipeline axis left to the pipeline's own shard_map: with
-  # the permutes there the pipeline test of
-  # tests/test_determinism_compose.py deadlocks on its (2, 2, 2) mesh and
-  # XLA:CPU aborts after its 40 s rendezvous timeout: the devices of one
-  # half of ``data`` wait in a permute of the top (all 8 devices) while the
-  # other half wait in an all-gather over ``data`` (groups {0, 4}, {1, 5},
-  # ...), each half having entered a different one of two collectives with
-  # no data dependency between them (docs/determinism.md). The all_to_all
-  # gives the same bits.
-  top_by_permute = _TOP_BY_PERMUTE and pipeline_axis is None
+  top_by_permute = _TOP_BY_PERMUTE
 
   def body_tree(dims, gather, shard_in, isolate, grad_bytes, params, batch,
                 *args):
@@ -1117,14 +1108,30 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         recv = [via_bits(lax.ppermute, chunk(xs, (d + s) % n, dynamic=True),
                          axes, [(i, (i + s) % n) for i in range(n)])
                 for s in range(1, n)]
+        if pipeline_axis is not None:
+          # The own chunk sliced here, not in the branch: the leaf may be
+          # split over the pipeline axis, which is left to XLA's
+          # partitioner, and the branch's static slice of it was then
+          # resharded inside the branch (an all-reduce over the stages).
+          # A conditional that holds collectives is ordered against the
+          # collectives beside it by data only, and there was none: on the
+          # (data, stage, tensor) = (2, 2, 2) mesh one half of ``data``
+          # entered another leaf's permute while the other half waited in
+          # an all-gather over ``data``, for ever (XLA:CPU aborts after
+          # its 40 s rendezvous timeout; docs/determinism.md). The branches
+          # now only add; the same chunks, the same additions.
+          ops = (None, [chunk(xs, d, dynamic=True)] + recv)
+        else:
+          ops = (xs, recv)
 
         def total(ops, dd):
           ys, rs = ops
-          rs = [chunk(ys, dd)] + list(rs)
+          if ys is not None:  # the own chunk read in place
+            rs = [chunk(ys, dd)] + list(rs)
           return _tree_list([rs[(dd - j) % n] for j in range(n)]) / scale
 
         return lax.switch(d, [lambda ops, dd=dd: total(ops, dd)
-                              for dd in range(n)], (xs, recv))
+                              for dd in range(n)], ops)
       x = xs[0] if len(xs) == 1 else xs[0] + xs[1]
       if n > 1:
         x = via_bits(lax.all_to_all, x, axes, a, a, tiled=True)
