@@ -12,12 +12,17 @@ over ``tensor``, as tests/test_determinism_compose.py's pipeline test) on a
 ``(data, stage, tensor)`` mesh, ``V = data * ratio`` virtual workers of
 ``rows`` sequences of ``seq`` tokens, each through ``tenplex_jax.pipeline``
 in 2 microbatches. It times, interleaved, ``reps`` calls of the step
-``determinism.jit(value_and_grad(..., pipeline_axis="stage"))`` with
+``determinism.jit`` of ``value_and_grad(..., pipeline_axis="stage")``, its
+grads put on the params' shardings by ``determinism.on_shards`` (as the
+trainers' steps do), with
 
 * ``det``: the top of the tree by collective permutes
   (``determinism._TOP_BY_PERMUTE``, the default);
 * ``det_a2a``: by one ``all_to_all`` per leaf (``_TOP_BY_PERMUTE`` False,
-  the only way under a ``pipeline_axis`` before the fourteenth session),
+  the only way under a ``pipeline_axis`` before the fourteenth session);
+* ``det_ps``: ``det`` told the params' shardings (``param_shardings``):
+  each stage exchanges only its layers' gradients (the others all-gather
+  the whole stacked gradient over ``stage`` first and hold it whole after),
 
 checks that their gradients have the same bits, and reports medians and
 minima of the wall time and of the process's CPU time per call (user +
@@ -72,11 +77,12 @@ def main(argv=None) -> int:
   ks = jax.random.split(jax.random.key(0), 3)
   L, D, H = args.layers, args.dim, args.hidden
   specs = {"a": P("stage", None, "tensor"), "b": P("stage", "tensor")}
+  shardings = {n: NamedSharding(mesh, s) for n, s in specs.items()}
   params = {
       "a": jax.device_put(jax.random.normal(ks[0], (L, D, H)) / D ** 0.5,
-                          NamedSharding(mesh, specs["a"])),
+                          shardings["a"]),
       "b": jax.device_put(jax.random.normal(ks[1], (L, H, D)) / H ** 0.5 / L,
-                          NamedSharding(mesh, specs["b"]))}
+                          shardings["b"])}
   x = jax.device_put(jax.random.normal(ks[2], (args.rows * v, args.seq, D)),
                      NamedSharding(mesh, P("data")))
 
@@ -86,17 +92,24 @@ def main(argv=None) -> int:
   def loss(p, xb):
     return jnp.mean(tj.pipeline(layer, p, xb, mesh=mesh, microbatches=2) ** 2)
 
-  def program(top_by_permute):
+  def program(top_by_permute, known):
     old = det._TOP_BY_PERMUTE
     det._TOP_BY_PERMUTE = top_by_permute
     try:
       f = det.value_and_grad(loss, virtual_workers=v, mesh=mesh,
-                             pipeline_axis="stage")
-      return det.jit(f).lower(params, x).compile()
+                             pipeline_axis="stage",
+                             param_shardings=shardings if known else None)
+
+      def step(p, xb):
+        loss, g = f(p, xb)
+        return loss, det.on_shards(g, shardings)
+
+      return det.jit(step).lower(params, x).compile()
     finally:
       det._TOP_BY_PERMUTE = old
 
-  compiled = {"det": program(True), "det_a2a": program(False)}
+  compiled = {"det": program(True, False), "det_a2a": program(False, False),
+              "det_ps": program(True, True)}
   row = {"mesh": dict(zip(("data", "stage", "tensor"), shape)),
          "virtual_workers": v, "layers": L, "dim": D, "hidden": H,
          "rows_per_worker": args.rows, "seq": args.seq, "reps": args.reps,
