@@ -527,11 +527,11 @@ _ROOT_ADD_IN_TOP = True
 # 1.14x -> 1.00x, bf16 FSDP 0.69x -> 0.61x; bf16 DP was slower with them,
 # 0.84x -> 0.96x, until its chunks were contiguous and moved as 16-bit
 # ints at V/n = 1, ``_EXCHANGE_TRANSPOSED`` and ``_COLLECTIVES_AS_BITS``;
-# docs/determinism.md). Same bits (the same n chunks, the same tree). Not
-# with a ``pipeline_axis`` (the all_to_all there), nor for 16-bit float
+# docs/determinism.md). Same bits (the same n chunks, the same tree). Also
+# with a ``pipeline_axis`` (since the fourteenth session: the own chunk is
+# sliced outside the branches there, see ``top``). Not for 16-bit float
 # gradients left replicated at V/n > 1 (bf16 DP keeps the all_to_all
-# there). Read when
-# ``value_and_grad`` is called;
+# there). Read when ``value_and_grad`` is called;
 # benchmarks/bench_determinism.py times False as ``det_a2a``.
 _TOP_BY_PERMUTE = True
 
@@ -748,7 +748,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       reduce-scatter's layout, each leaf's top of the tree in a
       ``lax.cond`` branch of its own so that the update cannot fuse with
       it); the others, and all of them on GPU, come out gathered (see
-      ``on_shards``). A leaf's sharding must be the one it has in the step.
+      ``on_shards``). With a ``pipeline_axis``, the gathered gradients of
+      params split over it along one dimension are exchanged on each
+      stage's slice and come out split over the stages as the params are
+      (without ``param_shardings`` inside ``jit``, every device's exchange
+      produces every stacked gradient whole). A leaf's sharding must be the
+      one it has in the step.
 
   Returns:
     ``f(params, batch, *args) -> (loss, grads)``, usable inside or outside
@@ -888,19 +893,10 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     if not as_bits:
       return op(x, *args, **kwargs)
     return _from_bits_view(op(_bits_view(x), *args, **kwargs), x.dtype)
-  # Not with a pipeline axis left to the pipeline's own shard_map: with
-  # the permutes there the pipeline test of
-  # tests/test_determinism_compose.py deadlocks on its (2, 2, 2) mesh and
-  # XLA:CPU aborts after its 40 s rendezvous timeout: the devices of one
-  # half of ``data`` wait in a permute of the top (all 8 devices) while the
-  # other half wait in an all-gather over ``data`` (groups {0, 4}, {1, 5},
-  # ...), each half having entered a different one of two collectives with
-  # no data dependency between them (docs/determinism.md). The all_to_all
-  # gives the same bits.
-  top_by_permute = _TOP_BY_PERMUTE and pipeline_axis is None
+  top_by_permute = _TOP_BY_PERMUTE
 
-  def body_tree(dims, gather, shard_in, isolate, grad_bytes, params, batch,
-                *args):
+  def body_tree(dims, gather, shard_in, isolate, grad_bytes, staged, params,
+                batch, *args):
     d = lax.axis_index(axes) if n > 1 else 0
     local = jax.tree.map(
         lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), batch)
@@ -1084,7 +1080,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       for part in parts[-2::-1]:
         loss, grads = jax.tree.map(jnp.add, part, (loss, grads))
 
-    def top(xs, a):
+    def top(xs, a, d=d):
       # The top of the tree over the n devices' subtrees, one chunk each:
       # device d receives chunk d of every device's subtree sum and adds
       # the n chunks by the tree. ``xs``: the subtree sum, or the root's
@@ -1124,14 +1120,30 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         recv = [via_bits(lax.ppermute, chunk(xs, (d + s) % n, dynamic=True),
                          axes, [(i, (i + s) % n) for i in range(n)])
                 for s in range(1, n)]
+        if pipeline_axis is not None:
+          # The own chunk sliced here, not in the branch: the leaf may be
+          # split over the pipeline axis, which is left to XLA's
+          # partitioner, and the branch's static slice of it was then
+          # resharded inside the branch (an all-reduce over the stages).
+          # A conditional that holds collectives is ordered against the
+          # collectives beside it by data only, and there was none: on the
+          # (data, stage, tensor) = (2, 2, 2) mesh one half of ``data``
+          # entered another leaf's permute while the other half waited in
+          # an all-gather over ``data``, for ever (XLA:CPU aborts after
+          # its 40 s rendezvous timeout; docs/determinism.md). The branches
+          # now only add; the same chunks, the same additions.
+          ops = (None, [chunk(xs, d, dynamic=True)] + recv)
+        else:
+          ops = (xs, recv)
 
         def total(ops, dd):
           ys, rs = ops
-          rs = [chunk(ys, dd)] + list(rs)
+          if ys is not None:  # the own chunk read in place
+            rs = [chunk(ys, dd)] + list(rs)
           return _tree_list([rs[(dd - j) % n] for j in range(n)]) / scale
 
         return lax.switch(d, [lambda ops, dd=dd: total(ops, dd)
-                              for dd in range(n)], (xs, recv))
+                              for dd in range(n)], ops)
       x = xs[0] if len(xs) == 1 else xs[0] + xs[1]
       if n > 1:
         x = via_bits(lax.all_to_all, x, axes, a, a, tiled=True)
@@ -1156,14 +1168,41 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # against 0.77x without, bf16 DP V/n = 2 2.70x against 2.08x, 25M on 2
     # CPU devices, same run; at V/n > 1 the leaves summed transposed,
     # ``summed_t``, whose transpose XLA cancels with the one here.)
-    trans = [not isolate and g and n > 1 and x.ndim == 2
+    trans = [not isolate and g and n > 1 and x.ndim == 2 and sd is None
              and x.shape[1] % n == 0 and (st or (
                  exchange_transposed and t and _is_16bit_float(x.dtype)
                  and k == 1))
-             for x, g, t, st in zip(leaves, gather, transposed, summed_t)]
+             for x, g, t, st, sd in zip(leaves, gather, transposed, summed_t,
+                                        staged)]
+
+    def staged_top(x, sd):
+      # A gathered leaf split over the pipeline axis along ``sd`` (known
+      # from the params' shardings): its top and its all-gather over the
+      # batch axes run manual over the pipeline axis too, on the stage's
+      # slice of the leaf, chunked along a dimension of that slice; the
+      # leaf comes out split over the stages as the param is. Left to the
+      # partitioner, every stage all-gathered the whole leaf over the
+      # stages first (the chunks along its layers) and every device held
+      # it whole after. Each element gets the same additions in the same
+      # order: the same bits.
+      spec = P(*([None] * sd), pipeline_axis)
+
+      def local(y):
+        la = next((i for i, s in enumerate(y.shape) if s % n == 0 and s),
+                  None)
+        o = top((y,), la, lax.axis_index(axes) if n > 1 else 0)
+        o = via_bits(lax.all_gather, o, axes, axis=0 if la is None else la,
+                     tiled=True)
+        return o if la is not None else jnp.reshape(o[:y.size], y.shape)
+
+      return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(),
+                           in_specs=spec, out_specs=spec,
+                           axis_names={pipeline_axis}, check_vma=False)(x)
+
     if not isolate:
-      out = [top((x.T,), 0) if t else top((x,), a)
-             for x, a, t in zip(leaves, dims, trans)]
+      out = [staged_top(x, sd) if sd is not None else
+             top((x.T,), 0) if t else top((x,), a)
+             for x, a, t, sd in zip(leaves, dims, trans, staged)]
     else:
       # FSDP gradients leaving in the reduce-scatter layout inside the
       # caller's jit: XLA would fuse the top's last addition and the
@@ -1203,17 +1242,19 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     # it gathered arrays (an all-gather on every mesh, 1 device included)
     # keeps XLA from fusing it with mesh-dependent indexing (see on_shards).
     out = [via_bits(lax.all_gather, o, axes, axis=0 if a is None or t else a,
-                    tiled=True) if g else o
-           for o, a, g, t in zip(out, dims, gather, trans)]
-    out = [o.T if t else o if a is not None or not g else
+                    tiled=True) if g and sd is None else o
+           for o, a, g, t, sd in zip(out, dims, gather, trans, staged)]
+    out = [o.T if t else o if a is not None or not g or sd is not None else
            jnp.reshape(o[:x.size], x.shape)
-           for o, x, a, g, t in zip(out, leaves, dims, gather, trans)]
+           for o, x, a, g, t, sd in zip(out, leaves, dims, gather, trans,
+                                        staged)]
     if n > 1:
       loss = _tree_list(list(lax.all_gather(loss, axes)))
     loss = loss / jnp.asarray(virtual_workers, loss.dtype)
     return loss, out
 
-  def run(params, batch, *args, dims=None, shard_in=None, gather=None):
+  def run(params, batch, *args, dims=None, shard_in=None, gather=None,
+          staged=None):
     isolate = gather is not None and not all(gather)
     global_batch = _check_batch(batch, virtual_workers)
     del global_batch
@@ -1250,6 +1291,12 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
                  for a, g in zip(dims, gather)]
     if shard_in is None or n == 1:
       shard_in = (None,) * len(leaves)
+    # The dimension each gathered leaf is split along over the pipeline
+    # axis (``staged_top``); not where the tops run in conditionals, nor
+    # for the leaves that leave split over the batch axes.
+    if staged is None or isolate:
+      staged = (None,) * len(leaves)
+    staged = tuple(sd if g else None for sd, g in zip(staged, gather))
     param_specs = jax.tree_util.tree_unflatten(treedef, [
         P() if a is None else P(*([None] * a), spec_axes) for a in shard_in])
     grad_bytes = sum(
@@ -1257,7 +1304,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         for x in leaves)
     smap = jax.shard_map(
         lambda p, b, *a: body_tree(dims, gather, shard_in, isolate,
-                                   grad_bytes, p, b, *a),
+                                   grad_bytes, staged, p, b, *a),
         mesh=mesh, in_specs=(param_specs, P(spec_axes), *arg_specs),
         out_specs=(P(), out_specs), axis_names=manual, check_vma=False)
     loss, out = smap(params, batch, *args)
@@ -1275,13 +1322,20 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     return (tuple(_sharded_dim(s, axes) for s in shardings[1]),
             tuple(_batch_only_dim(s, axes) for s in shardings[1]))
 
+  def _staged(shardings):
+    if shardings is None or pipeline_axis is None:
+      return None
+    return tuple(_sharded_dim(s, (pipeline_axis,)) for s in shardings[1])
+
   def compiled(shardings):
     fn = cache.get(shardings)
     if fn is None:
       out = None if shardings is None else (
           NamedSharding(mesh, P()), jax.tree_util.tree_unflatten(*shardings))
       dims, shard_in = _dims(shardings)
-      fn = jax.jit(lambda *a: run(*a, dims=dims, shard_in=shard_in),
+      staged = _staged(shardings)
+      fn = jax.jit(lambda *a: run(*a, dims=dims, shard_in=shard_in,
+                                  staged=staged),
                    out_shardings=out, compiler_options=_compiler_options())
       cache[shardings] = fn
     return fn
@@ -1302,7 +1356,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       gather = tuple(s is None or s != a or gather_inside_jit
                      for a, s in zip(dims, shard_in))
       return run(params, batch, *args, dims=dims, shard_in=shard_in,
-                 gather=gather)
+                 gather=gather, staged=_staged((treedef, tuple(specs))))
     # Outside jit: grads get each param's sharding when it lives on this
     # mesh's devices; otherwise (e.g. an uncommitted array on one device)
     # they come back replicated over the mesh.

@@ -5,7 +5,10 @@ axes and pipeline stages, each compared on raw bits with the static run at
 every step (float32 viewed as uint32, never allclose).
 """
 
+import json
+import math
 import os
+import re
 import sys
 
 import jax
@@ -22,6 +25,7 @@ from tenplex_jax import determinism as det
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import det_train  # noqa: E402
+import procs  # noqa: E402
 
 V = 8
 ACCUM = 2          # microbatches accumulated per step
@@ -170,9 +174,12 @@ def layer(p, h):
   return h + jax.nn.gelu(h @ p["a"]) @ p["b"]
 
 
-def pipeline_grads(shape, v=8):
-  """Loss and grads of a pipelined residual MLP stack on a (data, stage,
-  tensor) mesh: layers split over stage, the hidden dim over tensor."""
+def pipeline_step(shape, v=8, param_shardings=False):
+  """The jitted deterministic step of a pipelined residual MLP stack on a
+  (data, stage, tensor) mesh (layers split over stage, the hidden dim over
+  tensor) and its arguments. With ``param_shardings`` ``value_and_grad``
+  is told the params' shardings and the step puts the grads on them
+  (``on_shards``), as a trainer's step does."""
   mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape),
               ("data", "stage", "tensor"))
   k = jax.random.split(jax.random.key(0), 3)
@@ -183,19 +190,116 @@ def pipeline_grads(shape, v=8):
   def loss(p, xb):
     return jnp.mean(tj.pipeline(layer, p, xb, mesh=mesh, microbatches=2) ** 2)
 
-  f = det.value_and_grad(loss, virtual_workers=v, mesh=mesh,
-                         pipeline_axis="stage")
   specs = {"a": P("stage", None, "tensor"), "b": P("stage", "tensor")}
-  ps = {n: jax.device_put(a, NamedSharding(mesh, specs[n]))
-        for n, a in params.items()}
-  return det.jit(f)(ps, jax.device_put(x, NamedSharding(mesh, P("data"))))
+  shardings = {n: NamedSharding(mesh, s) for n, s in specs.items()}
+  f = det.value_and_grad(loss, virtual_workers=v, mesh=mesh,
+                         pipeline_axis="stage",
+                         param_shardings=shardings if param_shardings else None)
+  if param_shardings:
+    step = det.jit(lambda p, xb: (lambda loss, g: (
+        loss, det.on_shards(g, shardings)))(*f(p, xb)))
+  else:
+    step = det.jit(f)
+  ps = {n: jax.device_put(a, shardings[n]) for n, a in params.items()}
+  return step, (ps, jax.device_put(x, NamedSharding(mesh, P("data"))))
+
+
+def pipeline_grads(shape, v=8):
+  """Loss and grads of :func:`pipeline_step`."""
+  f, args = pipeline_step(shape, v)
+  return f(*args)
 
 
 def test_pipeline_stages_and_tensor_bitwise():
+  # (2, 2, 2): test_pipeline_top_by_permutes_is_ordered_and_bitwise.
   ref = pipeline_grads((1, 1, 1))
-  for shape in [(2, 2, 2), (1, 4, 2), (2, 4, 1), (4, 2, 1), (8, 1, 1),
-                (2, 1, 2)]:
+  for shape in [(1, 4, 2), (2, 4, 1), (4, 2, 1), (8, 1, 1), (2, 1, 2)]:
     assert_bitwise(ref, pipeline_grads(shape), f"mesh {shape}")
+
+
+_COLLECTIVE = re.compile(
+    r"\s*(?:ROOT\s+)?%?([\w.\-]+) = \w+\[([\d,]*)\]\S* (?:all-gather|all-to-all"
+    r"|all-reduce|reduce-scatter|collective-permute)(?:-start)?\(")
+
+
+def entry_collective_sizes(text):
+  """``(name, elements)`` of the collectives of an HLO module's entry
+  computation (not those in loops, branches or fusions)."""
+  lines = text[text.index("\nENTRY"):].splitlines()[2:]
+  out = []
+  for line in lines[:lines.index("}")]:
+    m = _COLLECTIVE.match(line)
+    if m:
+      out.append((m.group(1), math.prod(int(d) for d in m.group(2).split(",") if d)))
+  return out
+
+
+def test_pipeline_grads_with_param_shardings_stay_on_their_stages():
+  """With ``param_shardings`` the exchange of a leaf split over ``stage``
+  runs on each stage's layers: no collective of the compiled step's entry
+  computation (the exchange and the gathers around it; the pipeline's own
+  are in its loops) produces more than a stage's share of a stacked
+  gradient (before: an all-gather over ``stage`` of the whole stack, each
+  stage taking chunks of all the layers, and the whole stack on every
+  device after the all-gather over ``data``). The grads have the 1-device
+  run's bits."""
+  ref = pipeline_grads((1, 1, 1))
+  for shape in [(2, 2, 2), (1, 4, 2), (4, 2, 1)]:
+    f, args = pipeline_step(shape, param_shardings=True)
+    compiled = f.lower(*args).compile()
+    share = L * D * H // shape[1]
+    sizes = entry_collective_sizes(compiled.as_text())
+    assert sizes and all(size <= share for _, size in sizes), (shape, sizes)
+    assert_bitwise(ref, compiled(*args), f"mesh {shape}")
+
+
+# Run in a process of its own: a deadlock of the step's collectives would
+# block the devices' threads until XLA:CPU aborts the process.
+_PERMUTES_UNDER_PIPELINE = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import hlo_order
+import test_determinism_compose as t
+ref = t.pipeline_grads((1, 1, 1))
+f, args = t.pipeline_step((2, 2, 2))
+compiled = f.lower(*args).compile()
+m = hlo_order.Module(compiled.as_text())
+out = compiled(*args)
+print(json.dumps({
+    "entry_permutes": sum(op.opcode == "collective-permute"
+                          for op in m.collective_ops()),
+    "region_pairs": [[c, a.name, b.name] for c, a, b in m.region_pairs()],
+    "bitwise": all(np.array_equal(np.asarray(a).view(np.uint32),
+                                  np.asarray(b).view(np.uint32))
+                   for a, b in zip(jax.tree_util.tree_leaves(ref),
+                                   jax.tree_util.tree_leaves(out)))}))
+"""
+
+
+def test_pipeline_top_by_permutes_is_ordered_and_bitwise():
+  """Under a ``pipeline_axis`` the top of the tree exchanges the subtree sums
+  by collective permutes (in the compiled step's entry computation, not the
+  pipeline's loops), no conditional or loop that holds collectives is left
+  unordered against another collective (``hlo_order.region_pairs``: the
+  branches of the top once resharded the own chunk over ``stage`` inside
+  them, and on this (data, stage, tensor) = (2, 2, 2) mesh the two halves
+  of ``data`` then waited in two different collectives until XLA:CPU
+  aborted), and the step has the 1-device run's bits. In a subprocess with
+  a timeout, so that a deadlock fails the test instead of hanging it."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.dirname(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
+  (r,) = procs.run_all([[sys.executable, "-c", _PERMUTES_UNDER_PIPELINE, HERE]],
+                       timeout=300, env=env)
+  assert r.returncode == 0, r.stdout[-3000:]
+  res = json.loads(r.stdout.strip().splitlines()[-1])
+  assert res["entry_permutes"] >= 2, res  # (a's and b's, n - 1 = 1 each)
+  assert res["region_pairs"] == [], res
+  assert res["bitwise"], res
 
 
 def test_pipeline_axis_errors():

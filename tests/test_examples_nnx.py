@@ -161,11 +161,11 @@ def _bits(tree):
 def _pipelined_without_gathering_the_stack(hlo):
   """Whether the compiled deterministic step runs each worker's slice as a
   pipeline: the stage hand-offs (``ppermute``) of the forward pass and of
-  its transpose are there, and no all-gather but the gradient exchange's
-  produces a whole stacked block parameter (the worker's layers are not
-  gathered over ``stage``; the exchange, ``determinism.value_and_grad``'s
-  ``all_to_all`` and ``all_gather`` of the summed gradient, does gather them
-  today)."""
+  its transpose are there, and no all-gather produces a whole stacked block
+  parameter: the worker's layers are not gathered over ``stage``, nor are
+  their summed gradients in the exchange (``determinism.value_and_grad`` is
+  told the params' shardings and exchanges each stage's layers; before, its
+  all-gathers produced every stacked gradient whole on every device)."""
   stacked = {tuple(v.shape) for v in jax.tree.leaves(
       train.abstract_params(train.CONFIGS["tiny"])["blocks"])}
   hops = re.findall(r'collective-permute(?:-start)?\([^\n]*op_name="([^"]*)"', hlo)
@@ -174,8 +174,7 @@ def _pipelined_without_gathering_the_stack(hlo):
   gathers = re.finditer(
       r'= \(?[a-z0-9]+\[([0-9,]*)\][^\n]* all-gather(?:-start)?\([^\n]*op_name="([^"]*)"', hlo)
   whole = [(m.group(1), m.group(2)) for m in gathers
-           if tuple(int(d) for d in m.group(1).split(",") if d) in stacked
-           and not m.group(2).endswith(("/all_gather", "/all_to_all"))]
+           if tuple(int(d) for d in m.group(1).split(",") if d) in stacked]
   return bool(forward) and bool(backward) and not whole
 
 

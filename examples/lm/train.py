@@ -175,8 +175,12 @@ def make_step(cfg, mesh, microbatches, *, deterministic=None, compiler_options=N
           logits, batch["tokens"][:, 1:]).mean(-1)
       return (per_seq * batch["mask"]).mean()
 
-    grad = determinism.value_and_grad(worker_loss, virtual_workers=deterministic, mesh=mesh,
-                                      batch_axis=("data", "fsdp"), pipeline_axis="stage")
+    # With the params' shardings each stage exchanges only its layers'
+    # gradients (not the whole stack over ``stage``).
+    grad = determinism.value_and_grad(
+        worker_loss, virtual_workers=deterministic, mesh=mesh, batch_axis=("data", "fsdp"),
+        pipeline_axis="stage",
+        param_shardings=None if state_shardings is None else state_shardings.params)
 
     def det_step(state, tokens, mask):
       loss, grads = grad(state.params, {"tokens": tokens, "mask": mask})

@@ -244,9 +244,12 @@ def make_step(graphdef, mesh, microbatches, shardings, deterministic=None,
       logits = worker_model(batch["tokens"][:, :-1], mesh=mesh, microbatches=mb)
       return (seq_loss(logits, batch["tokens"]) * batch["mask"]).mean()
 
+    # With the params' shardings each stage exchanges only its layers'
+    # gradients (not the whole stack over ``stage``).
     grad_fn = determinism.value_and_grad(worker_loss, virtual_workers=deterministic,
                                          mesh=mesh, batch_axis=("data", "fsdp"),
-                                         pipeline_axis="stage")
+                                         pipeline_axis="stage",
+                                         param_shardings=shardings[0].filter(nnx.Param))
     loss, grads = grad_fn(params, {"tokens": tokens, "mask": mask}, rest)
     # Without these XLA fuses the gradients' resharding (which differs from
     # mesh to mesh) into adamw's update: 1-ulp drifts (docs/determinism.md).
