@@ -123,6 +123,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from tenplex_jax import determinism as det  # noqa: E402
 
+from interleaved import time_interleaved  # noqa: E402
+
 SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "6m": dict(d=512, ff=2048, blocks=3),
          "25m": dict(d=1024, ff=4096, blocks=3),
@@ -429,16 +431,7 @@ def measure(row, args, mesh):
                                 row["virtual_workers"], args.rows)
     print(f"bitwise: {row['bitwise']}", file=sys.stderr, flush=True)
   del outs, ref
-  times = {name: [] for name in compiled}
-  cpu = {name: [] for name in compiled}
-  for _ in range(args.reps):
-    for name, c in compiled.items():  # interleaved
-      r0 = os.times()
-      t0 = time.perf_counter()
-      jax.block_until_ready(c(params, batch))
-      times[name].append(time.perf_counter() - t0)
-      r1 = os.times()
-      cpu[name].append(r1.user - r0.user + r1.system - r0.system)
+  times, cpu = time_interleaved(compiled, (params, batch), args.reps)
   row["loadavg_after"] = os.getloadavg()
   med = {name: statistics.median(t) for name, t in times.items()}
   row["seconds"] = med

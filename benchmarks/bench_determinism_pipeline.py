@@ -39,7 +39,6 @@ import os
 import pathlib
 import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "")
 
@@ -70,6 +69,8 @@ def main(argv=None) -> int:
 
   import tenplex_jax as tj
   from tenplex_jax import determinism as det
+
+  from interleaved import time_interleaved
 
   mesh = Mesh(np.array(jax.devices()[:ndev]).reshape(shape),
               ("data", "stage", "tensor"))
@@ -135,16 +136,7 @@ def main(argv=None) -> int:
     row["bitwise_equal"] = all(b == bits[0] for b in bits)
     del outs
     row["loadavg_before"] = os.getloadavg()
-    times = {n: [] for n in compiled}
-    cpu = {n: [] for n in compiled}
-    for _ in range(args.reps):
-      for name, c in compiled.items():  # interleaved
-        r0 = os.times()
-        t0 = time.perf_counter()
-        jax.block_until_ready(c(params, x))
-        times[name].append(time.perf_counter() - t0)
-        r1 = os.times()
-        cpu[name].append(r1.user - r0.user + r1.system - r0.system)
+    times, cpu = time_interleaved(compiled, (params, x), args.reps)
     row["loadavg_after"] = os.getloadavg()
   finally:
     if lock is not None:
