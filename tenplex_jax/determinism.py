@@ -747,7 +747,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       exactly the batch axes then come out with the params' shardings (a
       reduce-scatter's layout, each leaf's top of the tree in a
       ``lax.cond`` branch of its own so that the update cannot fuse with
-      it); the others, and all of them on GPU, come out gathered (see
+      it); the others, all of them on GPU and all of them with a
+      ``pipeline_axis`` (whose stages' collectives nothing would order
+      against those conditionals), come out gathered (see
       ``on_shards``). With a ``pipeline_axis``, the gathered gradients of
       params split over it along one dimension are exchanged on each
       stage's slice and come out split over the stages as the params are
@@ -1353,7 +1355,14 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       # The gradients of params split over exactly the batch axes (FSDP)
       # keep the reduce-scatter layout, the params' (their sums computed in
       # a conditional's branch, see body_tree); the others are gathered.
+      # Under a pipeline_axis every gradient is gathered: nothing orders
+      # those conditionals, which hold the exchange's collectives, against
+      # each other or against the stages' collectives (on a (data, stage,
+      # tensor) = (2, 2, 2) mesh ``hlo_order.region_pairs`` found them
+      # unordered against the all-gathers: a deadlock XLA:CPU may run
+      # into, as the top's branches did before the fourteenth session).
       gather = tuple(s is None or s != a or gather_inside_jit
+                     or pipeline_axis is not None
                      for a, s in zip(dims, shard_in))
       return run(params, batch, *args, dims=dims, shard_in=shard_in,
                  gather=gather, staged=_staged((treedef, tuple(specs))))

@@ -174,23 +174,31 @@ def layer(p, h):
   return h + jax.nn.gelu(h @ p["a"]) @ p["b"]
 
 
-def pipeline_step(shape, v=8, param_shardings=False):
+def pipeline_step(shape, v=8, param_shardings=False, fsdp_leaf=False):
   """The jitted deterministic step of a pipelined residual MLP stack on a
   (data, stage, tensor) mesh (layers split over stage, the hidden dim over
   tensor) and its arguments. With ``param_shardings`` ``value_and_grad``
   is told the params' shardings and the step puts the grads on them
-  (``on_shards``), as a trainer's step does."""
+  (``on_shards``), as a trainer's step does. With ``fsdp_leaf`` an input
+  projection ``w`` before the stages is split over ``data`` alone, the
+  batch axis (an FSDP leaf)."""
   mesh = Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape),
               ("data", "stage", "tensor"))
   k = jax.random.split(jax.random.key(0), 3)
   params = {"a": jax.random.normal(k[0], (L, D, H)) / 6,
             "b": jax.random.normal(k[1], (L, H, D)) / 8}
+  specs = {"a": P("stage", None, "tensor"), "b": P("stage", "tensor")}
+  if fsdp_leaf:
+    params["w"] = jax.random.normal(jax.random.key(1), (D, D)) / 6
+    specs["w"] = P("data", None)
   x = jax.random.normal(k[2], (4 * v, 15, D))
 
   def loss(p, xb):
-    return jnp.mean(tj.pipeline(layer, p, xb, mesh=mesh, microbatches=2) ** 2)
+    if fsdp_leaf:
+      xb = xb @ p["w"]
+    stack = {"a": p["a"], "b": p["b"]}
+    return jnp.mean(tj.pipeline(layer, stack, xb, mesh=mesh, microbatches=2) ** 2)
 
-  specs = {"a": P("stage", None, "tensor"), "b": P("stage", "tensor")}
   shardings = {n: NamedSharding(mesh, s) for n, s in specs.items()}
   f = det.value_and_grad(loss, virtual_workers=v, mesh=mesh,
                          pipeline_axis="stage",
@@ -204,9 +212,9 @@ def pipeline_step(shape, v=8, param_shardings=False):
   return step, (ps, jax.device_put(x, NamedSharding(mesh, P("data"))))
 
 
-def pipeline_grads(shape, v=8):
+def pipeline_grads(shape, v=8, **kwargs):
   """Loss and grads of :func:`pipeline_step`."""
-  f, args = pipeline_step(shape, v)
+  f, args = pipeline_step(shape, v, **kwargs)
   return f(*args)
 
 
@@ -264,19 +272,23 @@ sys.path.insert(0, sys.argv[1])
 import numpy as np
 import hlo_order
 import test_determinism_compose as t
-ref = t.pipeline_grads((1, 1, 1))
-f, args = t.pipeline_step((2, 2, 2))
-compiled = f.lower(*args).compile()
-m = hlo_order.Module(compiled.as_text())
-out = compiled(*args)
-print(json.dumps({
-    "entry_permutes": sum(op.opcode == "collective-permute"
-                          for op in m.collective_ops()),
-    "region_pairs": [[c, a.name, b.name] for c, a, b in m.region_pairs()],
-    "bitwise": all(np.array_equal(np.asarray(a).view(np.uint32),
-                                  np.asarray(b).view(np.uint32))
-                   for a, b in zip(jax.tree_util.tree_leaves(ref),
-                                   jax.tree_util.tree_leaves(out)))}))
+res = {}
+for name, kw in [("plain", {}),
+                 ("fsdp", {"param_shardings": True, "fsdp_leaf": True})]:
+  ref = t.pipeline_grads((1, 1, 1), **kw)
+  f, args = t.pipeline_step((2, 2, 2), **kw)
+  compiled = f.lower(*args).compile()
+  m = hlo_order.Module(compiled.as_text())
+  out = compiled(*args)
+  res[name] = {
+      "entry_permutes": sum(op.opcode == "collective-permute"
+                            for op in m.collective_ops()),
+      "region_pairs": [[c, a.name, b.name] for c, a, b in m.region_pairs()],
+      "bitwise": all(np.array_equal(np.asarray(a).view(np.uint32),
+                                    np.asarray(b).view(np.uint32))
+                     for a, b in zip(jax.tree_util.tree_leaves(ref),
+                                     jax.tree_util.tree_leaves(out)))}
+print(json.dumps(res))
 """
 
 
@@ -288,18 +300,22 @@ def test_pipeline_top_by_permutes_is_ordered_and_bitwise():
   branches of the top once resharded the own chunk over ``stage`` inside
   them, and on this (data, stage, tensor) = (2, 2, 2) mesh the two halves
   of ``data`` then waited in two different collectives until XLA:CPU
-  aborted), and the step has the 1-device run's bits. In a subprocess with
-  a timeout, so that a deadlock fails the test instead of hanging it."""
+  aborted), and the step has the 1-device run's bits. The same with
+  ``param_shardings`` and an FSDP leaf (split over ``data``, the batch
+  axis, alone): its gradient is gathered under a ``pipeline_axis`` (its top
+  in a conditional, as without one, was unordered against the all-gathers).
+  In a subprocess with a timeout, so that a deadlock fails the test instead
+  of hanging it."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
       [os.path.dirname(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
   (r,) = procs.run_all([[sys.executable, "-c", _PERMUTES_UNDER_PIPELINE, HERE]],
                        timeout=300, env=env)
   assert r.returncode == 0, r.stdout[-3000:]
-  res = json.loads(r.stdout.strip().splitlines()[-1])
-  assert res["entry_permutes"] >= 2, res  # (a's and b's, n - 1 = 1 each)
-  assert res["region_pairs"] == [], res
-  assert res["bitwise"], res
+  for name, res in json.loads(r.stdout.strip().splitlines()[-1]).items():
+    assert res["entry_permutes"] >= 2, (name, res)  # (a's and b's, n - 1 = 1 each)
+    assert res["region_pairs"] == [], (name, res)
+    assert res["bitwise"], (name, res)
 
 
 def test_pipeline_axis_errors():
