@@ -265,3 +265,27 @@ def test_deterministic_cross_process_resize_through_the_stores_is_bitwise(tmp):
   assert log["bitwise_identical"] is True and log["max_abs_param_diff"] == 0.0
   assert ("deterministic (8 virtual workers): losses and final params are bitwise"
           " identical to the static run") in run.stdout
+
+
+def test_init_has_the_same_bits_on_every_mesh():
+  """The model's init compiles at XLA's optimisation level 0 on CPU
+  (``INIT_COMPILER_OPTIONS``): every mesh's init gives the 1-device init's
+  bits, so the elastic and the static run start from the same state."""
+  cfg = train.CONFIGS["tiny"]
+  assert train.create_model.__globals__["INIT_COMPILER_OPTIONS"] == {
+      "xla_backend_optimization_level": 0}
+
+  def params(schedule):
+    phase = train.parse_schedule(schedule)[0]
+    mesh, rules, _ = train.layout(phase, cfg, jax.devices(), search=False,
+                                  global_batch=train.GLOBAL_BATCH)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+      model = train.create_model(cfg, seed=train.SEED)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+  ref = params("0:1")
+  for schedule in ("0:stage=2,data=2", "0:fsdp=2,tensor=2", "0:data=2,tensor=2,stage=2"):
+    got = params(schedule)
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(ref, got)):
+      assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (schedule, i)

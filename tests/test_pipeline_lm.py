@@ -68,3 +68,28 @@ def test_deterministic_and_procs_errors(capsys):
     err = capsys.readouterr().err
     assert all(w in err for w in words), (argv, err)
   assert train.procs_plan(config.parse(config.DEFAULT_SCHEDULE), "auto") == [2, 2, 1, 2]
+
+
+def test_init_has_the_same_bits_on_every_mesh():
+  """init compiles at XLA's optimisation level 0 on CPU
+  (``INIT_COMPILER_OPTIONS``): every mesh's compiled init gives the
+  1-device init's bits (the elastic and the static run start from the same
+  state whatever their first meshes)."""
+  import jax
+  cfg, key = config.TINY, jax.random.key(config.SEED)
+  assert train.INIT_COMPILER_OPTIONS == {"xla_backend_optimization_level": 0}
+
+  def params(schedule):
+    phase = config.parse(schedule)[0]
+    mesh, rules, _ = train.layout(phase, cfg, jax.devices()[:phase.devices], search=False,
+                                  global_batch=config.GLOBAL_BATCH)
+    init = train.init_fn(cfg, mesh, rules, config.LEARNING_RATE)
+    return [np.asarray(x) for x in jax.tree.leaves(init(key).params)]
+
+  ref = params("0:1")
+  for schedule in ("0:stage=2,data=2", "0:data=2,tensor=2,stage=2", "0:fsdp=2,stage=4",
+                   "0:fsdp=4,tensor=2"):
+    got = params(schedule)
+    assert len(got) == len(ref)
+    for i, (a, b) in enumerate(zip(ref, got)):
+      assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), (schedule, i)
