@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.core.spmd as core_spmd
 import jax
