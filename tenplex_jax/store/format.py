@@ -60,7 +60,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import google_crc32c
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
@@ -446,11 +446,30 @@ def to_storage(arr: np.ndarray, storage: str, extra: tuple[int, ...]
   return out
 
 
+def dtype_of_name(name: str) -> np.dtype:
+  """The numpy dtype a dtype name spells, ``ml_dtypes``' ones included.
+
+  What ``jnp.dtype(name)`` gives, without importing jax (a store server
+  does not).
+
+  Example:
+    >>> dtype_of_name("bfloat16"), dtype_of_name("float32")
+    (dtype(bfloat16), dtype('float32'))
+  """
+  try:
+    return np.dtype(name)
+  except TypeError:
+    t = getattr(ml_dtypes, name, None)
+    if t is None:
+      raise
+    return np.dtype(t)
+
+
 def from_storage(arr: np.ndarray, dtype_name: str) -> np.ndarray:
   """Views storage integers as the logical dtype (keys stay key data)."""
   if dtype_name.startswith("key<"):
     return arr
-  dt = jnp.dtype(dtype_name)
+  dt = dtype_of_name(dtype_name)
   if arr.dtype == dt:
     return arr
   arr = np.ascontiguousarray(arr).reshape(arr.shape)
