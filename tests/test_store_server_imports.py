@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,3 +44,22 @@ def test_server_serves_without_importing_jax(tmp_path):
   out = json.loads(p.stdout.strip().splitlines()[-1])
   assert out["jax"] == []
   assert out["bytes"] == np.ascontiguousarray(x[1:5, 2:]).tobytes().hex()
+
+
+def test_dtype_of_name_is_jnp_dtype():
+  """``dtype_of_name`` (numpy + ml_dtypes) gives what ``jnp.dtype`` gives for
+  every dtype jax names, and refuses a name that is not a dtype, also one
+  ``ml_dtypes`` has as another attribute (``np.dtype`` of any class is
+  ``object``: an upload of dtype ``finfo`` would pass as 8 bytes)."""
+  import jax.numpy as jnp
+  import ml_dtypes
+  from tenplex_jax.store.format import dtype_of_name
+  names = ["bool", "int8", "uint32", "float16", "float32", "float64",
+           "complex64", "bfloat16", "int4", "uint4", "float8_e4m3fn",
+           "float8_e5m2"]
+  for name in names:
+    assert dtype_of_name(name) == jnp.dtype(name), name
+  for name in ("finfo", "iinfo", "__version__", "nonsense"):
+    assert hasattr(ml_dtypes, name) or name == "nonsense"
+    with pytest.raises(TypeError):
+      dtype_of_name(name)

@@ -449,8 +449,10 @@ def to_storage(arr: np.ndarray, storage: str, extra: tuple[int, ...]
 def dtype_of_name(name: str) -> np.dtype:
   """The numpy dtype a dtype name spells, ``ml_dtypes``' ones included.
 
-  What ``jnp.dtype(name)`` gives, without importing jax (a store server
-  does not).
+  What ``jnp.dtype(name)`` gives (``jnp.dtype`` is numpy's; importing
+  ``ml_dtypes`` registers its names, ``bfloat16`` and the like), without
+  importing jax (a store server does not). A name that is not a dtype
+  raises ``TypeError``, as there.
 
   Example:
     >>> dtype_of_name("bfloat16"), dtype_of_name("float32")
@@ -459,8 +461,10 @@ def dtype_of_name(name: str) -> np.dtype:
   try:
     return np.dtype(name)
   except TypeError:
+    # An ml_dtypes release that does not register its names: its scalar
+    # types only (``np.dtype`` of any other class is ``object``).
     t = getattr(ml_dtypes, name, None)
-    if t is None:
+    if not (isinstance(t, type) and issubclass(t, np.generic)):
       raise
     return np.dtype(t)
 

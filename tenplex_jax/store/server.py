@@ -66,10 +66,10 @@ from tenplex_jax.errors import (ChecksumError, StoreError, TLSError,
 from tenplex_jax.layout import PTC, Box
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
-                                      dtype_of_name,
                                       check_manifest, check_step,
-                                      check_tensor_path, ensure_store_id,
-                                      format_box, parse_box, storage_of)
+                                      check_tensor_path, dtype_of_name,
+                                      ensure_store_id, format_box, parse_box,
+                                      storage_of)
 
 __all__ = ["CA_ENV", "RemoteStore", "TOKEN_ENV", "is_remote", "make_server",
            "new_token", "resolve_token", "serve"]
