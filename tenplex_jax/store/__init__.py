@@ -15,13 +15,18 @@
   in :mod:`tenplex_jax.runtime.launch` and are re-exported here.
 """
 
-from tenplex_jax.errors import (ChecksumError, NoCopyError, StoreError,
-                                 TreeError, UnreachableError,
-                                 UnsafePathError, UsageError)
 import importlib
 import sys
 import types
 from typing import Any
+
+from tenplex_jax.errors import (ChecksumError, NoCopyError, StoreError,
+                                 TreeError, UnreachableError,
+                                 UnsafePathError, UsageError)
+from tenplex_jax.store.format import (HostStore, TensorInfo, gc,
+                                      parse_index, round_id)
+from tenplex_jax.store.server import (TOKEN_ENV, RemoteStore, make_server,
+                                      new_token, serve)
 
 # The names that need jax (a save, a restore, the launch runtime) load on
 # first use (PEP 562): a store server (``tenplex-jax store serve``) imports
@@ -37,10 +42,6 @@ _LAZY = {
                      "restore_or_init", "save_and_exit", "save_snapshot",
                      "wait_programs", "wait_turn"), "launch"),
 }
-from tenplex_jax.store.format import (HostStore, TensorInfo, gc,
-                                      parse_index, round_id)
-from tenplex_jax.store.server import (TOKEN_ENV, RemoteStore, make_server,
-                                      new_token, serve)
 
 __all__ = [
     "ChecksumError",
