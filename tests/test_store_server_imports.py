@@ -1,20 +1,34 @@
 """A store server process imports no jax: it only serves chunks."""
 
-import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from tenplex_jax.store.server import RemoteStore
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_server_serves_without_importing_jax(tmp_path):
-  """A fresh process imports ``tenplex_jax.store.server``, starts a server
-  (what ``tenplex-jax store serve`` runs) and answers a chunk read; jax is
-  never imported, and a bfloat16 sub-box reads back bitwise."""
+def _imported(importtime_log: str) -> list[str]:
+  """The modules a ``python -X importtime`` log names."""
+  mods = []
+  for line in importtime_log.splitlines():
+    if line.startswith("import time:") and "|" in line:
+      name = line.rsplit("|", 1)[1].strip()
+      if name != "imported package":  # the header line
+        mods.append(name)
+  return mods
+
+
+def test_store_serve_imports_no_jax(tmp_path):
+  """The real ``tenplex-jax store serve`` (what the launcher starts on every
+  host) reaches its ready file and answers a chunk read, a bfloat16
+  sub-box that reads back bitwise, without ever importing jax."""
   import jax
   import ml_dtypes
   from tenplex_jax import store
@@ -22,28 +36,38 @@ def test_server_serves_without_importing_jax(tmp_path):
   x = (np.arange(24, dtype=np.float32).reshape(6, 4) / 7).astype(
       ml_dtypes.bfloat16)
   store.save({"w": jax.device_put(x, jax.devices()[0])}, root)
-  code = (
-      "import json, sys, threading\n"
-      "from tenplex_jax.store.server import RemoteStore, make_server\n"
-      f"srv = make_server({root!r}, 0)\n"
-      "t = threading.Thread(target=srv.serve_forever, daemon=True)\n"
-      "t.start()\n"
-      "try:\n"
-      "  a = RemoteStore('http://%s:%d' % srv.server_address).read_storage(\n"
-      "      'w', ((1, 5), (2, 4)), proc=0)\n"
-      "finally:\n"
-      "  srv.shutdown(); srv.server_close()\n"
-      "print(json.dumps({'jax': sorted(m for m in sys.modules"
-      " if m == 'jax' or m.startswith('jax.')),"
-      " 'bytes': a.tobytes().hex()}))\n")
-  env = dict(os.environ)
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  p = subprocess.run([sys.executable, "-c", code], env=env,
-                     capture_output=True, text=True, timeout=300)
-  assert p.returncode == 0, p.stderr[-3000:]
-  out = json.loads(p.stdout.strip().splitlines()[-1])
-  assert out["jax"] == []
-  assert out["bytes"] == np.ascontiguousarray(x[1:5, 2:]).tobytes().hex()
+  ready, log = tmp_path / "ready", tmp_path / "importtime.log"
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("TENPLEX_JAX_STORE_TOKEN", "TENPLEX_JAX_STORE_CA")}
+  env["PYTHONPATH"] = ROOT
+  with open(log, "w") as err, open(tmp_path / "stdout", "w") as out:
+    p = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "tenplex_jax", "store",
+         "serve", "--dir", root, "--port", "0", "--ready-file", str(ready)],
+        env=env, stdout=out, stderr=err, start_new_session=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+      assert p.poll() is None, (p.returncode, log.read_text()[-3000:])
+      assert time.monotonic() < deadline, "no ready file after 120 s"
+      time.sleep(0.05)
+    with RemoteStore(f"http://{ready.read_text()}") as rs:
+      a = rs.read_storage("w", ((1, 5), (2, 4)), proc=0)
+  finally:
+    try:
+      os.killpg(p.pid, signal.SIGTERM)
+      p.wait(timeout=30)
+    except ProcessLookupError:
+      pass
+    except subprocess.TimeoutExpired:
+      os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+  assert a.dtype.itemsize == 2 and a.shape == (4, 2)
+  np.testing.assert_array_equal(a.view(np.uint16),
+                                x[1:5, 2:].view(np.uint16))
+  mods = _imported(log.read_text())
+  assert "tenplex_jax.store.server" in mods  # the log is the server's
+  assert [m for m in mods if m == "jax" or m.startswith("jax.")] == []
 
 
 def test_dtype_of_name_is_jnp_dtype():
