@@ -57,16 +57,20 @@ import urllib.parse
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 import ml_dtypes
 import numpy as np
-import tensorstore as ts
 
 from tenplex_jax.errors import ChecksumError, StoreError, UsageError
 from tenplex_jax.layout import PTC, Box
 from tenplex_jax.store import private
+
+# tensorstore (0.1-0.2 s to import) loads where a read or write uses it: a
+# store server reads the chunks of format 2 without it.
+if TYPE_CHECKING:
+  import tensorstore as ts
 
 __all__ = ["ChunkMaps", "HostStore", "SnapshotWriter", "check_step",
            "check_tensor_path", "crc32c", "gc", "parse_index", "format_box",
@@ -112,6 +116,7 @@ def crc32c(data: Any, value: int = 0) -> int:
 
 
 def _context() -> ts.Context:
+  import tensorstore as ts
   return ts.Context({"cache_pool": {"total_bytes_limit": 0},
                      "data_copy_concurrency": {"limit": 4},
                      "file_io_concurrency": {"limit": 8}})
@@ -1632,6 +1637,7 @@ class HostStore:
     with self._lock:
       arr = self._arrays.get(key)
     if arr is None:
+      import tensorstore as ts
       spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": key},
               "open": True}
       try:
