@@ -2,8 +2,8 @@
 ready file, what the launcher pays per host of every multi-process job.
 
 Each round starts one server from each source tree in turn (``--tree
-NAME=PATH``, run with ``PYTHONPATH=PATH``; default: this checkout), on an
-empty directory, port 0, and records
+NAME=PATH``, run with ``PYTHONPATH=PATH`` in a new directory; default: this
+checkout), on an empty store directory, port 0, and records
 
 * ``wall_s``: from ``Popen`` to the ready file (polled every 2 ms);
 * ``cpu_s``: the server's user + system CPU until then (``/proc/PID/stat``,
@@ -58,8 +58,8 @@ def start_once(tree: str, work: str, timeout: float = 120.0) -> dict:
   p = subprocess.Popen(
       [sys.executable, "-m", "tenplex_jax", "store", "serve", "--dir",
        os.path.join(d, "store"), "--port", "0", "--ready-file", ready],
-      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-      start_new_session=True)
+      env=env, cwd=d, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+      start_new_session=True)  # cwd: ``-m`` puts it first on sys.path
   try:
     while not os.path.exists(ready):
       if p.poll() is not None:
