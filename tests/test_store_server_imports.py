@@ -44,7 +44,8 @@ def test_store_serve_imports_no_jax(tmp_path):
     p = subprocess.Popen(
         [sys.executable, "-X", "importtime", "-m", "tenplex_jax", "store",
          "serve", "--dir", root, "--port", "0", "--ready-file", str(ready)],
-        env=env, stdout=out, stderr=err, start_new_session=True)
+        env=env, cwd=tmp_path, stdout=out, stderr=err,
+        start_new_session=True)  # cwd: ``-m`` puts it first on sys.path
   try:
     deadline = time.monotonic() + 120
     while not ready.exists():
