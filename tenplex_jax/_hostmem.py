@@ -52,8 +52,10 @@ import itertools
 import math
 import mmap
 import os
+import sys
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -369,11 +371,25 @@ def _on_drop(ref) -> None:
     block.close()
 
 
-try:  # jaxlib's deferred Python references (no public name)
-  from jax._src.lib import _jax as _jaxlib
-  _collect_deferred = getattr(_jaxlib, "collect_garbage", None)
-except ImportError:  # pragma: no cover - another jaxlib layout
-  _collect_deferred = None
+# jaxlib's collector of deferred Python references (no public name), looked
+# up on first use: importing this module does not import jax (a store
+# server's process takes host buffers from here and never loads it).
+_collect_deferred: Any = None
+
+
+def _deferred_collector() -> Any:
+  global _collect_deferred
+  if _collect_deferred is None:
+    lib = sys.modules.get("jax._src.lib")
+    if lib is None:  # jax not loaded: no jax buffer holds a host block
+      return None
+    _collect_deferred = getattr(getattr(lib, "_jax", None),
+                                "collect_garbage", None) or _no_collector
+  return _collect_deferred
+
+
+def _no_collector() -> None:  # pragma: no cover - another jaxlib layout
+  pass
 
 
 def collect_dropped_buffers() -> None:
@@ -388,8 +404,9 @@ def collect_dropped_buffers() -> None:
   faults, 3x the time of a call that reuses them). Cheap: one call into
   jaxlib, which runs the same code at every collection.
   """
-  if _collect_deferred is not None:
-    _collect_deferred()
+  collect = _deferred_collector()
+  if collect is not None:
+    collect()
 
 
 def release_host_pool() -> int:

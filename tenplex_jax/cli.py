@@ -1,7 +1,12 @@
 """The ``tenplex-jax`` command line: a thin layer over library calls.
 
 Each verb lives next to the library code that does its work and registers
-itself through a ``register(subparsers)`` function listed in ``_VERBS``.
+itself through a ``register(subparsers)`` function listed in ``_VERBS``. A
+command line that names a verb registers that verb's module alone
+(``_VERB_MODULES``), so that ``tenplex-jax store serve``, which the launcher
+starts on every host, does not import the others (jax: a second of CPU);
+without one (``tenplex-jax --help``, a misspelt verb) every module
+registers, and help and errors list every verb.
 
 Errors follow one convention for every verb: one line
 ``tenplex-jax: error: <message>`` on stderr, exit status 2 for bad input
@@ -20,6 +25,7 @@ import importlib
 import signal
 import sys
 import traceback
+from collections.abc import Sequence
 
 from tenplex_jax.errors import TenplexError, UsageError
 
@@ -32,6 +38,18 @@ _VERBS: tuple[str, ...] = (
     "tenplex_jax.store.cli",
     "tenplex_jax.runtime.launch",
 )
+
+# The verbs each module of ``_VERBS`` registers, in their order
+# (tests/test_cli_verbs.py checks it against a full registration).
+_VERB_MODULES: dict[str, str] = {
+    "plan": "tenplex_jax._cli_core",
+    "demo": "tenplex_jax._cli_core",
+    "data": "tenplex_jax.data.cli",
+    "ckpt": "tenplex_jax.orbax.cli",
+    "search": "tenplex_jax.search.cli",
+    "store": "tenplex_jax.store.cli",
+    "launch": "tenplex_jax.runtime.launch",
+}
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -46,17 +64,52 @@ class _Parser(argparse.ArgumentParser):
     self.exit(EXIT_USAGE, f"tenplex-jax: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+  """The parser of every verb, or of the module that registers ``verb``.
+
+  Args:
+    verb: register only its module (its usage line still lists every
+      verb); ``None``: every module of ``_VERBS``.
+
+  Example:
+    >>> args = build_parser("store").parse_args(["store", "serve", "--dir", "d"])
+    >>> args.store_verb, args.port
+    ('serve', 0)
+  """
   parser = _Parser(
       prog="tenplex-jax",
       description="Elastic re-meshing of JAX training state.",
   )
   parser.add_argument("--debug", action="store_true",
                       help="print the traceback of an error")
-  sub = parser.add_subparsers(dest="verb", required=True)
-  for name in _VERBS:
+  if verb is None:
+    sub = parser.add_subparsers(dest="verb", required=True)
+    modules = _VERBS
+  else:
+    # The metavar argparse would write from a full registration's choices.
+    sub = parser.add_subparsers(dest="verb", required=True,
+                                metavar="{" + ",".join(_VERB_MODULES) + "}")
+    modules = (_VERB_MODULES[verb],)
+  for name in modules:
     importlib.import_module(name).register(sub)
   return parser
+
+
+def _verb_of(argv: Sequence[str]) -> str | None:
+  """The verb a command line names, when it is the first argument after
+  ``--debug`` (or an abbreviation of it); ``None`` otherwise (no verb, a
+  misspelt one, ``--help`` or anything else before it).
+
+  Example:
+    >>> _verb_of(["--debug", "store", "serve"]), _verb_of(["--help", "store"])
+    ('store', None)
+  """
+  for arg in argv:
+    if arg in _VERB_MODULES:
+      return arg
+    if not (len(arg) > 2 and "--debug".startswith(arg)):
+      return None
+  return None
 
 
 def exit_code(e: BaseException) -> int:
@@ -88,9 +141,9 @@ def _message(e: BaseException) -> str:
   return " ".join(text.splitlines()) if len(text) < 2000 else text
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = build_parser()
-  args = parser.parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = build_parser(_verb_of(argv)).parse_args(argv)
   try:
     return int(args.func(args) or 0)
   except KeyboardInterrupt as e:

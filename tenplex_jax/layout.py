@@ -25,13 +25,17 @@ import itertools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from tenplex_jax.errors import LayoutError
+
+# jax loads where a function needs it: PTC and Box (a store server) work
+# without it.
+if TYPE_CHECKING:
+  import jax
+  from jax.sharding import PartitionSpec
 
 # A box is the half-open index range [start, stop) of each dimension.
 Box = tuple[tuple[int, int], ...]
@@ -111,6 +115,7 @@ def key_path_name(path: Sequence[Any]) -> str:
   ...  jax.tree_util.tree_flatten_with_path({"a": [1, {"b": 2}]})[0]]
   ['a/0', 'a/1/b']
   """
+  import jax
   parts = []
   for k in path:
     if isinstance(k, jax.tree_util.DictKey):
@@ -219,6 +224,7 @@ def _placement_from_indices_map(indices: Mapping[Any, tuple],
 
 
 def _spec_to_json(spec: PartitionSpec) -> list:
+  from jax.sharding import PartitionSpec
   out = []
   for entry in spec:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
@@ -231,6 +237,7 @@ def _spec_to_json(spec: PartitionSpec) -> list:
 
 
 def _spec_from_json(entries: Sequence) -> PartitionSpec:
+  from jax.sharding import PartitionSpec
   return PartitionSpec(*[tuple(e) if isinstance(e, list) else e
                          for e in entries])
 
@@ -239,6 +246,7 @@ def describe_sharding(sharding: jax.sharding.Sharding) -> dict:
   """A JSON description from which :func:`sharding_from_description` rebuilds
   the sharding. Kinds: ``named``, ``single``, or ``opaque`` (not rebuildable).
   """
+  from jax.sharding import NamedSharding, SingleDeviceSharding
   if isinstance(sharding, NamedSharding):
     mesh = sharding.mesh
     return {
@@ -266,6 +274,8 @@ def sharding_from_description(desc: Mapping, path: str = "?",
     LayoutError: the description names devices that do not exist, or is an
       ``opaque`` one.
   """
+  import jax
+  from jax.sharding import NamedSharding, SingleDeviceSharding
   by_id = {d.id: d for d in (devices if devices is not None else jax.devices())}
 
   def dev(i):
@@ -329,6 +339,7 @@ class TensorLayout:
 
 
 def dtype_info(dtype) -> tuple[str, int]:
+  import jax
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return str(dtype), int(dtype.itemsize)
   dt = np.dtype(dtype)
@@ -355,6 +366,7 @@ def placement_by_arithmetic(sharding: jax.sharding.Sharding,
   arithmetic as :func:`named_layout`); anything else returns ``None`` and
   takes jax's path. ``tests/test_layout_named.py`` checks that both agree.
   """
+  from jax.sharding import Mesh, NamedSharding
   if type(sharding) is not NamedSharding:
     return None
   mesh, spec = sharding.mesh, sharding.spec
@@ -394,6 +406,7 @@ def placement_of(sharding: jax.sharding.Sharding, shape: Sequence[int],
 
 
 def _is_array_like(x) -> bool:
+  import jax
   return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
 
 
@@ -475,6 +488,7 @@ class PTC:
       LayoutError: a ``ShapeDtypeStruct`` has no sharding, or a sharding does
         not fit its leaf's shape; the message names the leaf.
     """
+    import jax
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     tensors = []
     processes: dict[int, int] = {}

@@ -329,7 +329,7 @@ def test_killed_saves_are_reclaimed_and_live_ones_kept(tmp_path):
 
 
 _SAVER = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     import jax
     jax.config.update("jax_platforms", "cpu")
@@ -348,9 +348,18 @@ _SAVER = textwrap.dedent("""
           lambda i: np.full((8,), v, np.float32)[i])}
     d = os.path.join(base, f"p{proc}")
     store.save(state(1), d)  # the default step=0, twice
+    saved = os.path.join(base, "p1-saved")
     if proc == 1:
+      open(saved, "w").close()
       os._exit(0)  # process 1 dies before its second save
     store.save(state(2), d)
+    # Process 0 holds the coordination service: leaving before process 1
+    # read the run id from it aborted process 1 ("the JAX distributed
+    # service detected fatal errors") whenever process 1 lagged by more
+    # than this second save.
+    deadline = time.monotonic() + 120
+    while not os.path.exists(saved) and time.monotonic() < deadline:
+      time.sleep(0.01)
     os._exit(0)
 """)
 

@@ -15,23 +15,33 @@
   in :mod:`tenplex_jax.runtime.launch` and are re-exported here.
 """
 
+import importlib
+import sys
+import types
+from typing import Any
+
 from tenplex_jax.errors import (ChecksumError, NoCopyError, StoreError,
                                  TreeError, UnreachableError,
                                  UnsafePathError, UsageError)
-from tenplex_jax.store.api import (RestoreReport, open_store, replicate, restore,
-                                   restore_checkpoint, restore_with_report,
-                                   save, save_checkpoint)
-from tenplex_jax.store.checkpoint import latest_step
-from tenplex_jax.store.launch import (RESIZE_EXIT_CODE, expect_resizes,
-                                      heartbeat, initialize, launch, prepared,
-                                      prepared_for_failure,
-                                      request_resize, resize_due, restore_or_init,
-                                      save_and_exit, save_snapshot, wait_programs,
-                                      wait_turn)
 from tenplex_jax.store.format import (HostStore, TensorInfo, gc,
                                       parse_index, round_id)
 from tenplex_jax.store.server import (TOKEN_ENV, RemoteStore, make_server,
                                       new_token, serve)
+
+# The names that need jax (a save, a restore, the launch runtime) load on
+# first use (PEP 562): a store server (``tenplex-jax store serve``) imports
+# this package without importing jax.
+_LAZY = {
+    **dict.fromkeys(("RestoreReport", "open_store", "replicate", "restore",
+                     "restore_checkpoint", "restore_with_report", "save",
+                     "save_checkpoint"), "api"),
+    "latest_step": "checkpoint",
+    **dict.fromkeys(("RESIZE_EXIT_CODE", "expect_resizes", "heartbeat",
+                     "initialize", "launch", "prepared",
+                     "prepared_for_failure", "request_resize", "resize_due",
+                     "restore_or_init", "save_and_exit", "save_snapshot",
+                     "wait_programs", "wait_turn"), "launch"),
+}
 
 __all__ = [
     "ChecksumError",
@@ -75,3 +85,33 @@ __all__ = [
     "save_snapshot",
     "serve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+  if name in _LAZY:
+    module = importlib.import_module(f"tenplex_jax.store.{_LAZY[name]}")
+    # Bind all of that module's names at once: importing the submodule
+    # ``launch`` set the attribute ``launch`` to it, the function wins.
+    for n, m in _LAZY.items():
+      if m == _LAZY[name]:
+        globals()[n] = getattr(module, n)
+    return globals()[name]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
+
+class _StoreModule(types.ModuleType):
+  """Keeps ``tenplex_jax.store.launch`` the function, as when this package
+  imported the launcher eagerly: a first ``import tenplex_jax.store.launch``
+  sets the package's attribute to the submodule, this binds the function."""
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    if name == "launch" and isinstance(value, types.ModuleType):
+      value = value.launch
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _StoreModule

@@ -57,16 +57,20 @@ import urllib.parse
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import google_crc32c
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
-import tensorstore as ts
 
 from tenplex_jax.errors import ChecksumError, StoreError, UsageError
 from tenplex_jax.layout import PTC, Box
 from tenplex_jax.store import private
+
+# tensorstore (0.1-0.2 s to import) loads where a read or write uses it: a
+# store server reads the chunks of format 2 without it.
+if TYPE_CHECKING:
+  import tensorstore as ts
 
 __all__ = ["ChunkMaps", "HostStore", "SnapshotWriter", "check_step",
            "check_tensor_path", "crc32c", "gc", "parse_index", "format_box",
@@ -112,6 +116,7 @@ def crc32c(data: Any, value: int = 0) -> int:
 
 
 def _context() -> ts.Context:
+  import tensorstore as ts
   return ts.Context({"cache_pool": {"total_bytes_limit": 0},
                      "data_copy_concurrency": {"limit": 4},
                      "file_io_concurrency": {"limit": 8}})
@@ -446,11 +451,34 @@ def to_storage(arr: np.ndarray, storage: str, extra: tuple[int, ...]
   return out
 
 
+def dtype_of_name(name: str) -> np.dtype:
+  """The numpy dtype a dtype name spells, ``ml_dtypes``' ones included.
+
+  What ``jnp.dtype(name)`` gives (``jnp.dtype`` is numpy's; importing
+  ``ml_dtypes`` registers its names, ``bfloat16`` and the like), without
+  importing jax (a store server does not). A name that is not a dtype
+  raises ``TypeError``, as there.
+
+  Example:
+    >>> dtype_of_name("bfloat16"), dtype_of_name("float32")
+    (dtype(bfloat16), dtype('float32'))
+  """
+  try:
+    return np.dtype(name)
+  except TypeError:
+    # An ml_dtypes release that does not register its names: its scalar
+    # types only (``np.dtype`` of any other class is ``object``).
+    t = getattr(ml_dtypes, name, None)
+    if not (isinstance(t, type) and issubclass(t, np.generic)):
+      raise
+    return np.dtype(t)
+
+
 def from_storage(arr: np.ndarray, dtype_name: str) -> np.ndarray:
   """Views storage integers as the logical dtype (keys stay key data)."""
   if dtype_name.startswith("key<"):
     return arr
-  dt = jnp.dtype(dtype_name)
+  dt = dtype_of_name(dtype_name)
   if arr.dtype == dt:
     return arr
   arr = np.ascontiguousarray(arr).reshape(arr.shape)
@@ -1609,6 +1637,7 @@ class HostStore:
     with self._lock:
       arr = self._arrays.get(key)
     if arr is None:
+      import tensorstore as ts
       spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": key},
               "open": True}
       try:

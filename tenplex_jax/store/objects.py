@@ -34,7 +34,6 @@ import uuid
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from tenplex_jax.cloud import (KvListing, Listing, filesystem, fs_path,
                                kvstore_spec, location_error, split_url)
@@ -43,6 +42,9 @@ from tenplex_jax._hostmem import host_empty
 from tenplex_jax.store.format import (ChunkMaps, ChunkWalk, HostStore, crc32c,
                                       is_snapshot_name, parse_current,
                                       snap_key, zarr_metadata)
+
+# tensorstore loads in the functions that use it: ``tenplex-jax store
+# serve`` imports this module (the CLI's) and never does.
 
 __all__ = ["ObjectStore", "gc_objects", "upload_snapshot"]
 
@@ -209,6 +211,7 @@ class ObjectStore(HostStore):
                      " which object storage does not hold")
 
   def _kvstore(self):
+    import tensorstore as ts
     ctx = self._context()  # the chunk reads' too: one connection pool
     with self._lock:
       if self._kv is None:
@@ -221,6 +224,7 @@ class ObjectStore(HostStore):
       return self._kv
 
   def _context(self):
+    import tensorstore as ts
     with self._lock:
       if self._ctx is None:
         retries = "s3_request_retries" if self.scheme == "s3" \
@@ -237,6 +241,7 @@ class ObjectStore(HostStore):
       arr = self._zarrs.get(d)
     if arr is not None:
       return arr
+    import tensorstore as ts
     meta = zarr_metadata(w.hshape, w.storage.name, w.storage.itemsize)
     meta["chunk_grid"]["configuration"]["chunk_shape"] = \
         [w.rows] + [max(1, n) for n in w.hshape[1:]]
@@ -255,6 +260,7 @@ class ObjectStore(HostStore):
     """Starts filling ``buf`` (the chunk's shape) with chunk ``f.ci``:
     tensorstore reads the object whole, checks its crc32c trailer and
     writes its rows straight into ``buf`` (no intermediate copy)."""
+    import tensorstore as ts
     w = f.walk
     lo = f.ci * w.rows
     hi = min(lo + w.rows, w.hshape[0])

@@ -59,7 +59,6 @@ import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from tenplex_jax.errors import (ChecksumError, StoreError, TLSError,
@@ -68,8 +67,9 @@ from tenplex_jax.layout import PTC, Box
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       check_manifest, check_step,
-                                      check_tensor_path, ensure_store_id,
-                                      format_box, parse_box, storage_of)
+                                      check_tensor_path, dtype_of_name,
+                                      ensure_store_id, format_box, parse_box,
+                                      storage_of)
 
 __all__ = ["CA_ENV", "RemoteStore", "TOKEN_ENV", "is_remote", "make_server",
            "new_token", "resolve_token", "serve"]
@@ -693,7 +693,7 @@ def _check_upload(h: Any, payload: int) -> dict:
         raise bad(f"{path}: bad dtype or itemsize")
       if not t["dtype"].startswith("key<"):
         try:
-          if jnp.dtype(t["dtype"]).itemsize != size:
+          if dtype_of_name(t["dtype"]).itemsize != size:
             raise bad(f"{path}: dtype {t['dtype']} is not {size} bytes")
         except TypeError:
           raise bad(f"{path}: unknown dtype {t['dtype'][:40]!r}") from None
