@@ -141,7 +141,10 @@ def create_model(cfg: Config, seed: int = 0) -> LM:
   ``nnx.logical_axis_rules``): the flax guide's sharded initialisation.
   The values depend only on ``seed``, not on the mesh."""
   rules = tuple(core_spmd.get_logical_axis_rules())
-  if jax.default_backend() == "cpu":
+  # (Under a trace, e.g. nnx.eval_shape, the jit is nested: jax takes
+  # compiler options on a top-level jit only.)
+  traced = isinstance(jnp.zeros(()), jax.core.Tracer)
+  if jax.default_backend() == "cpu" and not traced:
     return _init_model_cpu(cfg, seed, rules)
   return _init_model(cfg, seed, rules)
 
