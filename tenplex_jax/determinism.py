@@ -883,7 +883,14 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   aligned = (n == 1 or k & (k - 1) == 0) and not _EXCHANGE_EVERY_WORKER
   unroll_setting = _UNROLL_LEVELS
   by_cond = _isolate_by_cond(mesh)
-  gather_inside_jit = _gather_inside_jit(mesh)
+  # Inside the caller's jit every gradient is gathered on GPU, and under a
+  # pipeline_axis: nothing would order the FSDP leaves' conditionals, which
+  # hold the exchange's collectives, against each other or against the
+  # stages' collectives (on a (data, stage, tensor) = (2, 2, 2) mesh
+  # ``hlo_order.region_pairs`` found them unordered against the
+  # all-gathers: a deadlock XLA:CPU may run into, as the top's branches did
+  # before the fourteenth session).
+  gather_all = _gather_inside_jit(mesh) or pipeline_axis is not None
   root_add_in_top = _ROOT_ADD_IN_TOP
   exchange_transposed = _EXCHANGE_TRANSPOSED
   accumulate_transposed = _ACCUMULATE_TRANSPOSED
@@ -1354,15 +1361,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       dims, shard_in = _dims((treedef, tuple(specs)))
       # The gradients of params split over exactly the batch axes (FSDP)
       # keep the reduce-scatter layout, the params' (their sums computed in
-      # a conditional's branch, see body_tree); the others are gathered.
-      # Under a pipeline_axis every gradient is gathered: nothing orders
-      # those conditionals, which hold the exchange's collectives, against
-      # each other or against the stages' collectives (on a (data, stage,
-      # tensor) = (2, 2, 2) mesh ``hlo_order.region_pairs`` found them
-      # unordered against the all-gathers: a deadlock XLA:CPU may run
-      # into, as the top's branches did before the fourteenth session).
-      gather = tuple(s is None or s != a or gather_inside_jit
-                     or pipeline_axis is not None
+      # a conditional's branch, see body_tree); the others are gathered
+      # (all of them where ``gather_all``).
+      gather = tuple(s is None or s != a or gather_all
                      for a, s in zip(dims, shard_in))
       return run(params, batch, *args, dims=dims, shard_in=shard_in,
                  gather=gather, staged=_staged((treedef, tuple(specs))))
