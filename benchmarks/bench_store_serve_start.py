@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tenplex_jax.runtime.launch import _stop_servers  # noqa: E402
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -71,14 +72,7 @@ def start_once(tree: str, work: str, timeout: float = 120.0) -> dict:
     cpu = _cpu_s(p.pid)
     jax = _maps_jaxlib(p.pid)
   finally:
-    try:
-      os.killpg(p.pid, signal.SIGTERM)
-      p.wait(timeout=10)
-    except ProcessLookupError:
-      pass
-    except subprocess.TimeoutExpired:
-      os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    _stop_servers([p])  # the launcher's stop: SIGTERM, SIGKILL, reap
     shutil.rmtree(d, ignore_errors=True)
   return {"wall_s": wall, "cpu_s": cpu, "jax": jax}
 

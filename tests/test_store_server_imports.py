@@ -1,7 +1,6 @@
 """A store server process imports no jax: it only serves chunks."""
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -9,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from tenplex_jax.runtime.launch import _stop_servers
 from tenplex_jax.store.server import RemoteStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,14 +55,7 @@ def test_store_serve_imports_no_jax(tmp_path):
     with RemoteStore(f"http://{ready.read_text()}") as rs:
       a = rs.read_storage("w", ((1, 5), (2, 4)), proc=0)
   finally:
-    try:
-      os.killpg(p.pid, signal.SIGTERM)
-      p.wait(timeout=30)
-    except ProcessLookupError:
-      pass
-    except subprocess.TimeoutExpired:
-      os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    _stop_servers([p], grace=30)  # the launcher's stop: SIGTERM, SIGKILL, reap
   assert a.dtype.itemsize == 2 and a.shape == (4, 2)
   np.testing.assert_array_equal(a.view(np.uint16),
                                 x[1:5, 2:].view(np.uint16))
