@@ -328,6 +328,34 @@ def test_killed_saves_are_reclaimed_and_live_ones_kept(tmp_path):
   assert _w(api.restore([d], _target())) == [1.0] * 8
 
 
+def test_gc_beside_another_remover_of_the_same_entries(tmp_path,
+                                                       monkeypatch):
+  """Two gcs (a process's save and the store server writing a replica into
+  the same store) race for the same ``.trash-*`` and dead ``.staging-*``
+  entries: the one that finds an entry gone skips it, and never raises
+  (a FileNotFoundError here failed a resize save in the share-nothing Ray
+  test)."""
+  from tenplex_jax.store import format as fmt
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  pdir = os.path.join(d, "procs", "0")
+  os.mkdir(os.path.join(pdir, ".trash-here"))
+  real = os.listdir
+
+  def listdir(path):  # names removed by the other gc since they were listed
+    names = real(path)
+    if os.path.realpath(path) == os.path.realpath(pdir):
+      names += [".trash-gone", ".staging-gone", ".lock-gone2",
+                ".CURRENT.gone"]
+    return names
+  monkeypatch.setattr(fmt.os, "listdir", listdir)
+  out = gc(d, min_age=0)
+  assert out["removed"] == [os.path.join(pdir, ".trash-here")]
+  monkeypatch.undo()
+  assert not [n for n in os.listdir(pdir) if n.startswith(".")]
+  assert _w(api.restore([d], _target())) == [1.0] * 8
+
+
 _SAVER = textwrap.dedent("""
     import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -1310,7 +1310,13 @@ def gc(root: str, *, min_age: float = _STALE_S) -> dict:
         continue
       else:
         continue
-      nb = _du(full) if os.path.isdir(full) else os.lstat(full).st_size
+      # Another process's gc or prune (the store server writing a replica
+      # beside this process's save) may remove the same entry meanwhile:
+      # gone is reclaimed, by whoever got there first.
+      try:
+        nb = _du(full) if os.path.isdir(full) else os.lstat(full).st_size
+      except FileNotFoundError:
+        continue
       if os.path.isdir(full) and not os.path.islink(full):
         shutil.rmtree(full, ignore_errors=True)
       else:
