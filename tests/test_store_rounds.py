@@ -356,6 +356,33 @@ def test_gc_beside_another_remover_of_the_same_entries(tmp_path,
   assert _w(api.restore([d], _target())) == [1.0] * 8
 
 
+def test_a_lock_file_a_gc_removed_before_it_was_held_is_made_again(
+    tmp_path, monkeypatch):
+  """A writer's new lock file, probed and unlinked by another process's gc
+  before the writer held it (no staging directory beside it yet), is made
+  again: the writer holds the lock at its path, so that a gc then keeps its
+  staging directory."""
+  from tenplex_jax.store import format as fmt
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  real, unlinked = fmt.fcntl.flock, []
+
+  def flock(fd, op):
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    if os.path.basename(path).startswith(".lock-") and not unlinked:
+      unlinked.append(path)
+      gc(d, min_age=0)  # the lock is free, no staging yet: unlinked
+      assert not os.path.exists(path)
+    return real(fd, op)
+  monkeypatch.setattr(fmt.fcntl, "flock", flock)
+  live = SnapshotWriter(d, 0, step=2)
+  monkeypatch.undo()
+  assert unlinked and os.path.exists(unlinked[0])  # made again, held
+  out = gc(d, min_age=0)
+  assert out["removed"] == [] and out["skipped"] == [live.staging]
+  live.abort()
+
+
 _SAVER = textwrap.dedent("""
     import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -1126,14 +1126,30 @@ def write_current(pdir: str, name: str, *, fsync: bool = False) -> None:
 
 
 def take_lock(path: str) -> int:
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, private.FILE_MODE)
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.write(fd, f"{os.getpid()}\n".encode())
-  except BaseException:
-    os.close(fd)
-    raise
-  return fd
+  """Creates lock file ``path`` (a fresh name) and holds its ``flock``.
+
+  Another process's :func:`gc` may meanwhile probe the new file (it takes
+  the lock for a moment to see whether a writer holds it) and, finding no
+  staging directory beside it yet, unlink it: the ``flock`` here waits out
+  such a probe instead of failing, and a lock file unlinked before it was
+  taken is made again, so the lock held is the one at ``path``."""
+  for _ in range(100):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, private.FILE_MODE)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)  # a gc probe holds it for moments
+      try:
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+      except FileNotFoundError:
+        same = False
+      if same:
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+    except BaseException:
+      os.close(fd)
+      raise
+    os.close(fd)  # unlinked by a gc before it was held: again
+  raise StoreError(f"cannot hold lock file {path}: removed 100 times by"
+                   " another process as soon as it was made")
 
 
 def _lock_is_free(path: str) -> bool:
