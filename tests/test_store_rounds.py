@@ -383,6 +383,62 @@ def test_a_lock_file_a_gc_removed_before_it_was_held_is_made_again(
   live.abort()
 
 
+def test_a_gc_unlinks_a_free_lock_file_only_while_it_holds_it(
+    tmp_path, monkeypatch):
+  """A writer that opened its new lock file takes the lock between another
+  process's gc probing the file (free, no staging directory yet) and that
+  gc unlinking it: the writer still holds the lock at the path (the gc
+  unlinks only while it holds the lock itself; the writer then makes the
+  file again), so that a gc keeps the writer's staging directory. Unlinked
+  after the probe, the file was gone under the live writer: its staging
+  directory was guarded by its age only and a replica's save failed
+  unlinking its lock."""
+  import fcntl
+  from tenplex_jax.store import format as fmt
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  pdir = os.path.join(d, "procs", "0")
+  lock = os.path.join(pdir, ".lock-race")
+  staging = os.path.join(pdir, ".staging-race")
+  os.close(os.open(lock, os.O_RDWR | os.O_CREAT, 0o600))  # take_lock's open
+  real, writer = os.unlink, {}
+
+  def go_on():  # the rest of the writer's take_lock, then its staging
+    writer["fd"] = fmt.take_lock(lock)
+    os.mkdir(staging)
+
+  def unlink(path, *args, **kwargs):
+    if path == lock and not writer:
+      fd = os.open(lock, os.O_RDONLY)  # would the writer's flock pass now?
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        free = True
+      except BlockingIOError:
+        free = False
+      finally:
+        os.close(fd)
+      if free:  # it takes the lock before the gc unlinks the file
+        go_on()
+      else:  # the gc holds it: the writer takes it once the gc is done
+        writer["waits"] = True
+    return real(path, *args, **kwargs)
+  monkeypatch.setattr(fmt.os, "unlink", unlink)
+  out = gc(d, min_age=0)
+  monkeypatch.undo()
+  assert writer and out["removed"] == []
+  if "fd" not in writer:
+    go_on()
+  try:
+    assert os.stat(lock).st_ino == os.fstat(writer["fd"]).st_ino
+    out = gc(d, min_age=0)
+    assert out["removed"] == [] and out["skipped"] == [staging]
+    assert os.path.isdir(staging)
+  finally:
+    os.close(writer["fd"])
+  assert gc(d, min_age=0)["removed"] == [staging]
+  assert _w(api.restore([d], _target())) == [1.0] * 8
+
+
 _SAVER = textwrap.dedent("""
     import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]

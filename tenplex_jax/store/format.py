@@ -1169,6 +1169,35 @@ def _lock_is_free(path: str) -> bool:
   return True
 
 
+def _unlink_free_lock(path: str) -> None:
+  """Unlinks lock file ``path`` unless a live process holds its ``flock``.
+
+  The unlink happens while this holds the ``flock`` (of the file still at
+  ``path``): a writer that opened the file meanwhile gets its lock only
+  after the unlink, finds the file gone and makes it again
+  (:func:`take_lock`). Unlinked after the probe instead, the file could be
+  one the writer had taken meanwhile: its staging directory would then be
+  guarded only by its age."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        return  # held: a live save
+      raise
+    try:
+      if os.stat(path).st_ino == os.fstat(fd).st_ino:
+        os.unlink(path)
+    except FileNotFoundError:
+      pass
+  finally:
+    os.close(fd)  # closing releases the lock taken here
+
+
 def snap_key(name: str) -> tuple[int, int, str]:
   """(step, sequence number, uid) of a snapshot name (orders rounds)."""
   return _snap_key(name)
@@ -1316,13 +1345,8 @@ def gc(root: str, *, min_age: float = _STALE_S) -> dict:
         except FileNotFoundError:
           continue
       elif n.startswith(".lock-"):
-        if os.path.exists(os.path.join(pdir, ".staging-" + n[6:])) \
-            or not _lock_is_free(full):
-          continue
-        try:
-          os.unlink(full)
-        except FileNotFoundError:
-          pass
+        if not os.path.exists(os.path.join(pdir, ".staging-" + n[6:])):
+          _unlink_free_lock(full)
         continue
       else:
         continue
