@@ -470,6 +470,33 @@ def test_verify_beside_a_save_that_prunes_a_snapshot_it_listed(tmp_path,
   assert any(snap in p or "w box" in p for p in HostStore(d).verify())
 
 
+def test_a_gc_that_removes_the_new_current_s_temporary_file_fails_no_save(
+    tmp_path, monkeypatch):
+  """``tenplex-jax store gc --min-age 0`` beside a live save removes the
+  save's temporary ``.CURRENT.*`` file (it holds no lock) between its
+  write and its rename into ``CURRENT``: the save writes it again and
+  commits, instead of failing with "committed but CURRENT could not be
+  updated"."""
+  from tenplex_jax.store import format as fmt
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  real, removed = os.replace, []
+
+  def replace(src, dst, *args, **kwargs):
+    if os.path.basename(src).startswith(".CURRENT.") and not removed:
+      os.utime(src, (1, 1))  # older than --min-age 0 when the gc looks
+      removed.extend(gc(d, min_age=0)["removed"])
+    return real(src, dst, *args, **kwargs)
+  monkeypatch.setattr(fmt.os, "replace", replace)
+  snap = api.save(_state(2), d, step=2)
+  monkeypatch.undo()
+  assert [os.path.basename(p)[:9] for p in removed] == [".CURRENT."]
+  assert HostStore(d).snapshot_dir(0) == snap
+  assert _w(api.restore([d], _target())) == [2.0] * 8
+  assert not [n for n in os.listdir(os.path.dirname(snap))
+              if n.startswith(".")]
+
+
 _SAVER = textwrap.dedent("""
     import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -1113,14 +1113,26 @@ class SnapshotWriter:
 
 def write_current(pdir: str, name: str, *, fsync: bool = False) -> None:
   """Points ``pdir/CURRENT`` at snapshot ``name`` (atomically, with a
-  checksum line)."""
-  tmp = os.path.join(pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
-  with private.open_private(tmp) as f:
-    f.write(_current_text(name))
-    if fsync:
-      f.flush()
-      os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(pdir, "CURRENT"))
+  checksum line).
+
+  Another process's :func:`gc` with a small ``min_age`` (``tenplex-jax
+  store gc --min-age 0`` beside a live save) may remove the temporary file
+  before it is renamed: it is then written again."""
+  for _ in range(100):
+    tmp = os.path.join(pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
+    with private.open_private(tmp) as f:
+      f.write(_current_text(name))
+      if fsync:
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+      os.replace(tmp, os.path.join(pdir, "CURRENT"))
+      break
+    except FileNotFoundError:
+      continue  # the temporary file was removed by a gc: again
+  else:
+    raise StoreError(f"{pdir}: the temporary file for CURRENT was removed"
+                     " 100 times by another process before it was renamed")
   if fsync:
     _fsync_dir(pdir)
 
