@@ -497,6 +497,46 @@ def test_a_gc_that_removes_the_new_current_s_temporary_file_fails_no_save(
               if n.startswith(".")]
 
 
+def test_a_read_request_of_current_snapshots_reads_one_snapshot(
+    tmp_path, monkeypatch):
+  """A ``/read`` request without a round (``RemoteStore.read_into``: "the
+  current ones") while the process commits its next snapshot into the
+  served store: every piece of the request comes from the snapshot that
+  was current when the request came, never the first pieces from it and
+  the rest from the new one."""
+  import threading
+  from tenplex_jax.store import RemoteStore, make_server
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  nxt, saved = _state(2), []
+  srv = make_server(d, 0)
+  t = threading.Thread(target=srv.serve_forever, daemon=True)
+  t.start()
+  try:
+    real = HostStore.read_segments
+
+    def read_segments(self, *args, **kwargs):  # the commit lands meanwhile
+      out = real(self, *args, **kwargs)
+      if not saved:
+        saved.append(api.save(nxt, d, step=2))
+      return out
+    monkeypatch.setattr(HostStore, "read_segments", read_segments)
+    outs = [np.empty((2,), np.uint32) for _ in range(2)]
+    rs = RemoteStore(f"http://127.0.0.1:{srv.server_address[1]}")
+    try:
+      rs.read_into([(0, "w", ((0, 2),), outs[0]),
+                    (0, "w", ((2, 4),), outs[1])])
+    finally:
+      rs.close()
+    monkeypatch.undo()
+  finally:
+    srv.shutdown()
+    srv.server_close()
+    t.join(10)
+  assert saved and HostStore(d).snapshot_dir(0) == saved[0]
+  assert np.concatenate(outs).view(np.float32).tolist() == [1.0] * 4
+
+
 _SAVER = textwrap.dedent("""
     import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
