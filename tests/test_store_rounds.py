@@ -383,6 +383,160 @@ def test_a_lock_file_a_gc_removed_before_it_was_held_is_made_again(
   live.abort()
 
 
+def test_a_gc_unlinks_a_free_lock_file_only_while_it_holds_it(
+    tmp_path, monkeypatch):
+  """A writer that opened its new lock file takes the lock between another
+  process's gc probing the file (free, no staging directory yet) and that
+  gc unlinking it: the writer still holds the lock at the path (the gc
+  unlinks only while it holds the lock itself; the writer then makes the
+  file again), so that a gc keeps the writer's staging directory. Unlinked
+  after the probe, the file was gone under the live writer: its staging
+  directory was guarded by its age only and a replica's save failed
+  unlinking its lock."""
+  import fcntl
+  from tenplex_jax.store import format as fmt
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  pdir = os.path.join(d, "procs", "0")
+  lock = os.path.join(pdir, ".lock-race")
+  staging = os.path.join(pdir, ".staging-race")
+  os.close(os.open(lock, os.O_RDWR | os.O_CREAT, 0o600))  # take_lock's open
+  real, writer = os.unlink, {}
+
+  def go_on():  # the rest of the writer's take_lock, then its staging
+    writer["fd"] = fmt.take_lock(lock)
+    os.mkdir(staging)
+
+  def unlink(path, *args, **kwargs):
+    if path == lock and not writer:
+      fd = os.open(lock, os.O_RDONLY)  # would the writer's flock pass now?
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        free = True
+      except BlockingIOError:
+        free = False
+      finally:
+        os.close(fd)
+      if free:  # it takes the lock before the gc unlinks the file
+        go_on()
+      else:  # the gc holds it: the writer takes it once the gc is done
+        writer["waits"] = True
+    return real(path, *args, **kwargs)
+  monkeypatch.setattr(fmt.os, "unlink", unlink)
+  out = gc(d, min_age=0)
+  monkeypatch.undo()
+  assert writer and out["removed"] == []
+  if "fd" not in writer:
+    go_on()
+  try:
+    assert os.stat(lock).st_ino == os.fstat(writer["fd"]).st_ino
+    out = gc(d, min_age=0)
+    assert out["removed"] == [] and out["skipped"] == [staging]
+    assert os.path.isdir(staging)
+  finally:
+    os.close(writer["fd"])
+  assert gc(d, min_age=0)["removed"] == [staging]
+  assert _w(api.restore([d], _target())) == [1.0] * 8
+
+
+def test_verify_beside_a_save_that_prunes_a_snapshot_it_listed(tmp_path,
+                                                                monkeypatch):
+  """``store verify`` while the job saves: a snapshot that verify listed
+  and a new commit then pruned (keep=2) is gone, not a problem of the
+  store; the snapshots still there are checked in full."""
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  api.save(_state(2), d, step=2)
+  real, saved = HostStore.rounds, []
+
+  def rounds(self, proc):  # the job commits step 3 once verify has listed
+    got = real(self, proc)
+    if not saved:
+      saved.append(api.save(_state(3), d, step=3))
+    return got
+  monkeypatch.setattr(HostStore, "rounds", rounds)
+  st = HostStore(d)
+  assert st.verify() == []
+  monkeypatch.undo()
+  assert sorted(HostStore(d).snapshots(0)) == [2, 3]
+  # A snapshot still there that lost a chunk file is still reported.
+  snap = HostStore(d).snapshots(0)[2]
+  m = HostStore(d).snap_manifest(0, snap)
+  b = m["tensors"]["w"]["boxes"][0]
+  chunk = next(os.path.join(r, f) for r, _, fs in
+               os.walk(os.path.join(snap, b["dir"])) for f in fs
+               if f != "zarr.json")
+  os.unlink(chunk)
+  assert any(snap in p or "w box" in p for p in HostStore(d).verify())
+
+
+def test_a_gc_that_removes_the_new_current_s_temporary_file_fails_no_save(
+    tmp_path, monkeypatch):
+  """``tenplex-jax store gc --min-age 0`` beside a live save removes the
+  save's temporary ``.CURRENT.*`` file (it holds no lock) between its
+  write and its rename into ``CURRENT``: the save writes it again and
+  commits, instead of failing with "committed but CURRENT could not be
+  updated"."""
+  from tenplex_jax.store import format as fmt
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  real, removed = os.replace, []
+
+  def replace(src, dst, *args, **kwargs):
+    if os.path.basename(src).startswith(".CURRENT.") and not removed:
+      os.utime(src, (1, 1))  # older than --min-age 0 when the gc looks
+      removed.extend(gc(d, min_age=0)["removed"])
+    return real(src, dst, *args, **kwargs)
+  monkeypatch.setattr(fmt.os, "replace", replace)
+  snap = api.save(_state(2), d, step=2)
+  monkeypatch.undo()
+  assert [os.path.basename(p)[:9] for p in removed] == [".CURRENT."]
+  assert HostStore(d).snapshot_dir(0) == snap
+  assert _w(api.restore([d], _target())) == [2.0] * 8
+  assert not [n for n in os.listdir(os.path.dirname(snap))
+              if n.startswith(".")]
+
+
+def test_a_read_request_of_current_snapshots_reads_one_snapshot(
+    tmp_path, monkeypatch):
+  """A ``/read`` request without a round (``RemoteStore.read_into``: "the
+  current ones") while the process commits its next snapshot into the
+  served store: every piece of the request comes from the snapshot that
+  was current when the request came, never the first pieces from it and
+  the rest from the new one."""
+  import threading
+  from tenplex_jax.store import RemoteStore, make_server
+  d = str(tmp_path / "s")
+  api.save(_state(1), d, step=1)
+  nxt, saved = _state(2), []
+  srv = make_server(d, 0)
+  t = threading.Thread(target=srv.serve_forever, daemon=True)
+  t.start()
+  try:
+    real = HostStore.read_segments
+
+    def read_segments(self, *args, **kwargs):  # the commit lands meanwhile
+      out = real(self, *args, **kwargs)
+      if not saved:
+        saved.append(api.save(nxt, d, step=2))
+      return out
+    monkeypatch.setattr(HostStore, "read_segments", read_segments)
+    outs = [np.empty((2,), np.uint32) for _ in range(2)]
+    rs = RemoteStore(f"http://127.0.0.1:{srv.server_address[1]}")
+    try:
+      rs.read_into([(0, "w", ((0, 2),), outs[0]),
+                    (0, "w", ((2, 4),), outs[1])])
+    finally:
+      rs.close()
+    monkeypatch.undo()
+  finally:
+    srv.shutdown()
+    srv.server_close()
+    t.join(10)
+  assert saved and HostStore(d).snapshot_dir(0) == saved[0]
+  assert np.concatenate(outs).view(np.float32).tolist() == [1.0] * 4
+
+
 _SAVER = textwrap.dedent("""
     import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -1113,14 +1113,26 @@ class SnapshotWriter:
 
 def write_current(pdir: str, name: str, *, fsync: bool = False) -> None:
   """Points ``pdir/CURRENT`` at snapshot ``name`` (atomically, with a
-  checksum line)."""
-  tmp = os.path.join(pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
-  with private.open_private(tmp) as f:
-    f.write(_current_text(name))
-    if fsync:
-      f.flush()
-      os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(pdir, "CURRENT"))
+  checksum line).
+
+  Another process's :func:`gc` with a small ``min_age`` (``tenplex-jax
+  store gc --min-age 0`` beside a live save) may remove the temporary file
+  before it is renamed: it is then written again."""
+  for _ in range(100):
+    tmp = os.path.join(pdir, f".CURRENT.{uuid.uuid4().hex[:8]}")
+    with private.open_private(tmp) as f:
+      f.write(_current_text(name))
+      if fsync:
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+      os.replace(tmp, os.path.join(pdir, "CURRENT"))
+      break
+    except FileNotFoundError:
+      continue  # the temporary file was removed by a gc: again
+  else:
+    raise StoreError(f"{pdir}: the temporary file for CURRENT was removed"
+                     " 100 times by another process before it was renamed")
   if fsync:
     _fsync_dir(pdir)
 
@@ -1167,6 +1179,35 @@ def _lock_is_free(path: str) -> bool:
   finally:
     os.close(fd)  # closing releases the lock taken here
   return True
+
+
+def _unlink_free_lock(path: str) -> None:
+  """Unlinks lock file ``path`` unless a live process holds its ``flock``.
+
+  The unlink happens while this holds the ``flock`` (of the file still at
+  ``path``): a writer that opened the file meanwhile gets its lock only
+  after the unlink, finds the file gone and makes it again
+  (:func:`take_lock`). Unlinked after the probe instead, the file could be
+  one the writer had taken meanwhile: its staging directory would then be
+  guarded only by its age."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        return  # held: a live save
+      raise
+    try:
+      if os.stat(path).st_ino == os.fstat(fd).st_ino:
+        os.unlink(path)
+    except FileNotFoundError:
+      pass
+  finally:
+    os.close(fd)  # closing releases the lock taken here
 
 
 def snap_key(name: str) -> tuple[int, int, str]:
@@ -1316,13 +1357,8 @@ def gc(root: str, *, min_age: float = _STALE_S) -> dict:
         except FileNotFoundError:
           continue
       elif n.startswith(".lock-"):
-        if os.path.exists(os.path.join(pdir, ".staging-" + n[6:])) \
-            or not _lock_is_free(full):
-          continue
-        try:
-          os.unlink(full)
-        except FileNotFoundError:
-          pass
+        if not os.path.exists(os.path.join(pdir, ".staging-" + n[6:])):
+          _unlink_free_lock(full)
         continue
       else:
         continue
@@ -1960,7 +1996,8 @@ class HostStore:
     """Checks every kept snapshot: its manifest (checksum, structure) and
     ``CURRENT``, and every chunk of every box against its crc32c (trailer
     and manifest; format 1 snapshots: tensorstore's check and the manifest
-    crc32); returns the problems.
+    crc32); returns the problems. A snapshot that a save beside it deletes
+    meanwhile (a new commit pruning older ones) is left out, not a problem.
 
     Raises:
       StoreError: the directory is not a store.
@@ -1983,7 +2020,8 @@ class HostStore:
                 continue
               data = self.read_storage(path, box, proc=p, round=rid)
             except StoreError as e:
-              problems.append(str(e))
+              if self._exists(snap):  # not deleted meanwhile by a new commit
+                problems.append(str(e))
               continue
             if data.size and zlib.crc32(memoryview(
                 np.ascontiguousarray(data)).cast("B")) != b["crc32"]:

@@ -69,7 +69,7 @@ from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       check_manifest, check_step,
                                       check_tensor_path, dtype_of_name,
                                       ensure_store_id, format_box, parse_box,
-                                      storage_of)
+                                      round_id, storage_of)
 
 __all__ = ["CA_ENV", "RemoteStore", "TOKEN_ENV", "is_remote", "make_server",
            "new_token", "resolve_token", "serve"]
@@ -535,6 +535,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     """Sends the bytes of ``pieces`` (proc, path, box, step, round),
     concatenated, from memory maps of the chunk files."""
     store: HostStore = self.server.store
+    # Pieces of "the current snapshot" (no round) all read the round that
+    # is current now, resolved once: a commit (and its CURRENT swap) during
+    # the request must not serve the first pieces from one snapshot and the
+    # rest from the next.
+    pinned: dict[tuple[int, int | None], str] = {}
+    for k, _, _, st, rnd in pieces:
+      if rnd is None and (k, st) not in pinned:
+        pinned[(k, st)] = round_id(store.manifest(k, st))
+    pieces = [(k, p, box, st, pinned[(k, st)] if rnd is None else rnd)
+              for k, p, box, st, rnd in pieces]
     layout = []
     total = 0
     for k, p, box, st, rnd in pieces:
