@@ -141,6 +141,51 @@ def test_teardown_leaves_nothing():
   assert out == [], out
 
 
+_TOKEN_HOME_SCRIPT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from share_nothing import ShareNothingCluster
+import ray
+with ShareNothingCluster(head_ip="127.0.0.12", start_timeout=60,
+                         system_config={}) as c:
+  c.add_node()
+  ray.init(address=c.address, _node_ip_address=c.head_ip,
+           log_to_driver=False)
+  alive = [n for n in ray.nodes() if n["Alive"]]
+  print("alive", len(alive), "mode", os.environ.get("RAY_AUTH_MODE"))
+  ray.shutdown()
+"""
+
+
+def test_a_cluster_starts_where_a_ray_auth_token_exists():
+  """Where ``~/.ray/auth_token`` exists (a local ``ray.init()`` writes
+  one) and ``RAY_AUTH_MODE`` is unset, ``ray start --head`` turns token
+  authentication on by itself: the cluster's driver authenticates alike
+  (its wait for the head timed out before), and the job connects."""
+  why = namespaces_permitted()
+  if why:
+    pytest.skip(why)
+  import pathlib
+  import tempfile
+  # Not under /tmp, which each node covers with its own: a home the nodes
+  # see, as a host's is.
+  home = pathlib.Path(tempfile.mkdtemp(prefix="tenplex-sn-home-",
+                                       dir="/var/tmp"))
+  try:
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(os.urandom(32).hex())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["HOME"] = str(home)
+    run = subprocess.run(
+        [sys.executable, "-c", _TOKEN_HOME_SCRIPT,
+         os.path.join(ROOT, "examples", "ray")],
+        env=env, capture_output=True, text=True, timeout=240)
+  finally:
+    shutil.rmtree(home, ignore_errors=True)
+  assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+  assert "alive 1 mode token" in run.stdout, run.stdout[-2000:]
+
+
 def _alive(c):
   return [x for x in c.nodes if not x.get("killed")]
 

@@ -106,6 +106,23 @@ shutil.rmtree(base, ignore_errors=True)
 STARVATION_TOLERANT = {"health_check_timeout_ms": 60_000}
 
 
+def _same_auth_as_ray_start() -> None:
+  """Makes this process (and the nodes it starts, which inherit its
+  environment) use Ray's token authentication exactly when ``ray start``
+  would: with ``RAY_AUTH_MODE`` unset, Ray 2.60's ``ray start --head``
+  turns it on by itself if a token exists (``~/.ray/auth_token``, which a
+  local ``ray.init()`` writes); the driver's own GCS client, made before
+  any ``ray.init``, then has to send that token too, or the head never
+  answers it (the cluster's start timed out). Ray's own check, so both
+  decide alike; sets ``RAY_AUTH_MODE=token`` here when it applies."""
+  try:
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available)
+  except ImportError:  # a Ray without token authentication
+    return
+  maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
 def _code_dirs_under_tmp() -> list[str]:
   """The top directories under ``/tmp`` that hold this process's code (its
   import path, Python and environment, e.g. a checkout and its venv made
@@ -202,6 +219,7 @@ class ShareNothingCluster:
     if resources:
       cmd += ["--resources", json.dumps(resources)]
     if head:
+      _same_auth_as_ray_start()  # before the nodes inherit the environment
       self.port = free_port(ip)
       self.temp_dir = os.path.join(self.base, "h")
       cmd += ["--head", f"--port={self.port}", "--include-dashboard=false",
