@@ -1149,11 +1149,7 @@ def take_lock(path: str) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, private.FILE_MODE)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX)  # a gc probe holds it for moments
-      try:
-        same = os.stat(path).st_ino == os.fstat(fd).st_ino
-      except FileNotFoundError:
-        same = False
-      if same:
+      if _still_at(path, fd):
         os.write(fd, f"{os.getpid()}\n".encode())
         return fd
     except BaseException:
@@ -1164,48 +1160,40 @@ def take_lock(path: str) -> int:
                    " another process as soon as it was made")
 
 
-def _lock_is_free(path: str) -> bool:
-  """Whether no live process holds the ``flock`` of lock file ``path``."""
+def _still_at(path: str, fd: int) -> bool:
+  """Whether the file open as ``fd`` is still the one at ``path``."""
+  try:
+    return os.stat(path).st_ino == os.fstat(fd).st_ino
+  except FileNotFoundError:
+    return False
+
+
+def _lock_is_free(path: str, *, unlink: bool = False) -> bool:
+  """Whether no live process holds the ``flock`` of lock file ``path``.
+
+  ``unlink``: a free lock file is also unlinked, while this holds its
+  ``flock`` and only if it is still the file at ``path``: a writer that
+  opened the file meanwhile gets its lock only after the unlink, finds the
+  file gone and makes it again (:func:`take_lock`). Unlinked after the
+  probe instead, the file could be one the writer had taken meanwhile: its
+  staging directory would then be guarded only by its age."""
   try:
     fd = os.open(path, os.O_RDONLY)
   except FileNotFoundError:
     return True
   try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError as e:
-    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-      return False
-    raise
-  finally:
-    os.close(fd)  # closing releases the lock taken here
-  return True
-
-
-def _unlink_free_lock(path: str) -> None:
-  """Unlinks lock file ``path`` unless a live process holds its ``flock``.
-
-  The unlink happens while this holds the ``flock`` (of the file still at
-  ``path``): a writer that opened the file meanwhile gets its lock only
-  after the unlink, finds the file gone and makes it again
-  (:func:`take_lock`). Unlinked after the probe instead, the file could be
-  one the writer had taken meanwhile: its staging directory would then be
-  guarded only by its age."""
-  try:
-    fd = os.open(path, os.O_RDONLY)
-  except FileNotFoundError:
-    return
-  try:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
       if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        return  # held: a live save
+        return False
       raise
-    try:
-      if os.stat(path).st_ino == os.fstat(fd).st_ino:
+    if unlink and _still_at(path, fd):
+      try:
         os.unlink(path)
-    except FileNotFoundError:
-      pass
+      except FileNotFoundError:
+        pass
+    return True
   finally:
     os.close(fd)  # closing releases the lock taken here
 
@@ -1358,7 +1346,7 @@ def gc(root: str, *, min_age: float = _STALE_S) -> dict:
           continue
       elif n.startswith(".lock-"):
         if not os.path.exists(os.path.join(pdir, ".staging-" + n[6:])):
-          _unlink_free_lock(full)
+          _lock_is_free(full, unlink=True)
         continue
       else:
         continue
