@@ -84,8 +84,17 @@ __all__ = ["COMPILER_OPTIONS", "GPU_DETERMINISM_FLAGS", "DeterminismReport",
 # (its fusion slices the gathered gradient) and on a whole array went
 # through different generators and differed in the last bit. With the
 # fusion emitters off every fusion goes through the same generator.
+# At backend optimisation level 0 (``JAX_DISABLE_MOST_OPTIMIZATIONS=1`` sets
+# it, as does ``--xla_backend_optimization_level=0``) LLVM generates the
+# code without its code-generation optimisations, and XLA:CPU's programs
+# for 1 and for 2+ devices no longer give the same bits for the same
+# per-worker code (tests/test_determinism.py, V = 24: after 20 steps on 1
+# device the first Adam moment differed from the static run's in 37 of 48
+# elements; levels 1, 2 and 3 agree). The step is compiled at XLA's
+# default level 3 whatever the process asks.
 COMPILER_OPTIONS = (("xla_disable_hlo_passes", "spmd-cleanup"),
-                    ("xla_cpu_use_fusion_emitters", False))
+                    ("xla_cpu_use_fusion_emitters", False),
+                    ("xla_backend_optimization_level", 3))
 
 
 def _compiler_options(platform: str | None = None) -> dict[str, Any]:
@@ -1479,7 +1488,14 @@ def jit(fun: Callable, **kwargs) -> Callable:
     6
   """
   options = _compiler_options()
-  options.update(kwargs.pop("compiler_options", None) or {})
+  user = kwargs.pop("compiler_options", None) or {}
+  if str(user.get("xla_backend_optimization_level", 3)) == "0":
+    raise ValueError(
+        "determinism.jit: compiler_options sets xla_backend_optimization_level=0, "
+        "at which XLA:CPU's programs for different device counts give different bits "
+        "for the same per-worker code (D1 breaks); leave it out (the step compiles at "
+        "level 3, see COMPILER_OPTIONS)")
+  options.update(user)
   return jax.jit(fun, compiler_options=options, **kwargs)
 
 
@@ -1535,7 +1551,10 @@ def check_environment(xla_flags: str | None = None,
   autotuning can also pick other kernels on other runs. Fast math
   (``--xla_cpu_enable_fast_math=true``) lets LLVM reassociate and
   approximate, differently for different shapes, and is reported as a
-  problem; so is a ``jax_default_matmul_precision`` other than the
+  problem; so is XLA's backend optimisation level 0
+  (``--xla_backend_optimization_level=0``, or ``JAX_DISABLE_MOST_OPTIMIZATIONS``
+  when ``xla_flags`` is not given), which only :func:`jit`'s steps escape; so
+  is a ``jax_default_matmul_precision`` other than the
   default, which must at least be the same on every run of the job (it is
   reported so that the caller can log it).
 
@@ -1567,6 +1586,12 @@ def check_environment(xla_flags: str | None = None,
     problems.append("XLA_FLAGS sets --xla_cpu_enable_fast_math=true: LLVM may"
                     " reassociate and approximate differently for other shard"
                     " shapes (D1 breaks)")
+  if _flag_value(tokens, "xla_backend_optimization_level") == "0" or (
+      xla_flags is None and jax.config.values.get("jax_disable_most_optimizations")):
+    problems.append("XLA's backend optimisation level is 0 (XLA_FLAGS or"
+                    " JAX_DISABLE_MOST_OPTIMIZATIONS): steps not compiled by"
+                    " determinism.jit, which compiles at level 3, give other"
+                    " bits on other device counts (D1 breaks)")
   if precision is not None:
     problems.append(f"jax_default_matmul_precision is {precision!r}: keep it"
                     " the same on every run and every resize of the job")

@@ -606,6 +606,25 @@ def test_d1_across_processes_through_the_store(tmp):
   assert_bitwise(static_run(8), got)
 
 
+def test_d1_holds_where_the_process_disables_most_optimizations(monkeypatch):
+  """``JAX_DISABLE_MOST_OPTIMIZATIONS`` (XLA's backend optimisation level 0)
+  makes 1 device's program and 8 devices' differ in the last bits; the
+  steps ``det.jit`` compiles stay at level 3 and keep D1."""
+  monkeypatch.setattr(sys.modules[__name__], "_STEPS_CACHE", {})
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    assert_bitwise(train(((0, 8),), 24), train(((0, 1),), 24))
+    assert det.check_environment().problems[0].startswith(
+        "XLA's backend optimisation level is 0")
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
+  with pytest.raises(ValueError, match="xla_backend_optimization_level=0"):
+    det.jit(lambda x: x, compiler_options={"xla_backend_optimization_level": 0})
+  assert det.check_environment(
+      xla_flags="--xla_backend_optimization_level=0", platform="cpu").problems
+
+
 def test_demo_deterministic_says_bitwise_identical(capsys):
   from tenplex_jax.cli import main
   assert main(["demo", "--steps", "4", "--schedule", "0:4x2,2:1x2",
@@ -673,7 +692,8 @@ def test_compiler_options_per_platform():
   # XLA:GPU rejects xla_cpu_* compile options; CPU gets all of them.
   assert det._compiler_options("cpu") == dict(det.COMPILER_OPTIONS)
   gpu = det._compiler_options("gpu")
-  assert gpu == {"xla_disable_hlo_passes": "spmd-cleanup"}
+  assert gpu == {"xla_disable_hlo_passes": "spmd-cleanup",
+                 "xla_backend_optimization_level": 3}
 
 
 def test_partial_gradient_bytes():

@@ -241,7 +241,9 @@ def main(argv=None):
   final = ja.unstack(state)
   verify = {}
   if args.verify:
-    solo = jax.jit(step_of_job)
+    # compiled as ja.jit compiles the array's step (its passes and its XLA
+    # optimisation level, whatever the process's own settings)
+    solo = ja.jit(step_of_job)
     for t, s_arr in zip(active, final):
       s = jax.device_put(init(t["seed"], t["lr"], t["weight_decay"]), devices[0])
       it = ja.job_iterators(data, seeds=[t["seed"]], global_batch_size=args.batch)[0]

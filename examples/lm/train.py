@@ -1067,7 +1067,9 @@ def static_run(phases, steps, cfg, *, search, deterministic, compiler_options, f
   if cache is None:
     return run()
   key = json.dumps([dataclasses.asdict(cfg), steps, repr(phases[0]), search, deterministic,
-                    compiler_options, [str(d) for d in jax.devices()], _code_digest()],
+                    compiler_options, [str(d) for d in jax.devices()], _code_digest(),
+                    os.environ.get("XLA_FLAGS", ""),
+                    jax.config.values.get("jax_disable_most_optimizations")],
                    sort_keys=True)
   os.makedirs(cache, exist_ok=True)
   base = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16])
