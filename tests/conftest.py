@@ -18,9 +18,9 @@ if "TENPLEX_SUITE_TMP" not in os.environ:
 os.environ.setdefault("XLA_FLAGS", "")
 # XLA's backend optimisation level 0 (no LLVM code-generation optimisations)
 # for every program the tests and their subprocesses compile: the suite is
-# CPU-bound and mostly compiling (15 min 17-47 s at the default level, 14 min
-# 5 s at level 0 on the same 2-core machine, README). It changes no HLO (the fusions, collectives and their order are those of the
-# default level), only the machine code. The steps whose bits are the point
+# CPU-bound and mostly compiling (the README gives its times at both levels).
+# It changes no HLO (the fusions, collectives and their order are those of
+# the default level), only the machine code. The steps whose bits are the point
 # (determinism.jit, jobarray.jit) compile at level 3 whatever the process
 # asks (determinism.COMPILER_OPTIONS). JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs
 # the suite at the default level.
