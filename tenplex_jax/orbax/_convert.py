@@ -696,7 +696,8 @@ def convert(src: str, dst: str, target: Any = None, *,
                          {"name": "zstd", "configuration": {
                              "level": 1, "checksum": False}}],
               "data_type": ts.dtype(h.storage).name,
-              "fill_value": 0},
+              # zarr v3 takes a bool array's fill value as a JSON boolean
+              "fill_value": False if h.storage == np.bool_ else 0},
           "store_data_equal_to_fill_value": True,
       }, create=True, open=False, context=ctx).result()
     # Stream: every new chunk is a new box of the restore core
