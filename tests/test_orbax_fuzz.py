@@ -70,3 +70,33 @@ def test_convert_bool_leaf(tmp_path):
     assert ours[k].sharding == target[k].sharding
     np.testing.assert_array_equal(_bits(ours[k]), _bits(tree[k]))
     np.testing.assert_array_equal(_bits(theirs[k]), _bits(tree[k]))
+
+
+def test_restore_empty_string_key(tmp_path):
+  """A dict key ``""`` is restored (Orbax restores it) and listed as ``""``
+  by inspect, not as ``"."`` (the name of a bare, keyless leaf)."""
+  tree = {"": jnp.arange(4.0), "a": jnp.ones(2, jnp.int8)}
+  path = str(tmp_path / "c")
+  _save(path, tree)
+  before = _dir_hash(path)
+  s = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
+  target = _target(tree, s)
+  ours = tor.restore(path, target)
+  theirs = ocp.StandardCheckpointer().restore(path, target)
+  assert sorted(tor.inspect(path)["tensors"]) == ["", "a"]
+  for k in tree:
+    assert ours[k].sharding == s
+    np.testing.assert_array_equal(_bits(ours[k]), _bits(theirs[k]))
+    np.testing.assert_array_equal(_bits(ours[k]), _bits(tree[k]))
+  assert _dir_hash(path) == before
+
+
+def test_restore_bare_leaf_still_named_dot(tmp_path):
+  """A checkpoint of one bare array (no keys) keeps the name ``.``."""
+  path = str(tmp_path / "c")
+  ocp.PyTreeCheckpointer().save(path, jnp.arange(6.0))
+  assert list(tor.inspect(path)["tensors"]) == ["."]
+  s = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+  out = tor.restore(path, jax.ShapeDtypeStruct((6,), jnp.float32, sharding=s))
+  np.testing.assert_array_equal(np.asarray(out), np.arange(6.0))
+  assert out.sharding == s

@@ -257,7 +257,9 @@ def _tree_entries(meta: Mapping | None, listed: list[str]) -> list[TreeEntry]:
       keys = v.get("key_metadata") or []
       vm = v.get("value_metadata") or {}
       ks = [str(k["key"]) for k in keys]
-      out.append(TreeEntry("/".join(ks) or ".", ".".join(ks), keys,
+      # "." only for a bare leaf (no keys); a key "" stays "" as in
+      # key_path_name
+      out.append(TreeEntry("/".join(ks) if keys else ".", ".".join(ks), keys,
                         str(vm.get("value_type"))))
     return out
   return [TreeEntry(p.replace(".", "/"), p,
