@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax import orbax as tor
@@ -100,3 +101,24 @@ def test_restore_bare_leaf_still_named_dot(tmp_path):
   out = tor.restore(path, jax.ShapeDtypeStruct((6,), jnp.float32, sharding=s))
   np.testing.assert_array_equal(np.asarray(out), np.arange(6.0))
   assert out.sharding == s
+
+
+@pytest.mark.parametrize("ocdbt", [False, True])
+def test_convert_empty_string_key(tmp_path, ocdbt):
+  """A dict key ``""`` (Orbax's parameter ``""``, the item's root) converts;
+  the result restores bitwise through us and through Orbax."""
+  tree = {"": jnp.arange(8.0), "a": jnp.arange(6, dtype=jnp.int32)}
+  src = str(tmp_path / "src")
+  _save(src, tree)
+  before = _dir_hash(src)
+  s = NamedSharding(Mesh(np.array(jax.devices()[2:4]), ("x",)), P("x"))
+  target = _target(tree, s)
+  dst = str(tmp_path / "dst")
+  tor.convert(src, dst, target, ocdbt=ocdbt)
+  assert _dir_hash(src) == before
+  ours = tor.restore(dst, target)
+  theirs = ocp.StandardCheckpointer().restore(dst, target)
+  for k in tree:
+    assert ours[k].sharding == s
+    np.testing.assert_array_equal(_bits(ours[k]), _bits(tree[k]))
+    np.testing.assert_array_equal(_bits(theirs[k]), _bits(tree[k]))

@@ -680,12 +680,14 @@ def convert(src: str, dst: str, target: Any = None, *,
     stores = {}
     for path, c in chunks.items():
       h = held[path]
+      # a parameter named "" (a dict key "") is the item's root, as Orbax
+      # writes it
+      sub = f"{names[path]}/" if names[path] else ""
       stores[path] = ts.open({
           "driver": "zarr3",
           "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_item}/",
-                      "path": f"{names[path]}/"} if ocdbt else
-                     {"driver": "file",
-                      "path": f"{tmp_item}/{names[path]}/"},
+                      "path": sub} if ocdbt else
+                     {"driver": "file", "path": f"{tmp_item}/{sub}"},
           "metadata": {
               "shape": list(h.stored_shape),
               "chunk_grid": {"name": "regular", "configuration": {
