@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax import orbax as tor
+from tenplex_jax.errors import TreeError
 
 
 def _dir_hash(d):
@@ -122,3 +123,40 @@ def test_convert_empty_string_key(tmp_path, ocdbt):
     assert ours[k].sharding == s
     np.testing.assert_array_equal(_bits(ours[k]), _bits(tree[k]))
     np.testing.assert_array_equal(_bits(theirs[k]), _bits(tree[k]))
+
+
+@pytest.mark.parametrize("saved,wanted", [
+    ("float32", "int8"), ("float32", "bool"), ("int8", "float32"),
+    ("bfloat16", "float32"), ("float32", "bfloat16"), ("uint8", "int32")])
+def test_restore_casts_like_orbax(tmp_path, saved, wanted):
+  """A target dtype other than the saved one is a cast, bitwise what Orbax's
+  restore into the same target gives (docs/orbax.md)."""
+  rng = np.random.default_rng(1)
+  x = (rng.standard_normal((8, 6)) * 100).astype(np.float32)
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  tree = {"w": jax.device_put(jnp.asarray(x).astype(saved),
+                              NamedSharding(mesh, P("x")))}
+  path = str(tmp_path / "c")
+  _save(path, tree)
+  new = Mesh(np.array(jax.devices()[4:8]).reshape(2, 2), ("a", "b"))
+  s = NamedSharding(new, P("b", "a"))
+  target = {"w": jax.ShapeDtypeStruct((8, 6), jnp.dtype(wanted), sharding=s)}
+  ours = tor.restore(path, target)["w"]
+  theirs = ocp.StandardCheckpointer().restore(path, target)["w"]
+  assert ours.dtype == jnp.dtype(wanted) and ours.sharding == s
+  np.testing.assert_array_equal(_bits(ours), _bits(theirs))
+
+
+def test_convert_refuses_a_cast_naming_the_leaf(tmp_path):
+  """``convert`` does not cast: a target dtype other than the saved one is
+  a ``TreeError`` naming the leaf and both dtypes."""
+  src = str(tmp_path / "src")
+  _save(src, {"p": {"w": jnp.ones((4, 2), jnp.bfloat16)}})
+  s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = {"p": {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32,
+                                            sharding=s)}}
+  with pytest.raises(TreeError) as e:
+    tor.convert(src, str(tmp_path / "dst"), target)
+  assert "p/w: the target is float32[4, 2], the source saved bfloat16[4, 2]" \
+      in str(e.value)
+  assert not os.path.exists(tmp_path / "dst")
