@@ -160,3 +160,31 @@ def test_convert_refuses_a_cast_naming_the_leaf(tmp_path):
   assert "p/w: the target is float32[4, 2], the source saved bfloat16[4, 2]" \
       in str(e.value)
   assert not os.path.exists(tmp_path / "dst")
+
+
+@pytest.mark.parametrize("ocdbt", [False, True])
+def test_keys_holding_a_slash_that_collide_are_refused(tmp_path, ocdbt):
+  """``{"a/b": x, "a": {"b": y}}``: Orbax keeps the two leaves apart
+  (parameters ``a/b`` and ``a.b``); matched by ``/``-joined path they are
+  one name, and the restore put ``x`` into ``a/b`` silently. Now a
+  ``TreeError`` names the path and both key tuples; a key holding ``/``
+  that collides with nothing still restores bitwise."""
+  s = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+  bad = str(tmp_path / "bad")
+  tree = {"a/b": jnp.arange(4.0), "a": {"b": jnp.arange(4.0) + 100}}
+  ocp.PyTreeCheckpointer(use_ocdbt=ocdbt).save(bad, tree)
+  before = _dir_hash(bad)
+  with pytest.raises(TreeError) as e:
+    tor.restore(bad, _target(tree, s))
+  assert ("saved leaves share a path name (a dict key holds '/'), so they "
+          "cannot be told apart: 'a/b' is each of ") in str(e.value)
+  assert "('a', 'b')" in str(e.value) and "('a/b',)" in str(e.value)
+  assert _dir_hash(bad) == before
+  good = str(tmp_path / "good")
+  tree = {"a/b": jnp.arange(4.0), "c": {"b": jnp.arange(4.0) + 100}}
+  ocp.PyTreeCheckpointer(use_ocdbt=ocdbt).save(good, tree)
+  out = tor.restore(good, _target(tree, s))
+  for k, v in (("a/b", tree["a/b"]), ("c", tree["c"]["b"])):
+    got = out[k] if k == "a/b" else out[k]["b"]
+    assert got.sharding == s
+    np.testing.assert_array_equal(_bits(got), _bits(v))

@@ -46,7 +46,7 @@ import tensorstore as ts
 
 from tenplex_jax.cloud import (Listing, download, kvstore_spec,
                                location_error)
-from tenplex_jax.errors import StoreError, UsageError
+from tenplex_jax.errors import StoreError, TreeError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout,
                                 named_placement)
@@ -270,6 +270,24 @@ def _tree_entries(meta: Mapping | None, listed: list[str]) -> list[TreeEntry]:
 ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 
 
+def _check_names(entries: list[TreeEntry], where: str) -> None:
+  """Refuses a tree in which two saved leaves have one path name (a dict
+  key holding ``/``, such as ``{"a/b": x, "a": {"b": y}}``): leaves are
+  matched by ``/``-joined path, so one of them would be restored from the
+  other's data."""
+  by: dict[str, list[str]] = {}
+  for e in entries:
+    by.setdefault(e.name, []).append(
+        repr(tuple(str(k["key"]) for k in e.keys)))
+  clash = {n: ks for n, ks in by.items() if len(ks) > 1}
+  if clash:
+    raise TreeError(
+        f"{where}: saved leaves share a path name (a dict key holds '/'), "
+        "so they cannot be told apart: " + "; ".join(
+            f"{n!r} is each of {', '.join(ks)}"
+            for n, ks in sorted(clash.items())))
+
+
 # tensorstore's threads that decode chunks and copy them into place, unless
 # the caller asks for fewer (see ``copy_threads``).
 COPY_THREADS = max(8, 2 * (os.cpu_count() or 1))
@@ -339,6 +357,7 @@ class OrbaxSource(Source):
     })
     listed = [] if self.meta else self._list_params()
     self.entries = _tree_entries(self.meta, listed)
+    _check_names(self.entries, self.location.item)
     self.array_meta = self._array_metadatas()
     self.shardings = self._shardings()
     self._stores: dict[str, Any] = {}
