@@ -600,6 +600,28 @@ def _is_none(x) -> bool:
   return x is None
 
 
+def name_clashes(flat: Sequence[tuple[Any, Any]]) -> list[tuple[str, str]]:
+  """The path names of a flattened tree (``tree_flatten_with_path``) that
+  name more than one leaf: ``(name, "the key paths, listed")`` each.
+
+  Leaves are stored and matched by their ``/``-joined path name, so a dict
+  key holding ``/`` can name two leaves alike (``{"a/b": x, "a": {"b": y}}``):
+  one would be saved over, or restored from, the other's data.
+
+  >>> import jax
+  >>> name_clashes(jax.tree_util.tree_flatten_with_path(
+  ...     {"a/b": 1, "a": {"b": 2}})[0])
+  [('a/b', "['a']['b'] and ['a/b']")]
+  """
+  by: dict[str, list[str]] = {}
+  for kp, leaf in flat:
+    if leaf is None:
+      continue
+    by.setdefault(key_path_name(kp), []).append(jax.tree_util.keystr(kp))
+  return [(n, " and ".join(sorted(ks)))
+          for n, ks in sorted(by.items()) if len(ks) > 1]
+
+
 def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
                 mesh: Mesh | None = None, aliases: bool = True,
                 values: Mapping[str, Any] = {},  # noqa: B006 - read only
@@ -652,6 +674,11 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
                                                        is_leaf=_is_none)
   slots: list[Slot] = []
   problems: list[Problem] = []
+  for name, clash in name_clashes(flat):
+    problems.append(Problem(name, (
+        f"target leaves {clash} share this path name (a dict key holds "
+        "'/'); one would be restored from the other's data"),
+        "target leaves share a path name (a dict key holds '/')"))
   placer = _Placer(mesh)
   for i, (kp, leaf) in enumerate(flat):
     name = key_path_name(kp)

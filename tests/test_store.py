@@ -298,6 +298,28 @@ def test_bad_trees_name_every_leaf_and_the_numbers(sdir):
   assert store.restore([sdir], {"step": None}) == {"step": 7}
 
 
+def test_leaves_sharing_a_path_name_are_refused_not_overwritten(sdir):
+  # A dict key holding "/" names the leaf a/b like {"a": {"b": ...}} does:
+  # saving both would keep one leaf's data for the two, and a target holding
+  # both would restore them from one saved array.
+  rep = NamedSharding(_mesh(1, (1,), ("d",)), P())
+  x = jax.device_put(np.arange(4, dtype=np.float32), rep)
+  y = jax.device_put(np.arange(4, dtype=np.float32) + 10, rep)
+  with pytest.raises(store.TreeError, match=r"save: .*'a/b': \['a'\]\['b'\]"
+                     r" and \['a/b'\]"):
+    store.save({"a/b": x, "a": {"b": y}}, sdir, step=1)
+  assert not os.path.exists(sdir) or not os.listdir(sdir)
+  # Either key alone (and unrelated leaves named with "/") stays fine.
+  store.save({"a/b": x, "c": {"d": y}}, sdir, step=1)
+  sds = lambda: jax.ShapeDtypeStruct((4,), jnp.float32, sharding=rep)
+  out = store.restore([sdir], {"a/b": sds(), "c": {"d": sds()}})
+  np.testing.assert_array_equal(_bits(out["a/b"]), _bits(x))
+  np.testing.assert_array_equal(_bits(out["c"]["d"]), _bits(y))
+  with pytest.raises(store.TreeError, match=r"a/b: target leaves \['a'\]"
+                     r"\['b'\] and \['a/b'\] share this path name"):
+    store.restore([sdir], {"a/b": sds(), "a": {"b": sds()}})
+
+
 def test_save_with_delete_arrays_frees_each_array_and_restores_bitwise(sdir):
   """``save(..., delete_arrays=True)`` (a save for a resize, as
   ``save_and_exit``'s): every array of the tree is deleted once the save

@@ -38,7 +38,7 @@ from tenplex_jax.assembly import (NewBox, fetch_pieces, fill, new_boxes, place,
                                   shards_of)
 from tenplex_jax._problems import Problem
 from tenplex_jax._targets import (bind_target, leaf_kind, match_saved,
-                                  raise_tree_problems)
+                                  name_clashes, raise_tree_problems)
 from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
                                 UsageError)
 from tenplex_jax.plain import decode_plain, encode_plain
@@ -134,6 +134,12 @@ def _is_none(x) -> bool:
 def _snapshot_items(tree):
   """(ptc, extras, [(path, layout info, [(box, host array)])])."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+  clashes = name_clashes(flat)
+  if clashes:
+    raise TreeError(
+        "save: leaves are stored by path name, and these name more than one"
+        " leaf (a dict key holds '/'); one would be saved over the other: "
+        + "; ".join(f"{n!r}: {ks}" for n, ks in clashes))
   sds = {}
   extras = {}
   arrays = []
