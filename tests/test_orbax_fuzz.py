@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax import orbax as tor
-from tenplex_jax.errors import TreeError
+from tenplex_jax.errors import TreeError, UsageError
 
 
 def _dir_hash(d):
@@ -188,3 +188,31 @@ def test_keys_holding_a_slash_that_collide_are_refused(tmp_path, ocdbt):
     got = out[k] if k == "a/b" else out[k]["b"]
     assert got.sharding == s
     np.testing.assert_array_equal(_bits(got), _bits(v))
+
+
+def test_a_step_or_item_that_the_path_contradicts_is_refused(tmp_path):
+  # step= and item= pick within a manager or step directory; a path that is
+  # already one step's (or one item's) directory used to ignore them and
+  # restore that step silently.
+  d = str(tmp_path / "ckpt")
+  with ocp.CheckpointManager(d) as m:
+    for step in (5, 10):
+      m.save(step, args=ocp.args.StandardSave(
+          {"w": jnp.full((2,), float(step))}))
+  s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  tgt = {"w": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=s)}
+  before = _dir_hash(d)
+  assert float(tor.restore(d, tgt, step=5)["w"][0]) == 5.0
+  assert float(tor.restore(f"{d}/10", tgt, step=10)["w"][0]) == 10.0
+  assert float(tor.restore(f"{d}/10/default", tgt, item="default")["w"][0]) \
+      == 10.0
+  with pytest.raises(UsageError, match=r"/10 is the step directory of "
+                     "step 10, not step 5; give the CheckpointManager"):
+    tor.restore(f"{d}/10", tgt, step=5)
+  with pytest.raises(UsageError, match=r"/10/default is an item "
+                     "directory of step 10, not step 5"):
+    tor.restore(f"{d}/10/default", tgt, step=5)
+  with pytest.raises(UsageError, match=r"/10/default is the item "
+                     "'default', not 'other'"):
+    tor.restore(f"{d}/10/default", tgt, item="other")
+  assert _dir_hash(d) == before

@@ -194,23 +194,43 @@ def locate(path: str, *, step: int | None = None,
   path, fs = _files_of(path)
   if not fs.isdir(path):
     raise UsageError(f"{path}: no such directory")
+
+  def one_step(loc: Location, what: str) -> Location:
+    # a step or item directory holds one step: a step= that names another
+    # (or an item= naming another item of its step) is refused, never
+    # ignored; a bare checkpoint directory has no step to contradict
+    if step is not None and loc.step is not None and loc.step != step:
+      raise UsageError(
+          f"{path} is {what} of step {loc.step}, not step {step}; give the"
+          " CheckpointManager directory to pick a step")
+    if item is not None and what == "an item directory" \
+        and loc.step_dir not in (None, loc.item) \
+        and os.path.basename(path.rstrip("/")) != item:
+      raise UsageError(
+          f"{path} is the item {os.path.basename(path.rstrip('/'))!r}, not"
+          f" {item!r}; give its step directory to pick an item")
+    return loc
+
   if _is_item(path, fs):
+    what = "an item directory"
     parent = os.path.dirname(path)
     m = _STEP_RE.match(os.path.basename(parent))
     if m and fs.isfile(os.path.join(parent, "_CHECKPOINT_METADATA")):
-      return Location(path, int(m.group(2)), parent, os.path.dirname(parent),
-                      fs)
+      return one_step(Location(path, int(m.group(2)), parent,
+                               os.path.dirname(parent), fs), what)
     m = _STEP_RE.match(os.path.basename(path))
     if m and fs.isfile(os.path.join(path, "_CHECKPOINT_METADATA")) \
         and _steps_of(parent, fs):
-      return Location(path, int(m.group(2)), path, parent, fs)
-    return Location(path, files=fs)
+      return one_step(Location(path, int(m.group(2)), path, parent, fs),
+                      "the step directory")
+    return one_step(Location(path, files=fs), what)
   steps = _steps_of(path, fs)
   if not steps and _items_of(path, fs):  # a step directory
     m = _STEP_RE.match(os.path.basename(path))
-    return Location(_pick_item(path, item, fs),
-                    int(m.group(2)) if m else None,
-                    path, os.path.dirname(path) if m else None, fs)
+    return one_step(Location(_pick_item(path, item, fs),
+                             int(m.group(2)) if m else None,
+                             path, os.path.dirname(path) if m else None, fs),
+                    "the step directory")
   if not steps:
     raise UsageError(
         f"{path} is not an Orbax checkpoint: no _METADATA or manifest.ocdbt"
