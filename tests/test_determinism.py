@@ -552,6 +552,10 @@ _STATIC_8 = pytest.mark.xdist_group("determinism_static_8")
 
 
 @_STATIC_8
+# Its FSDP layout splits Dense_2's (8,) bias into one-element shards on 8
+# devices, which value_and_grad warns about; this step's bits hold there.
+@pytest.mark.filterwarnings(
+    "ignore::tenplex_jax.determinism.SingleElementShardWarning")
 def test_d0_d1_training_v8_resizes_8_4_2_8(tmp_path):
   static = static_run(8)
   assert_bitwise(static, train(((0, 8),), 8))                     # D0
@@ -664,6 +668,40 @@ def test_errors_name_the_numbers():
   params, batch = mlp_data(12)
   with pytest.raises(UsageError, match=r"global batch 12 .*\['x'\].*virtual_workers=8"):
     f(params, batch)
+
+
+def test_one_element_shards_over_the_batch_axes_are_warned_about():
+  # XLA compiles an elementwise update of a one-element shard otherwise than
+  # of the whole array (an adamw update of a (4,) leaf split over 4 devices
+  # gave other bits than on 1 device): value_and_grad names such leaves.
+  mesh = mesh1d(4)
+  split = NamedSharding(mesh, P("data"))
+  params = {"b": jax.device_put(jnp.ones(4), split),
+            "w": jax.device_put(jnp.ones((8, 4)), split),
+            "r": jax.device_put(jnp.ones(4), NamedSharding(mesh, P()))}
+  batch = jax.device_put(jnp.ones((8, 4)), split)
+
+  def loss(p, x):
+    return jnp.mean(x @ (p["b"] + p["r"])) + jnp.sum(p["w"])
+
+  f = det.value_and_grad(loss, virtual_workers=4, mesh=mesh)
+  with pytest.warns(det.SingleElementShardWarning) as w:
+    f(params, batch)
+  (msg,) = [str(x.message) for x in w]
+  assert "1 params split over ('data',) (4 devices)" in msg, msg
+  assert "params['b'] (4,) -> shards (1,)" in msg, msg
+  assert "params['w']" not in msg and "params['r']" not in msg, msg
+  specs = {"b": split, "w": split, "r": NamedSharding(mesh, P())}
+  g = det.jit(lambda p, x: det.value_and_grad(
+      loss, virtual_workers=4, mesh=mesh, param_shardings=specs)(p, x))
+  with pytest.warns(det.SingleElementShardWarning,
+                    match=r"params\['b'\] \(4,\) -> shards \(1,\)"):
+    g(params, batch)
+  # Two elements per shard: no warning (the suite turns warnings into errors).
+  wide = {**params, "b": jax.device_put(jnp.ones(8), split)}
+  batch8 = jax.device_put(jnp.ones((8, 8)), split)
+  wide["r"] = jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))
+  f(wide, batch8)
 
 
 def test_check_environment_reports_gpu_flags():
