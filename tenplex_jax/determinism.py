@@ -668,7 +668,9 @@ def _isolated_value_and_grad(loss_fn: Callable, params: Any, xs: Any,
     return vg(prep(p), b, *a)
 
   ops = lax.optimization_barrier((params, xs, tuple(wargs)))
-  loss_aval = jax.eval_shape(left, ops)[0]
+  # The loss's own shape (``jax.value_and_grad`` would raise its TypeError
+  # for a non-scalar first).
+  loss_aval = jax.eval_shape(lambda o: loss_fn(prep(o[0]), o[1], *o[2]), ops)
   if loss_aval.shape != ():
     raise UsageError(f"loss_fn must return a scalar, got shape"
                      f" {loss_aval.shape}")

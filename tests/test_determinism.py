@@ -745,3 +745,16 @@ def test_partial_gradient_bytes():
   m = det.partial_gradient_bytes(params, virtual_workers=24, devices=8)
   flat = -(-(n_params + 1) // 8) * 8 * 4
   assert m["stack"] == flat + 5 * flat // 8
+
+
+def test_non_scalar_loss_is_a_usage_error_naming_the_shape():
+  """A loss_fn that returns a vector is refused with the shape it returned
+  (on the subtree path jax.value_and_grad's TypeError came first)."""
+  mesh = mesh1d(2)
+  f = det.value_and_grad(lambda p, b: b["x"] @ p["w"], virtual_workers=4,
+                         mesh=mesh)
+  params = {"w": jnp.ones((3,), jnp.float32)}
+  batch = {"x": jnp.ones((8, 3), jnp.float32)}
+  with pytest.raises(UsageError, match=re.escape(
+      "loss_fn must return a scalar, got shape (2,)")):
+    f(params, batch)
