@@ -371,6 +371,11 @@ def _check_batch(batch: Any, virtual_workers: int) -> int:
   bad = {k: v for k, v in sizes.items() if v != global_batch}
   if bad:
     raise UsageError(f"batch leaves disagree on the global batch size: {sizes}")
+  if global_batch == 0:
+    raise UsageError(
+        f"global batch 0 (leading axis of batch leaf {next(iter(sizes))}):"
+        f" each of the virtual_workers={virtual_workers} needs a slice of at"
+        " least one row")
   if global_batch % virtual_workers:
     raise UsageError(
         f"global batch {global_batch} (leading axis of batch leaf"
@@ -1322,6 +1327,11 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
     isolate = gather is not None and not all(gather)
     global_batch = _check_batch(batch, virtual_workers)
     del global_batch
+    wrong = [i for i in rng_argnums if not -len(args) <= i < len(args)]
+    if wrong:
+      raise UsageError(
+          f"rng_argnums={rng_argnums} names argument(s) {wrong}, but the call"
+          f" passed {len(args)} argument(s) after params and batch")
     arg_specs = tuple(P() for _ in args)
     if not aligned:
       batch = jax.tree.map(

@@ -668,6 +668,16 @@ def test_errors_name_the_numbers():
   params, batch = mlp_data(12)
   with pytest.raises(UsageError, match=r"global batch 12 .*\['x'\].*virtual_workers=8"):
     f(params, batch)
+  empty = jax.tree.map(lambda x: x[:0], batch)
+  with pytest.raises(UsageError, match=r"global batch 0 .*\['x'\].*"
+                     "virtual_workers=8 needs a slice of at least one row"):
+    f(params, empty)
+  params, batch = mlp_data(16)
+  g = det.value_and_grad(lambda p, b, key: mlp_loss(p, b), virtual_workers=8,
+                         mesh=mesh1d(2), rng_argnums=(1,))
+  with pytest.raises(UsageError, match=r"rng_argnums=\(1,\) names argument"
+                     r"\(s\) \[1\], but the call passed 1 argument"):
+    g(params, batch, jax.random.key(0))
 
 
 def test_one_element_shards_over_the_batch_axes_are_warned_about():
