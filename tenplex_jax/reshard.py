@@ -696,8 +696,31 @@ def _remember_boxes(prog: _LeafProgram, x: jax.Array, records: list,
 # -- the generic executor: one compiled program per device ---------------------
 
 
+# XLA:CPU canonicalises NaNs where it slices or concatenates some narrow
+# floats (bfloat16 with the classic emitters, float8_e5m2): a signalling NaN
+# came back quiet and a bfloat16 NaN lost its payload. The executors' programs
+# only move bytes, so they move such floats as unsigned integers of the same
+# width, bitcast in the program on the way in and out.
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _as_bits(x):
+  """``x`` bitcast to the unsigned integers of its width, if a float."""
+  dt = np.dtype(x.dtype)
+  if (jnp.issubdtype(dt, jnp.floating) and dt.itemsize in _BITS
+      and not _sub_byte(dt)):
+    return jax.lax.bitcast_convert_type(x, _BITS[dt.itemsize])
+  return x
+
+
+def _from_bits(x, dtype):
+  """Undoes :func:`_as_bits` for an array of ``dtype``."""
+  return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def _cut_impl(spec, *arrays):
-  return tuple(jax.lax.slice(arrays[i], starts, limits)
+  return tuple(_from_bits(jax.lax.slice(_as_bits(arrays[i]), starts, limits),
+                          arrays[i].dtype)
                for i, starts, limits in spec)
 
 
@@ -705,7 +728,7 @@ def _glue_impl(spec, *pieces):
   """Per new shard: its pieces (grid order), joined by concatenation."""
   outs = []
   for _, parts in spec:
-    items = [(starts, pieces[i]) for i, starts in parts]
+    items = [(starts, _as_bits(pieces[i])) for i, starts in parts]
 
     def join(items, d):
       if len(items) == 1:
@@ -715,7 +738,7 @@ def _glue_impl(spec, *pieces):
               for a in starts]
       return cols[0] if len(cols) == 1 else jnp.concatenate(cols, axis=d)
 
-    outs.append(join(items, 0))
+    outs.append(_from_bits(join(items, 0), pieces[parts[0][0]].dtype))
   return tuple(outs)
 
 
@@ -1212,6 +1235,7 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
                  len(moves.cut_grid) > 1)
 
   def cut_body(*xs):
+    xs = [_as_bits(x) for x in xs]
     outs = []
     for off in moves.cut_grid:
       parts = [jax.lax.reshape(
@@ -1221,7 +1245,7 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
       for run in runs:
         outs.append(parts[run[0]] if len(run) == 1 else
                     jax.lax.concatenate([parts[m] for m in run], 0))
-    return tuple(outs)
+    return tuple(_from_bits(o, dtype) for o in outs)
 
   def join(items, d):
     if d == ndim:
@@ -1231,6 +1255,7 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
     return parts[0] if len(parts) == 1 else jax.lax.concatenate(parts, d)
 
   def glue_body(stage, *flats):
+    flats = [_as_bits(f) for f in flats]
     outs = []
     for k, c in enumerate(stage):
       at = 0
@@ -1240,7 +1265,7 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
             jax.lax.slice(flats[i], (at,), (at + n,)), b)
             for i in range(k, len(flats), len(stage))], 0))
         at += n
-    return tuple(outs)
+    return tuple(_from_bits(o, dtype) for o in outs)
 
   run_sizes = tuple(sum(sizes[m] for m in run) for run in runs)
   fs, fd = moves.flat_src.spec, moves.flat_dst.spec

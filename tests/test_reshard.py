@@ -159,6 +159,32 @@ def test_every_dtype_and_keys_and_scalars():
       assert new[k].sharding.is_equivalent_to(target[k], v.ndim), k
 
 
+
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+def test_nan_payloads_and_signalling_nans_keep_their_bits(method):
+  # XLA:CPU quietened bfloat16 and float8_e5m2 NaNs (and dropped bfloat16
+  # payloads) where the generic executor sliced or concatenated them.
+  pats = {jnp.bfloat16: [0x7F81, 0xFFC1, 0x7FA5, 0x7FC0, 0x3F80, 0x0001],
+          jnp.float16: [0x7C01, 0xFE01, 0x7D55, 0x7E00, 0x3C00, 0x0001],
+          jnp.float8_e5m2: [0x7D, 0xFD, 0x7E, 0x7F, 0x3C, 0x01],
+          jnp.float32: [0x7F800001, 0xFFC00001, 0x7FA00000, 0x7FC00000,
+                        0x3F800000, 0x00000001]}
+  m8 = Mesh(np.array(DEVS), ("data",))
+  m2 = Mesh(np.array(DEVS[5:7]), ("data",))
+  cases = [(NamedSharding(m8, P("data")), NamedSharding(m2, P("data"))),
+           (SingleDeviceSharding(DEVS[3]), NamedSharding(m8, P("data"))),
+           (NamedSharding(m8, P("data")), NamedSharding(mesh24(), P()))]
+  for dt, pat in pats.items():
+    width = np.dtype(dt).itemsize
+    host = np.array(pat * 8, f"<u{width}")[:48].view(dt)
+    for src, dst in cases:
+      x = jax.device_put(host, src)
+      y = reshard(x, dst, method=method)
+      assert bits(y) == host.view(np.uint8).tobytes(), (dt, src, dst)
+      assert y.sharding.is_equivalent_to(dst, 1)
+      assert bits(x) == host.view(np.uint8).tobytes()
+
+
 def test_ptc_target_round_trips_through_json():
   m1, m2 = mesh24(), Mesh(np.array(DEVS[2:6]).reshape(2, 2), ("a", "b"))
   x = make((8, 8), jnp.float32, NamedSharding(m1, P("data", "tensor")))
