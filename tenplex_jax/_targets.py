@@ -420,8 +420,22 @@ def match_targets(tree: Any, target: Any, *, mesh: Mesh | None = None
             " `with jax.set_mesh(mesh):` or give NamedShardings)"))
       else:
         if t not in specs:
-          specs[t] = NamedSharding(m, t)
+          try:
+            specs[t] = NamedSharding(m, t)
+          except Exception as e:  # pylint: disable=broad-except
+            # an axis the mesh lacks (ValueError), or one used twice
+            # (jax's DuplicateSpecError): a problem at this leaf
+            used = [a for entry in t if entry is not None
+                    and entry is not PartitionSpec.UNCONSTRAINED
+                    for a in (entry if isinstance(entry, tuple) else (entry,))]
+            missing = [a for a in used if a not in m.shape]
+            why = (f"names mesh axes {missing} that the mesh"
+                   f" {dict(m.shape)} lacks" if missing else f"is invalid: {e}")
+            specs[t] = f"target PartitionSpec{tuple(t)} {why}"
         s = specs[t]
+        if isinstance(s, str):
+          problems.append(Problem(name, s, s))
+          s = None
     elif isinstance(t, jax.Device):
       s = SingleDeviceSharding(t)
     elif isinstance(t, jax.ShapeDtypeStruct):  # an abstract state as target

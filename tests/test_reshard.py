@@ -274,6 +274,22 @@ def test_structure_mismatch_names_the_leaf():
     reshard({"a": {"w": x}}, {"a": {"w": None}})
 
 
+def test_partition_spec_target_with_unknown_axis_names_leaf_and_axis():
+  # Was jax's bare ValueError from NamedSharding, naming no leaf.
+  m = mesh24()
+  x = make((8, 4), jnp.float32, NamedSharding(m, P("data")))
+  with jax.set_mesh(m):
+    with pytest.raises(LayoutError) as e:
+      reshard({"layer": {"w": x, "b": x}},
+              {"layer": {"w": P(("data", "zz")), "b": P()}})
+    assert str(e.value) == (
+        "cannot reshard:\n  layer/w: target PartitionSpec(('data', 'zz'),)"
+        " names mesh axes ['zz'] that the mesh {'data': 2, 'tensor': 4}"
+        " lacks")
+    with pytest.raises(LayoutError, match=r"layer/w: target PartitionSpec"
+                       r"\('data', 'data'\) is invalid: .*duplicate"):
+      reshard({"layer": {"w": x}}, {"layer": {"w": P("data", "data")}})
+
 def test_indivisible_target_names_leaf_and_numbers():
   m = mesh24()
   x = make((6, 8), jnp.float32, NamedSharding(m, P(None, "tensor")))
