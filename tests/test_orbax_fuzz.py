@@ -5,8 +5,8 @@ Each checkpoint is written by orbax-checkpoint itself; values are compared
 bitwise with Orbax's own restore into the same target.
 """
 
-import hashlib
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,17 +18,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tenplex_jax import orbax as tor
 from tenplex_jax.errors import TreeError, UsageError
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_orbax import dir_hash as _dir_hash  # noqa: E402
 
-def _dir_hash(d):
-  h = hashlib.sha256()
-  for root, dirs, files in os.walk(d):
-    dirs.sort()
-    for f in sorted(files):
-      p = os.path.join(root, f)
-      h.update(os.path.relpath(p, d).encode())
-      with open(p, "rb") as fh:
-        h.update(fh.read())
-  return h.hexdigest()
+
 
 
 def _save(path, tree):
