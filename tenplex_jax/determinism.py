@@ -723,8 +723,7 @@ class SingleElementShardWarning(UserWarning):
   """A parameter splits over the batch axes into one-element shards."""
 
 
-def _warn_single_element_shards(treedef: Any, shapes: Sequence[tuple],
-                                shardings: Sequence[Any],
+def _warn_single_element_shards(params: Any, shardings: Sequence[Any],
                                 axes: tuple[str, ...], mesh: Mesh) -> None:
   """Warns about params split over ``axes`` into one-element shards.
 
@@ -737,19 +736,21 @@ def _warn_single_element_shards(treedef: Any, shapes: Sequence[tuple],
   multiplication by a reciprocal on the whole array).
   """
   n = math.prod(mesh.shape[a] for a in axes)
+  if n < 2:
+    return
   bad = []
-  paths = [jax.tree_util.keystr(kp) for kp, _ in
-           jax.tree_util.tree_flatten_with_path(
-               jax.tree_util.tree_unflatten(treedef, [0] * len(shapes)))[0]]
-  for path, shape, sh in zip(paths, shapes, shardings):
-    if n < 2 or math.prod(shape) < 2 or _sharded_dim(sh, axes) is None:
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (kp, x), sh in zip(flat, shardings):
+    shape = tuple(np.shape(x))
+    if math.prod(shape) < 2 or _sharded_dim(sh, axes) is None:
       continue
     try:
-      local = sh.shard_shape(tuple(shape))
+      local = sh.shard_shape(shape)
     except (ValueError, TypeError):
       continue
     if math.prod(local) == 1:
-      bad.append(f"params{path} {tuple(shape)} -> shards {tuple(local)}")
+      bad.append(f"params{jax.tree_util.keystr(kp)} {shape} -> shards"
+                 f" {tuple(local)}")
   if bad:
     warnings.warn(
         f"{len(bad)} params split over {axes} ({n} devices) into one-element"
@@ -1401,11 +1402,10 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       return None
     return tuple(_sharded_dim(s, (pipeline_axis,)) for s in shardings[1])
 
-  def compiled(shardings, shapes):
-    fn = cache.get((shardings, shapes))
+  def compiled(shardings, params):
+    fn = cache.get(shardings)
     if fn is None:
-      _warn_single_element_shards(shardings[0], shapes, shardings[1], axes,
-                                  mesh)
+      _warn_single_element_shards(params, shardings[1], axes, mesh)
       out = None if shardings is None else (
           NamedSharding(mesh, P()), jax.tree_util.tree_unflatten(*shardings))
       dims, shard_in = _dims(shardings)
@@ -1413,7 +1413,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
       fn = jax.jit(lambda *a: run(*a, dims=dims, shard_in=shard_in,
                                   staged=staged),
                    out_shardings=out, compiler_options=_compiler_options())
-      cache[(shardings, shapes)] = fn
+      cache[shardings] = fn
     return fn
 
   def f(params, batch, *args):
@@ -1425,8 +1425,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         return run(params, batch, *args)
       leaves, treedef = jax.tree_util.tree_flatten(params)
       specs = treedef.flatten_up_to(param_shardings)
-      _warn_single_element_shards(treedef, [np.shape(x) for x in leaves],
-                                  specs, axes, mesh)
+      _warn_single_element_shards(params, specs, axes, mesh)
       dims, shard_in = _dims((treedef, tuple(specs)))
       # The gradients of params split over exactly the batch axes (FSDP)
       # keep the reduce-scatter layout, the params' (their sums computed in
@@ -1445,8 +1444,7 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         x.sharding if isinstance(x, jax.Array)
         and x.sharding.device_set == mesh_devices else replicated
         for x in leaves))
-    return compiled(shardings, tuple(np.shape(x) for x in leaves))(
-        params, batch, *args)
+    return compiled(shardings, params)(params, batch, *args)
 
   return f
 
