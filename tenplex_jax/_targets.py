@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -627,13 +627,25 @@ def name_clashes(flat: Sequence[tuple[Any, Any]]) -> list[tuple[str, str]]:
   ...     {"a/b": 1, "a": {"b": 2}})[0])
   [('a/b', "['a']['b'] and ['a/b']")]
   """
+  return [(n, " and ".join(ks)) for n, ks in shared_names(
+      (key_path_name(kp), jax.tree_util.keystr(kp))
+      for kp, leaf in flat if leaf is not None)]
+
+
+def shared_names(named: Iterable[tuple[str, str]]
+                 ) -> list[tuple[str, list[str]]]:
+  """Groups ``(name, description)`` pairs by name and keeps the names given
+  more than once: ``(name, sorted descriptions)``, sorted by name. The one
+  check behind :func:`name_clashes` (target key paths) and the Orbax
+  reader's check of saved entries.
+
+  >>> shared_names([("a/b", "x"), ("c", "z"), ("a/b", "w")])
+  [('a/b', ['w', 'x'])]
+  """
   by: dict[str, list[str]] = {}
-  for kp, leaf in flat:
-    if leaf is None:
-      continue
-    by.setdefault(key_path_name(kp), []).append(jax.tree_util.keystr(kp))
-  return [(n, " and ".join(sorted(ks)))
-          for n, ks in sorted(by.items()) if len(ks) > 1]
+  for name, what in named:
+    by.setdefault(name, []).append(what)
+  return [(n, sorted(ws)) for n, ws in sorted(by.items()) if len(ws) > 1]
 
 
 def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from tenplex_jax._targets import shared_names
 from tenplex_jax.cloud import (Listing, download, kvstore_spec,
                                location_error)
 from tenplex_jax.errors import StoreError, TreeError, UsageError
@@ -295,17 +296,13 @@ def _check_names(entries: list[TreeEntry], where: str) -> None:
   key holding ``/``, such as ``{"a/b": x, "a": {"b": y}}``): leaves are
   matched by ``/``-joined path, so one of them would be restored from the
   other's data."""
-  by: dict[str, list[str]] = {}
-  for e in entries:
-    by.setdefault(e.name, []).append(
-        repr(tuple(str(k["key"]) for k in e.keys)))
-  clash = {n: ks for n, ks in by.items() if len(ks) > 1}
+  clash = shared_names(
+      (e.name, repr(tuple(str(k["key"]) for k in e.keys))) for e in entries)
   if clash:
     raise TreeError(
         f"{where}: saved leaves share a path name (a dict key holds '/'), "
         "so they cannot be told apart: " + "; ".join(
-            f"{n!r} is each of {', '.join(ks)}"
-            for n, ks in sorted(clash.items())))
+            f"{n!r} is each of {', '.join(ks)}" for n, ks in clash))
 
 
 # tensorstore's threads that decode chunks and copy them into place, unless
