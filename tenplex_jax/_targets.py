@@ -304,7 +304,7 @@ def _fit_problem(path: str, shape: tuple, s: NamedSharding) -> Problem | None:
       return Problem(
           path, f"sharding {s} does not fit shape {shape}: dimension {d} of"
           f" size {shape[d]} cannot be split {parts} ways over mesh axes"
-          f" {axes}", f"a dimension of size {shape[d]} cannot be split"
+          f" {axes}", f"dimension {d} of size {shape[d]} cannot be split"
           f" {parts} ways over mesh axes {axes}")
   return None
 

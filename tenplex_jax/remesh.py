@@ -128,7 +128,7 @@ class RemeshReport:
 
 def _fallback_problems(fallbacks: Sequence[Fallback]) -> list[Problem]:
   return [Problem(f.path, str(f)[len(f.path) + 2:],
-                  f"a dimension of size {f.size} cannot be split {f.parts}"
+                  f"dimension {f.dim} of size {f.size} cannot be split {f.parts}"
                   f" ways over {f.axes}") for f in fallbacks]
 
 
@@ -331,7 +331,7 @@ def target_shardings(state: Any, mesh: Mesh, *, rules=None,
   if strict and fallbacks:
     problems += [Problem(
         f.path, f"dim {f.dim} of size {f.size} cannot be split {f.parts} ways"
-        f" over mesh axes {f.axes}", f"a dimension of size {f.size} cannot be"
+        f" over mesh axes {f.axes}", f"dimension {f.dim} of size {f.size} cannot be"
         f" split {f.parts} ways over mesh axes {f.axes}") for f in fallbacks]
   if problems:
     raise_problems(LayoutError, "cannot place the state on mesh "

@@ -110,6 +110,33 @@ def test_indivisible_dimension_replicates_with_one_warning_or_raises():
     remesh(state, m3, strict=True)
 
 
+def test_grouped_indivisible_leaves_name_the_dimension():
+  # Several leaves failing alike are reported as one group; the group still
+  # names which dimension cannot be split, and leaves failing at another
+  # dimension are a group of their own.
+  m1 = Mesh(np.array(DEVS[:2]).reshape(2), ("tensor",))
+  m3 = Mesh(np.array(DEVS[:3]).reshape(3), ("tensor",))
+  cols = NamedSharding(m1, P(None, "tensor"))
+  rows = NamedSharding(m1, P("tensor"))
+  state = {f"c{i}": jax.device_put(np.ones((3, 8), np.float32), cols)
+           for i in range(3)}
+  state |= {f"r{i}": jax.device_put(np.ones((8, 3), np.float32), rows)
+            for i in range(2)}
+  with pytest.raises(LayoutError) as e:
+    remesh(state, m3, strict=True)
+  msg = str(e.value)
+  assert ("dimension 1 of size 8 cannot be split 3 ways over mesh axes"
+          " ('tensor',): 3 leaves: c0, c1, c2") in msg
+  assert ("dimension 0 of size 8 cannot be split 3 ways over mesh axes"
+          " ('tensor',): 2 leaves: r0, r1") in msg
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    remesh(state, m3)
+  (w,) = [w for w in caught if issubclass(w.category, ReplicationWarning)]
+  assert ("dimension 1 of size 8 cannot be split 3 ways over ('tensor',):"
+          " 3 leaves: c0, c1, c2") in str(w.message)
+
+
 def test_axis_missing_from_new_mesh_is_an_error():
   m1 = Mesh(np.array(DEVS[:2]).reshape(2), ("expert",))
   m2 = Mesh(np.array(DEVS[:2]).reshape(2), ("data",))
