@@ -782,6 +782,39 @@ def test_orbax_restore_of_converted_ocdbt_on_a_bucket(scheme, request,
   assert snapshot_objects(scheme, bucket) == before
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_keys_restored_from_a_bucket_on_the_target_sharding(scheme, request,
+                                                            tmp_path):
+  """PRNG keys restored from a store and from an Orbax checkpoint on a
+  bucket onto a one-device mesh come back on the target sharding itself
+  (they came on ``P('a', None)`` for a target ``P('a')``: the key data's
+  spec); keys of rank 2 on a shorter spec where ``jax.device_put`` puts
+  them (the spec padded to their rank)."""
+  bucket = request.getfixturevalue("s3" if scheme == "s3" else "gs")
+  state = {"k": jax.device_put(jax.random.split(jax.random.key(4), 8),
+                               NamedSharding(_mesh((4,), ("x",)), P("x"))),
+           "g": jax.device_put(jax.random.split(jax.random.key(5), (4, 2)),
+                               NamedSharding(_mesh((2,), ("x",)), P("x")))}
+  url = f"{scheme}://{bucket}/keys"
+  tj.store.save(state, url, step=3)
+  ocp.PyTreeCheckpointer().save(str(tmp_path / "ck"), state)
+  upload_dir(str(tmp_path / "ck"), scheme, bucket, "ck")
+  one = jax.make_mesh((1,), ("a",), devices=jax.devices()[6:7])
+  two = jax.make_mesh((2,), ("a",), devices=jax.devices()[2:4])
+  target = {"k": jax.ShapeDtypeStruct((8,), state["k"].dtype,
+                                      sharding=NamedSharding(one, P("a"))),
+            "g": jax.ShapeDtypeStruct((4, 2), state["g"].dtype,
+                                      sharding=NamedSharding(two, P("a")))}
+  for out in (tj.store.restore(url, target),
+              tjo.restore(f"{scheme}://{bucket}/ck", target)):
+    assert out["k"].sharding == target["k"].sharding, out["k"].sharding
+    for k, v in state.items():
+      assert out[k].sharding == jax.device_put(
+          v, target[k].sharding).sharding, (k, out[k].sharding)
+      np.testing.assert_array_equal(jax.random.key_data(out[k]),
+                                    jax.random.key_data(v))
+
+
 def test_persistent_checkpoint_on_s3(s3):
   """save_checkpoint to s3://, and a restore whose stores hold nothing falls
   back to it (the launcher's --checkpoint s3://...)."""
