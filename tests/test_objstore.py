@@ -815,6 +815,23 @@ def test_keys_restored_from_a_bucket_on_the_target_sharding(scheme, request,
                                     jax.random.key_data(v))
 
 
+def test_convert_of_a_store_on_a_bucket_says_what_it_is(s3):
+  """``convert`` reads stores from local directories only: a tenplex store
+  on a bucket is refused naming it as one (it was called "not an Orbax
+  checkpoint: no _METADATA ..."), and nothing is written."""
+  url = f"s3://{s3}/st"
+  tj.store.save(_state()[0], url, step=7)
+  before = snapshot_objects("s3", s3)
+  with pytest.raises(UsageError) as e:
+    tjo.convert(url, f"s3://{s3}/conv")
+  assert str(e.value).startswith(f"{url} is a tenplex_jax store on object"
+                                 " storage: convert reads a store from a"
+                                 " local directory only"), str(e.value)
+  with pytest.raises(UsageError, match=f"s3://{s3}/nothing: no such"):
+    tjo.convert(f"s3://{s3}/nothing", f"s3://{s3}/conv")
+  assert snapshot_objects("s3", s3) == before
+
+
 def test_persistent_checkpoint_on_s3(s3):
   """save_checkpoint to s3://, and a restore whose stores hold nothing falls
   back to it (the launcher's --checkpoint s3://...)."""
