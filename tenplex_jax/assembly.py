@@ -152,7 +152,9 @@ def place(leaves) -> list:
   Args:
     leaves: ``(shape, sharding, {device id: host buffer}, key impl)`` per
       array, in the physical form (a PRNG key array's key data and its
-      sharding; ``key impl`` then names the implementation to wrap it in).
+      sharding; ``key impl`` then names the implementation to wrap it in),
+      optionally followed by the keys' own sharding (the target's, which
+      the keys are put on: see :func:`tenplex_jax.reshard.wrap_keys`).
 
   Returns:
     The arrays, in order.
@@ -165,7 +167,7 @@ def place(leaves) -> list:
     ([0.0, 1.0, 2.0], True)
   """
   bufs, devs, spans = [], [], []
-  for shape, sharding, hosts, _ in leaves:
+  for shape, sharding, hosts, *_ in leaves:
     lo = len(bufs)
     for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
       bufs.append(hosts[d.id])
@@ -174,11 +176,13 @@ def place(leaves) -> list:
   shards = jax.device_put(bufs, devs, may_alias=True) if bufs else []
   del bufs
   out = []
-  for (shape, sharding, _, impl), (lo, hi) in zip(leaves, spans):
+  for (shape, sharding, _, impl, *keys_sharding), (lo, hi) in zip(leaves,
+                                                                  spans):
     arr = jax.make_array_from_single_device_arrays(tuple(shape), sharding,
                                                    shards[lo:hi])
     if impl:
-      arr = jax.random.wrap_key_data(arr, impl=impl)
+      from tenplex_jax.reshard import wrap_keys  # heavy: on use only
+      arr = wrap_keys(arr, impl, *keys_sharding)
     out.append(arr)
   return out
 
@@ -637,8 +641,9 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   order = list(arrays)
   built = dict(zip(order, place([
       (phys[saved].shape, phys[saved].sharding,
-       shards_of(dst[saved], phys[saved].sharding, bufs), impls[saved])
-      for saved, _ in (arrays[i] for i in order)])))
+       shards_of(dst[saved], phys[saved].sharding, bufs), impls[saved],
+       leaf.sharding)
+      for saved, leaf in (arrays[i] for i in order)])))
   bufs.clear()
   out = []
   for i, (kp, leaf) in enumerate(flat):
@@ -666,7 +671,10 @@ def _empty_array(leaf):
       sds.shape, sds.sharding, lambda idx: np.zeros(
           [len(range(*s.indices(n))) for s, n in zip(idx, sds.shape)]
           + list(sds.shape[len(idx):]), sds.dtype))
-  return jax.random.wrap_key_data(arr, impl=impl) if impl else arr
+  if not impl:
+    return arr
+  from tenplex_jax.reshard import wrap_keys  # heavy: on use only
+  return wrap_keys(arr, impl, leaf.sharding)
 
 
 def _plain(source: Source, t: SourceTensor, leaf):

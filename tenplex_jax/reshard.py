@@ -158,6 +158,31 @@ def key_data_sharding(sharding: Sharding, ndim: int, extra: int) -> Sharding:
                     f" SingleDeviceSharding, not {type(sharding).__name__}")
 
 
+def wrap_keys(data: jax.Array, impl: Any,
+              sharding: Sharding | None = None) -> jax.Array:
+  """``data`` (key data) wrapped as PRNG keys of ``impl``, on ``sharding``
+  (the keys' sharding, as the target gave it) when that is given.
+
+  ``jax.random.wrap_key_data`` derives the keys' sharding from the data's,
+  and not the same way everywhere: on a one-device mesh it keeps the data's
+  spec (keys of shape ``(4,)`` on ``P('a')`` came back on
+  ``P('a', None)``), elsewhere it pads it to the keys' rank. The keys are
+  put on ``sharding`` itself, over the same device buffers (no copy).
+
+  >>> s = jax.sharding.NamedSharding(jax.make_mesh((1,), ("a",)),
+  ...                                PartitionSpec("a"))
+  >>> data = jax.device_put(np.zeros((4, 2), np.uint32),
+  ...                       key_data_sharding(s, 1, 1))
+  >>> wrap_keys(data, "threefry2x32", s).sharding == s
+  True
+  """
+  keys = jax.random.wrap_key_data(data, impl=impl)
+  if sharding is None or keys.sharding == sharding:
+    return keys
+  return jax.make_array_from_single_device_arrays(
+      keys.shape, sharding, [s.data for s in keys.addressable_shards])
+
+
 def resolve_targets(tree: Any, target: Any, *, mesh=None
                     ) -> tuple[list, Callable]:
   """Pairs every leaf of ``tree`` with its target sharding.
@@ -1598,7 +1623,7 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
     if donate and impl is None and id(orig) not in shared:
       _donate_sources(shards, {d.id for d in devices})
     if impl is not None:
-      new = jax.random.wrap_key_data(new, impl=impl)
+      new = wrap_keys(new, impl, target)
     reused += len(devices)
     done[id(orig), target] = new
     new_leaves.append(new)
@@ -2133,7 +2158,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
         if impl is not None:
           items[i][1].delete()
       if impl is not None:
-        new = jax.random.wrap_key_data(new, impl=impl)
+        new = wrap_keys(new, impl, items[i][2])
       built[i] = new
   new_leaves = [orig if s is None else built[first[id(orig), target]]
                 for (_, orig, target), (_, _, s, _) in zip(items, phys)]

@@ -755,6 +755,83 @@ def test_orbax_staging_overlaps_the_reads(s3, monkeypatch):
   assert not [e for e in events if "ocdbt.process_0/d/" in e[1]]  # stopped
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_orbax_restore_of_converted_ocdbt_on_a_bucket(scheme, request,
+                                                      tmp_path):
+  """A checkpoint written by ``convert(..., ocdbt=True)`` keeps its
+  zarr.json in a data file (tensorstore inlines only values up to 100
+  bytes; Orbax's own writes inline it): staged from a bucket, that file is
+  fetched before the local copy is opened (it was streamed in the
+  background, and the open read zeros: tensorstore's raw "DATA_LOSS ...
+  zarr.json ... Invalid JSON")."""
+  bucket = request.getfixturevalue("s3" if scheme == "s3" else "gs")
+  m = _mesh((2,), ("x",))
+  w = np.arange(24, dtype=np.float32).reshape(8, 3)
+  ocp.PyTreeCheckpointer().save(
+      str(tmp_path / "src"),
+      {"w": jax.device_put(w, NamedSharding(m, P("x")))})
+  target = {"w": jax.ShapeDtypeStruct((8, 3), jnp.float32,
+                                      sharding=NamedSharding(m, P(None)))}
+  tjo.convert(str(tmp_path / "src"), str(tmp_path / "conv" / "ck"), target,
+              ocdbt=True)
+  upload_dir(str(tmp_path / "conv"), scheme, bucket, "c")
+  before = snapshot_objects(scheme, bucket)
+  out = tjo.restore(f"{scheme}://{bucket}/c/ck", target)
+  np.testing.assert_array_equal(np.asarray(out["w"]), w)
+  assert out["w"].sharding == target["w"].sharding
+  assert snapshot_objects(scheme, bucket) == before
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_keys_restored_from_a_bucket_on_the_target_sharding(scheme, request,
+                                                            tmp_path):
+  """PRNG keys restored from a store and from an Orbax checkpoint on a
+  bucket onto a one-device mesh come back on the target sharding itself
+  (they came on ``P('a', None)`` for a target ``P('a')``: the key data's
+  spec); keys of rank 2 on a shorter spec where ``jax.device_put`` puts
+  them (the spec padded to their rank)."""
+  bucket = request.getfixturevalue("s3" if scheme == "s3" else "gs")
+  state = {"k": jax.device_put(jax.random.split(jax.random.key(4), 8),
+                               NamedSharding(_mesh((4,), ("x",)), P("x"))),
+           "g": jax.device_put(jax.random.split(jax.random.key(5), (4, 2)),
+                               NamedSharding(_mesh((2,), ("x",)), P("x")))}
+  url = f"{scheme}://{bucket}/keys"
+  tj.store.save(state, url, step=3)
+  ocp.PyTreeCheckpointer().save(str(tmp_path / "ck"), state)
+  upload_dir(str(tmp_path / "ck"), scheme, bucket, "ck")
+  one = jax.make_mesh((1,), ("a",), devices=jax.devices()[6:7])
+  two = jax.make_mesh((2,), ("a",), devices=jax.devices()[2:4])
+  target = {"k": jax.ShapeDtypeStruct((8,), state["k"].dtype,
+                                      sharding=NamedSharding(one, P("a"))),
+            "g": jax.ShapeDtypeStruct((4, 2), state["g"].dtype,
+                                      sharding=NamedSharding(two, P("a")))}
+  for out in (tj.store.restore(url, target),
+              tjo.restore(f"{scheme}://{bucket}/ck", target)):
+    assert out["k"].sharding == target["k"].sharding, out["k"].sharding
+    for k, v in state.items():
+      assert out[k].sharding == jax.device_put(
+          v, target[k].sharding).sharding, (k, out[k].sharding)
+      np.testing.assert_array_equal(jax.random.key_data(out[k]),
+                                    jax.random.key_data(v))
+
+
+def test_convert_of_a_store_on_a_bucket_says_what_it_is(s3):
+  """``convert`` reads stores from local directories only: a tenplex store
+  on a bucket is refused naming it as one (it was called "not an Orbax
+  checkpoint: no _METADATA ..."), and nothing is written."""
+  url = f"s3://{s3}/st"
+  tj.store.save(_state()[0], url, step=7)
+  before = snapshot_objects("s3", s3)
+  with pytest.raises(UsageError) as e:
+    tjo.convert(url, f"s3://{s3}/conv")
+  assert str(e.value).startswith(f"{url} is a tenplex_jax store on object"
+                                 " storage: convert reads a store from a"
+                                 " local directory only"), str(e.value)
+  with pytest.raises(UsageError, match=f"s3://{s3}/nothing: no such"):
+    tjo.convert(f"s3://{s3}/nothing", f"s3://{s3}/conv")
+  assert snapshot_objects("s3", s3) == before
+
+
 def test_persistent_checkpoint_on_s3(s3):
   """save_checkpoint to s3://, and a restore whose stores hold nothing falls
   back to it (the launcher's --checkpoint s3://...)."""

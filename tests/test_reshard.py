@@ -161,6 +161,31 @@ def test_every_dtype_and_keys_and_scalars():
 
 
 @pytest.mark.parametrize("method", ["cpu", "generic"])
+def test_keys_land_on_the_target_sharding_itself(method):
+  """PRNG keys resharded onto a one-device mesh come back on the target
+  sharding itself, as ``jax.device_put`` puts them (``wrap_key_data`` of
+  the key data kept the data's spec there: ``P('a', None)`` for keys on
+  ``P('a')``); keys of rank 2 on a shorter spec as ``jax.device_put`` puts
+  them too (on the spec padded to their rank)."""
+  keys = jax.device_put(jax.random.split(jax.random.key(1), 8),
+                        NamedSharding(Mesh(np.array(DEVS[:4]), ("x",)),
+                                      P("x")))
+  grid = jax.device_put(jax.random.split(jax.random.key(2), (4, 2)),
+                        NamedSharding(Mesh(np.array(DEVS[:2]), ("x",)),
+                                      P("x")))
+  one = Mesh(np.array(DEVS[5:6]), ("a",))
+  two = Mesh(np.array(DEVS[2:4]), ("a",))
+  target = {"keys": NamedSharding(one, P("a")),
+            "grid": NamedSharding(two, P("a"))}
+  new = reshard({"keys": keys, "grid": grid}, target, method=method)
+  assert new["keys"].sharding == target["keys"], new["keys"].sharding
+  for k, v in (("keys", keys), ("grid", grid)):
+    assert new[k].sharding == jax.device_put(v, target[k]).sharding, k
+    assert new[k].sharding.is_equivalent_to(target[k], v.ndim), k
+    assert bits(new[k]) == bits(v), k
+
+
+@pytest.mark.parametrize("method", ["cpu", "generic"])
 def test_nan_payloads_and_signalling_nans_keep_their_bits(method):
   # XLA:CPU quietened bfloat16 and float8_e5m2 NaNs (and dropped bfloat16
   # payloads) where the generic executor sliced or concatenated them.

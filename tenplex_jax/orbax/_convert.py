@@ -556,8 +556,10 @@ def convert(src: str, dst: str, target: Any = None, *,
   then renamed).
 
   Args:
-    src: an Orbax checkpoint (manager, step or item directory), or a
-      tenplex_jax store directory: its newest complete snapshot (or
+    src: an Orbax checkpoint (manager, step or item directory, local or
+      on ``s3://`` / ``gs://``), or a local tenplex_jax store directory
+      (a store on object storage is refused, naming it): its newest
+      complete snapshot (or
       ``step``) is exported as a standard Orbax checkpoint, box by box
       (see :class:`tenplex_jax.store.source.StoreSource`; plain numbers become
       Orbax scalars, ``None`` an empty node).
@@ -790,7 +792,19 @@ def open_base(src: str, step: int | None, item: str | None,
   from tenplex_jax.store.format import HostStore
   path = os.path.abspath(os.fspath(src))
   if not (os.path.isdir(path) and HostStore(path).is_store()):
-    return OrbaxSource(src, step=step, item=item, cache_bytes=cache_bytes)
+    try:
+      return OrbaxSource(src, step=step, item=item, cache_bytes=cache_bytes)
+    except UsageError as e:
+      loc = parse_location(src)
+      if loc.kind == OBJECT:
+        from tenplex_jax.store.objects import ObjectStore
+        if ObjectStore(loc.target).is_store():
+          raise UsageError(
+              f"{loc.target} is a tenplex_jax store on object storage:"
+              " convert reads a store from a local directory only (copy"
+              " it down first, or restore it with tenplex_jax.store."
+              "restore and save that with tenplex_jax.orbax.save)") from e
+      raise
   if item is not None:
     raise UsageError(f"{path} is a tenplex_jax store: it has no items")
   base = StoreSource(path, step=step)

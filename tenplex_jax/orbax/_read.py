@@ -658,7 +658,7 @@ class OrbaxSource(Source):
     object, relative to ``d``) of the b-tree nodes and of the chunks
     ``want`` names; per tensor the chunk indices found; per tensor and
     chunk index its (object, start, end); the objects holding b-tree
-    nodes."""
+    nodes or metadata values (fetched before the local copy is opened)."""
     base = ts.KvStore.open(kvstore_spec(d), context=self._ctx).result()
     ranges: dict[str, list[tuple[int, int]]] = {}
     nodes: set[str] = set()
@@ -710,6 +710,12 @@ class OrbaxSource(Source):
           loc = add(ref)
           if idx is not None and len(idx) >= rank:
             where[name][idx[:rank]] = loc
+          elif idx is None:
+            # A metadata value (zarr.json, .zarray) not inlined in the
+            # b-tree (tensorstore's default inlines values of at most 100
+            # bytes): the local copy is opened before the background jobs
+            # fill it, so its file is fetched first, as the nodes' are.
+            nodes.add(loc[0])
     return ranges, staged, where, nodes
 
   def _stage_ctx(self):

@@ -1246,7 +1246,8 @@ def _restore(sources, unreachable, target, step, checkpoint, workers, t0,
         tuple(b - a for a, b in box) + extra, np.dtype(info["storage"])))
     leaves.append((i, (tuple(t.shape) + extra, sharding,
                        {d: from_storage(h, info["dtype"])
-                        for d, h in hosts.items()}, key_impl)))
+                        for d, h in hosts.items()}, key_impl,
+                       dst_sds[name].sharding)))
   built.update(zip([i for i, _ in leaves], place([x for _, x in leaves])))
   bufs.clear()
   views.clear()
