@@ -1613,11 +1613,23 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
   return rebuild(new_leaves), report
 
 
-def _donate_sources(shards: dict, reused) -> None:
+def _donate_sources(shards: dict, reused, whole: jax.Array | None = None
+                    ) -> None:
   """Deletes an array's old shards (``{device id: single-device array}``)
   on every device but the ``reused`` ones, whose buffers now belong to the
   new array too. A buffer a new shard aliases stays alive through the view
-  that new shard holds."""
+  that new shard holds.
+
+  Where no shard is reused and ``whole`` (the array itself) is given, the
+  array is deleted as a whole, as jax's own donation does: deleting only
+  its shards left an array that jax's compiled-call fast path passed on
+  with deleted buffers (a segfault on CPU, jax 0.10) where a jitted function
+  that had run on it before was called on it again, instead of the
+  ``Array has been deleted`` error.
+  """
+  if whole is not None and not any(d in reused for d in shards):
+    whole.delete()
+    return
   for d, a in shards.items():
     if d not in reused:
       a.delete()
@@ -2129,7 +2141,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
       reused += len(tr.progs[i].reused)
       if donate and id(items[i][1]) not in shared:
         _donate_sources(_shards_of(leaf) if shards is None else shards,
-                        tr.progs[i].reused)
+                        tr.progs[i].reused, leaf)
         if impl is not None:
           items[i][1].delete()
       if impl is not None:

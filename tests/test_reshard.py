@@ -264,6 +264,46 @@ def test_donate_frees_source_and_keeps_values():
   assert bits(y2) == ref2
 
 
+_DONATED_AGAIN = """
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import tenplex_jax as tj
+d = jax.devices()
+a = NamedSharding(Mesh(np.array(d), ("a",)), P("a"))
+b = NamedSharding(Mesh(np.array(d).reshape(2, 4), ("c", "a")), P("c", "a"))
+host = np.arange(64, dtype=np.float32).reshape(8, 8)
+f = jax.jit(lambda v: v + 1)
+tj.reshard(jax.device_put(host, a), b, method="generic")  # warm programs
+x = jax.device_put(host, a)
+f(x)  # warm jax's fast path on x
+y = tj.reshard(x, b, method="generic", donate=True)
+assert x.is_deleted() and (np.asarray(y) == host).all()
+for call in (lambda: tj.reshard(x, b, method="generic"), lambda: f(x)):
+  try:
+    call()
+  except RuntimeError as e:
+    assert "deleted" in str(e), e
+  else:
+    raise AssertionError("a donated array was used")
+print("ok")
+"""
+
+
+def test_donated_array_used_again_raises_not_crashes():
+  # Donation that reuses no shard deletes the array itself: deleting only
+  # its shards left an array that a warm compiled program (reshard's own
+  # cut, or the user's jitted step) took with deleted buffers, a segfault.
+  import os
+  import subprocess
+  import sys
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-c", _DONATED_AGAIN], env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip() == "ok", (
+      r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
 def test_structure_mismatch_names_the_leaf():
   m = mesh24()
   x = make((8, 8), jnp.float32, NamedSharding(m, P("data")))
