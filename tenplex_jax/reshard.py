@@ -2050,23 +2050,52 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
   t0 = time.perf_counter() if t0 is None else t0
   # Memory kinds other than the devices' default (e.g. pinned_host): the
   # pieces move between devices in the default memory; a source elsewhere
-  # is first put there, and each new array is put into its target's memory
-  # kind last. Both are transfers on one device, the layout unchanged.
+  # is first put there (once per array, however many paths hold it), and
+  # each new array is put into its target's memory kind last. Both are
+  # transfers on one device, the layout unchanged. A source already on its
+  # target is returned as it is; with ``donate`` the others are deleted
+  # once every result is built, except an array that is also another
+  # path's source with another target (never donated, see _multi_target).
   final_kind: dict[int, Sharding] = {}
   adjusted = []
+  moved_of: dict[int, jax.Array] = {}
+  never = _multi_target(items) if donate else set()
+  host_sources: dict[int, jax.Array] = {}
   for i, (name, leaf, s) in enumerate(items):
     if s is not None and isinstance(leaf, jax.Array):
       dflt = _default_kind(leaf.sharding)
       if (leaf.sharding.memory_kind or dflt) != dflt:
-        moved = jax.device_put(leaf, leaf.sharding.with_memory_kind(dflt))
-        if donate:
-          leaf.delete()
+        if leaf.sharding == s:  # already there: the array itself
+          adjusted.append((name, leaf, None))
+          continue
+        moved = moved_of.get(id(leaf))
+        if moved is None:
+          moved = moved_of[id(leaf)] = jax.device_put(
+              leaf, leaf.sharding.with_memory_kind(dflt))
+          if donate and id(leaf) not in never:
+            host_sources[id(leaf)] = leaf
         leaf = moved
       if (s.memory_kind or dflt) != dflt:
         final_kind[i] = s
         s = s.with_memory_kind(dflt)
     adjusted.append((name, leaf, s))
   items = adjusted
+  if host_sources:
+    out = _reshard_default_memory(items, rebuild, final_kind, donate, method,
+                                  t0)
+    for leaf in host_sources.values():
+      leaf.delete()
+    return out
+  return _reshard_default_memory(items, rebuild, final_kind, donate, method,
+                                 t0)
+
+
+def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
+                            donate: bool, method: str, t0: float
+                            ) -> tuple[Any, ReshardReport]:
+  """:func:`reshard_items` once every source and target is in its devices'
+  default memory (``final_kind``: the target, by item index, of a result
+  to put into another memory kind last)."""
   if final_kind:
     inner_rebuild = rebuild
 

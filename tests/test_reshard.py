@@ -304,6 +304,29 @@ def test_donated_array_used_again_raises_not_crashes():
       r.returncode, r.stdout[-2000:], r.stderr[-2000:])
 
 
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+def test_donate_host_memory_source_under_two_paths(method):
+  # A pinned_host source under two paths, or already on its (host) target:
+  # moved to device memory once, deleted only after every result is built,
+  # and returned itself where it is already on its target.
+  m4 = Mesh(np.array(DEVS[:4]), ("a",))
+  h = NamedSharding(m4, P("a"), memory_kind="pinned_host")
+  t = NamedSharding(mesh24(), P("tensor"))
+  for paths in (("t", "t"), ("h",), ("h", "t"), ("h", "h")):
+    x = make((8, 4), jnp.float32, h)
+    ref = bits(x)
+    target = {f"p{i}": h if p == "h" else t for i, p in enumerate(paths)}
+    out = reshard({f"p{i}": x for i in range(len(paths))}, target,
+                  donate=True, method=method)
+    for k, v in out.items():
+      assert bits(v) == ref
+      assert v.sharding.is_equivalent_to(target[k], 2)
+      assert v.sharding.memory_kind == target[k].memory_kind
+      if target[k] == h:
+        assert v is x
+    assert x.is_deleted() == ("h" not in paths)
+
+
 def test_structure_mismatch_names_the_leaf():
   m = mesh24()
   x = make((8, 8), jnp.float32, NamedSharding(m, P("data")))
