@@ -1682,15 +1682,27 @@ def _make_arrays(staged, phys: list, tr, cpu: bool = False) -> dict:
   return made
 
 
+# Dtypes that XLA (jaxlib 0.10, CPU) cannot compile a slice or a
+# concatenation of: its code generator aborts the process (``ir_array.cc:
+# Check failed: bit_offset != nullptr``). The generic executor moves them
+# with ``jax.device_put``, which copies them without a program; a new copy
+# on every device, none of the old shards reused.
+_NOT_COMPILED = frozenset({"int2", "uint2"})
+
+
 def _build_generic(batch: list, phys: list, tr) -> dict:
   """Builds the arrays ``batch`` on the generic path: arrays between plain
   NamedShardings by class (see _run_generic_packed), the rest per device (see
   _run_generic)."""
-  spmd, rest = [], []
+  spmd, rest, direct = [], [], []
   for i in batch:
-    (spmd if _packed_eligible(phys[i][1], phys[i][2]) else rest).append(i)
+    leaf, s = phys[i][1], phys[i][2]
+    (direct if np.dtype(leaf.dtype).name in _NOT_COMPILED else
+     spmd if _packed_eligible(leaf, s) else rest).append(i)
   try:
-    out = dict(zip(spmd, _run_generic_packed(
+    out = {i: (jax.device_put(phys[i][1], phys[i][2], may_alias=False), None)
+           for i in direct}
+    out.update(zip(spmd, _run_generic_packed(
         [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))
     if rest:
       out.update(zip(rest, _run_generic(
@@ -2167,10 +2179,12 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
     for i in batch:
       name, leaf, s, impl = phys[i]
       new, shards = made[i]
-      reused += len(tr.progs[i].reused)
+      # Built whole (shards None): no old shard is part of it.
+      kept = tr.progs[i].reused if shards is not None else ()
+      reused += len(kept)
       if donate and id(items[i][1]) not in shared:
         _donate_sources(_shards_of(leaf) if shards is None else shards,
-                        tr.progs[i].reused, leaf)
+                        kept, leaf)
         if impl is not None:
           items[i][1].delete()
       if impl is not None:

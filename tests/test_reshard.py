@@ -327,6 +327,38 @@ def test_donate_host_memory_source_under_two_paths(method):
     assert x.is_deleted() == ("h" not in paths)
 
 
+_TWO_BIT = """
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import tenplex_jax as tj
+d = jax.devices()
+a = NamedSharding(Mesh(np.array(d).reshape(2, 4), ("b", "a")), P("a"))
+t = NamedSharding(Mesh(np.array(d[:4]), ("a",)), P(None, "a"))
+for dt in (jnp.int2, jnp.uint2):
+  host = (np.arange(32) % 2).astype(dt).reshape(4, 4, 2)
+  for donate in (False, True):
+    x = jax.device_put(host, a)
+    y = tj.reshard(x, t, method="generic", donate=donate)
+    assert (np.asarray(y).astype(np.int8) == host.astype(np.int8)).all()
+    assert y.sharding.is_equivalent_to(t, 3) and x.is_deleted() == donate
+print("ok")
+"""
+
+
+def test_generic_two_bit_dtypes():
+  # XLA's CPU code generator aborts the process compiling a slice of int2
+  # or uint2 (jaxlib 0.10); the generic executor moves them without one.
+  import os
+  import subprocess
+  import sys
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-c", _TWO_BIT], env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip() == "ok", (
+      r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
 def test_structure_mismatch_names_the_leaf():
   m = mesh24()
   x = make((8, 8), jnp.float32, NamedSharding(m, P("data")))
