@@ -2183,10 +2183,10 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
       kept = tr.progs[i].reused if shards is not None else ()
       reused += len(kept)
       if donate and id(items[i][1]) not in shared:
+        # A key array shares its buffers with its key data: deleted whole
+        # only where no shard of it is part of the new one.
         _donate_sources(_shards_of(leaf) if shards is None else shards,
-                        kept, leaf)
-        if impl is not None:
-          items[i][1].delete()
+                        kept, leaf if impl is None else items[i][1])
       if impl is not None:
         new = jax.random.wrap_key_data(new, impl=impl)
       built[i] = new

@@ -327,6 +327,22 @@ def test_donate_host_memory_source_under_two_paths(method):
     assert x.is_deleted() == ("h" not in paths)
 
 
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+@pytest.mark.parametrize("n", [8, 0])
+def test_donate_keys_whose_devices_keep_their_shards(method, n):
+  # Replicated keys from 4 devices onto 8 (and zero-size keys, whose empty
+  # boxes every device "keeps"): the kept shards are the new array's, so
+  # donation must not delete the key array that shares them.
+  k = jax.random.split(jax.random.key(0), max(n, 1))[:n]
+  x = jax.device_put(k, NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P()))
+  ref = bits(x)
+  t = NamedSharding(Mesh(np.array(DEVS), ("a",)), P())
+  y = reshard({"k": x}, {"k": t}, donate=True, method=method)["k"]
+  assert not y.is_deleted()
+  assert bits(y) == ref and y.sharding.is_equivalent_to(t, 1)
+  assert jax.random.key_impl(y) == jax.random.key_impl(k)
+
+
 _TWO_BIT = """
 import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_num_cpu_devices", 8)
