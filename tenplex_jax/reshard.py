@@ -2051,6 +2051,21 @@ def reshard_with_report(tree: Any, target: Any, *, donate: bool = False,
   return reshard_items(items, rebuild, donate=donate, method=method, t0=t0)
 
 
+def _to_memory_kind(x: jax.Array, kind: str) -> jax.Array:
+  """``x`` copied into memory ``kind`` of its devices, the layout unchanged.
+
+  A typed key array moves as its key data: the sharding jax gives a key
+  array wrapped from data sharded ``P(None)`` keeps that spec, one entry
+  too many for its rank, and ``jax.device_put`` refuses it as a target.
+  """
+  if _is_key(x):
+    data = jax.random.key_data(x)
+    return jax.random.wrap_key_data(
+        jax.device_put(data, data.sharding.with_memory_kind(kind)),
+        impl=jax.random.key_impl(x))
+  return jax.device_put(x, x.sharding.with_memory_kind(kind))
+
+
 @_gc_paused
 def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
                   method: str = "auto", t0: float | None = None
@@ -2082,8 +2097,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
           continue
         moved = moved_of.get(id(leaf))
         if moved is None:
-          moved = moved_of[id(leaf)] = jax.device_put(
-              leaf, leaf.sharding.with_memory_kind(dflt))
+          moved = moved_of[id(leaf)] = _to_memory_kind(leaf, dflt)
           if donate and id(leaf) not in never:
             host_sources[id(leaf)] = leaf
         leaf = moved

@@ -375,6 +375,23 @@ def test_generic_two_bit_dtypes():
       r.returncode, r.stdout[-2000:], r.stderr[-2000:])
 
 
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+def test_host_memory_scalar_key_wrapped_from_sharded_data(method):
+  # wrap_key_data of data sharded P(None) gives a rank-0 key whose sharding
+  # keeps P(None); jax.device_put takes it, and so must the move out of
+  # pinned_host memory (it put the key onto that sharding and failed).
+  m1 = Mesh(np.array(DEVS[:1]), ("a",))
+  data = jax.device_put(np.array([1, 2], np.uint32),
+                        NamedSharding(m1, P(None), memory_kind="pinned_host"))
+  k = jax.random.wrap_key_data(data)
+  t = NamedSharding(Mesh(np.array(DEVS[:2]), ("b",)), P(),
+                    memory_kind="unpinned_host")
+  y = reshard({"k": k}, {"k": t}, method=method)["k"]
+  assert bits(y) == bits(k) == np.array([1, 2], np.uint32).tobytes()
+  assert y.sharding.memory_kind == "unpinned_host"
+  assert y.sharding.is_equivalent_to(t, 0)
+
+
 def test_structure_mismatch_names_the_leaf():
   m = mesh24()
   x = make((8, 8), jnp.float32, NamedSharding(m, P("data")))
