@@ -1684,9 +1684,11 @@ def _make_arrays(staged, phys: list, tr, cpu: bool = False) -> dict:
 
 # Dtypes that XLA (jaxlib 0.10, CPU) cannot compile a slice or a
 # concatenation of: its code generator aborts the process (``ir_array.cc:
-# Check failed: bit_offset != nullptr``). The generic executor moves them
-# with ``jax.device_put``, which copies them without a program; a new copy
-# on every device, none of the old shards reused.
+# Check failed: bit_offset != nullptr``), and ``jax.device_put`` between
+# shardings returned wrong shards and corrupted the C heap. The generic
+# executor assembles their new shards on the host, piece by piece from host
+# copies of the old ones (the CPU executor's copies; on CPU devices, views),
+# and transfers each to its device.
 _NOT_COMPILED = frozenset({"int2", "uint2"})
 
 
@@ -1700,8 +1702,13 @@ def _build_generic(batch: list, phys: list, tr) -> dict:
     (direct if np.dtype(leaf.dtype).name in _NOT_COMPILED else
      spmd if _packed_eligible(leaf, s) else rest).append(i)
   try:
-    out = {i: (jax.device_put(phys[i][1], phys[i][2], may_alias=False), None)
-           for i in direct}
+    out = {}
+    if direct:  # assembled on the host, as the CPU executor does
+      copies: list = []
+      for i in direct:
+        out[i] = _run_cpu(tr.progs[i], phys[i][1], copies)[:2]
+      _copy_all(copies)
+      del copies
     out.update(zip(spmd, _run_generic_packed(
         [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))
     if rest:

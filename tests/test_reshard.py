@@ -358,13 +358,26 @@ for dt in (jnp.int2, jnp.uint2):
     y = tj.reshard(x, t, method="generic", donate=donate)
     assert (np.asarray(y).astype(np.int8) == host.astype(np.int8)).all()
     assert y.sharding.is_equivalent_to(t, 3) and x.is_deleted() == donate
+# jax.device_put between these (a fallback tried) gave wrong shards and
+# corrupted the C heap.
+a = NamedSharding(Mesh(np.array(d)[[7, 1, 0, 6, 3, 2, 4, 5]].reshape(2, 2, 2),
+                       ("c", "b", "a")), P(None, ("c", "b"), "a"))
+t = NamedSharding(Mesh(np.array(d)[[5, 3, 4, 0, 1, 6, 2, 7]].reshape(1, 8),
+                       ("b", "a")), P("b"))
+host = np.random.default_rng(0).integers(0, 4, (4, 4, 4)).astype(jnp.uint2)
+y = tj.reshard(jax.device_put(host, a), t, method="generic")
+assert (np.asarray(y).astype(np.int8) == host.astype(np.int8)).all()
+for s in y.addressable_shards:
+  assert (np.asarray(s.data).astype(np.int8)
+          == host[s.index].astype(np.int8)).all()
 print("ok")
 """
 
 
 def test_generic_two_bit_dtypes():
   # XLA's CPU code generator aborts the process compiling a slice of int2
-  # or uint2 (jaxlib 0.10); the generic executor moves them without one.
+  # or uint2 (jaxlib 0.10); the generic executor assembles them on the
+  # host, without a program (nor jax.device_put, wrong for them).
   import os
   import subprocess
   import sys
