@@ -234,11 +234,22 @@ def _fit_spec(shape: tuple, spec: PartitionSpec, mesh_items: tuple
           f" {len(shape)} (shape {shape})",
           "a spec is longer than the rank of its array"),)
   out, dropped, problems = [], [], []
+  used: dict[str, int] = {}  # mesh axis -> the first dimension it shards
   for d, entry in enumerate(entries):
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
       out.append(None)
       continue
     axes = (entry,) if isinstance(entry, str) else tuple(entry)
+    again = [a for i, a in enumerate(axes) if a in used or a in axes[:i]]
+    if again:  # as nnx's rules may map two names to one axis
+      first = ", ".join(f"{a!r} (dimension {used.get(a, d)})" for a in again)
+      problems.append((
+          f"spec {spec} uses mesh axes more than once: dimension {d} uses"
+          f" {first} again",
+          "a spec uses a mesh axis for more than one dimension"))
+      out.append(None)
+      continue
+    used.update((a, d) for a in axes)
     unknown = [a for a in axes if a not in sizes]
     if unknown:
       problems.append((

@@ -1638,11 +1638,23 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
   return rebuild(new_leaves), report
 
 
-def _donate_sources(shards: dict, reused) -> None:
+def _donate_sources(shards: dict, reused, whole: jax.Array | None = None
+                    ) -> None:
   """Deletes an array's old shards (``{device id: single-device array}``)
   on every device but the ``reused`` ones, whose buffers now belong to the
   new array too. A buffer a new shard aliases stays alive through the view
-  that new shard holds."""
+  that new shard holds.
+
+  Where no shard is reused and ``whole`` (the array itself) is given, the
+  array is deleted as a whole, as jax's own donation does: deleting only
+  its shards left an array that jax's compiled-call fast path passed on
+  with deleted buffers (a segfault on CPU, jax 0.10) where a jitted function
+  that had run on it before was called on it again, instead of the
+  ``Array has been deleted`` error.
+  """
+  if whole is not None and not any(d in reused for d in shards):
+    whole.delete()
+    return
   for d, a in shards.items():
     if d not in reused:
       a.delete()
@@ -1695,15 +1707,34 @@ def _make_arrays(staged, phys: list, tr, cpu: bool = False) -> dict:
   return made
 
 
+# Dtypes that XLA (jaxlib 0.10, CPU) cannot compile a slice or a
+# concatenation of: its code generator aborts the process (``ir_array.cc:
+# Check failed: bit_offset != nullptr``), and ``jax.device_put`` between
+# shardings returned wrong shards and corrupted the C heap. The generic
+# executor assembles their new shards on the host, piece by piece from host
+# copies of the old ones (the CPU executor's copies; on CPU devices, views),
+# and transfers each to its device.
+_NOT_COMPILED = frozenset({"int2", "uint2"})
+
+
 def _build_generic(batch: list, phys: list, tr) -> dict:
   """Builds the arrays ``batch`` on the generic path: arrays between plain
   NamedShardings by class (see _run_generic_packed), the rest per device (see
   _run_generic)."""
-  spmd, rest = [], []
+  spmd, rest, direct = [], [], []
   for i in batch:
-    (spmd if _packed_eligible(phys[i][1], phys[i][2]) else rest).append(i)
+    leaf, s = phys[i][1], phys[i][2]
+    (direct if np.dtype(leaf.dtype).name in _NOT_COMPILED else
+     spmd if _packed_eligible(leaf, s) else rest).append(i)
   try:
-    out = dict(zip(spmd, _run_generic_packed(
+    out = {}
+    if direct:  # assembled on the host, as the CPU executor does
+      copies: list = []
+      for i in direct:
+        out[i] = _run_cpu(tr.progs[i], phys[i][1], copies)[:2]
+      _copy_all(copies)
+      del copies
+    out.update(zip(spmd, _run_generic_packed(
         [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))
     if rest:
       out.update(zip(rest, _run_generic(
@@ -2052,6 +2083,21 @@ def reshard_with_report(tree: Any, target: Any, *, donate: bool = False,
   return reshard_items(items, rebuild, donate=donate, method=method, t0=t0)
 
 
+def _to_memory_kind(x: jax.Array, kind: str) -> jax.Array:
+  """``x`` copied into memory ``kind`` of its devices, the layout unchanged.
+
+  A typed key array moves as its key data: the sharding jax gives a key
+  array wrapped from data sharded ``P(None)`` keeps that spec, one entry
+  too many for its rank, and ``jax.device_put`` refuses it as a target.
+  """
+  if _is_key(x):
+    data = jax.random.key_data(x)
+    return jax.random.wrap_key_data(
+        jax.device_put(data, data.sharding.with_memory_kind(kind)),
+        impl=jax.random.key_impl(x))
+  return jax.device_put(x, x.sharding.with_memory_kind(kind))
+
+
 @_gc_paused
 def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
                   method: str = "auto", t0: float | None = None
@@ -2063,23 +2109,51 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
   t0 = time.perf_counter() if t0 is None else t0
   # Memory kinds other than the devices' default (e.g. pinned_host): the
   # pieces move between devices in the default memory; a source elsewhere
-  # is first put there, and each new array is put into its target's memory
-  # kind last. Both are transfers on one device, the layout unchanged.
+  # is first put there (once per array, however many paths hold it), and
+  # each new array is put into its target's memory kind last. Both are
+  # transfers on one device, the layout unchanged. A source already on its
+  # target is returned as it is; with ``donate`` the others are deleted
+  # once every result is built, except an array that is also another
+  # path's source with another target (never donated, see _multi_target).
   final_kind: dict[int, Sharding] = {}
   adjusted = []
+  moved_of: dict[int, jax.Array] = {}
+  never = _multi_target(items) if donate else set()
+  host_sources: dict[int, jax.Array] = {}
   for i, (name, leaf, s) in enumerate(items):
     if s is not None and isinstance(leaf, jax.Array):
       dflt = _default_kind(leaf.sharding)
       if (leaf.sharding.memory_kind or dflt) != dflt:
-        moved = jax.device_put(leaf, leaf.sharding.with_memory_kind(dflt))
-        if donate:
-          leaf.delete()
+        if leaf.sharding == s:  # already there: the array itself
+          adjusted.append((name, leaf, None))
+          continue
+        moved = moved_of.get(id(leaf))
+        if moved is None:
+          moved = moved_of[id(leaf)] = _to_memory_kind(leaf, dflt)
+          if donate and id(leaf) not in never:
+            host_sources[id(leaf)] = leaf
         leaf = moved
       if (s.memory_kind or dflt) != dflt:
         final_kind[i] = s
         s = s.with_memory_kind(dflt)
     adjusted.append((name, leaf, s))
   items = adjusted
+  if host_sources:
+    out = _reshard_default_memory(items, rebuild, final_kind, donate, method,
+                                  t0)
+    for leaf in host_sources.values():
+      leaf.delete()
+    return out
+  return _reshard_default_memory(items, rebuild, final_kind, donate, method,
+                                 t0)
+
+
+def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
+                            donate: bool, method: str, t0: float
+                            ) -> tuple[Any, ReshardReport]:
+  """:func:`reshard_items` once every source and target is in its devices'
+  default memory (``final_kind``: the target, by item index, of a result
+  to put into another memory kind last)."""
   if final_kind:
     inner_rebuild = rebuild
 
@@ -2151,12 +2225,14 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
     for i in batch:
       name, leaf, s, impl = phys[i]
       new, shards = made[i]
-      reused += len(tr.progs[i].reused)
+      # Built whole (shards None): no old shard is part of it.
+      kept = tr.progs[i].reused if shards is not None else ()
+      reused += len(kept)
       if donate and id(items[i][1]) not in shared:
+        # A key array shares its buffers with its key data: deleted whole
+        # only where no shard of it is part of the new one.
         _donate_sources(_shards_of(leaf) if shards is None else shards,
-                        tr.progs[i].reused)
-        if impl is not None:
-          items[i][1].delete()
+                        kept, leaf if impl is None else items[i][1])
       if impl is not None:
         new = wrap_keys(new, impl, items[i][2])
       built[i] = new

@@ -483,3 +483,30 @@ def test_boxes_that_name_a_mesh_name_the_new_one():
   # The user's step unboxes with the box's constraint: on the new mesh.
   out = jax.jit(lambda b: b.unbox() * 2)(w)
   assert np.array_equal(np.asarray(out), np.asarray(box.value) * 2)
+
+
+def test_nnx_rules_mapping_two_names_to_one_mesh_axis_raise_layout_error():
+  # nnx's rules may map two logical names of one variable to the same mesh
+  # axis; remesh names every such leaf in a LayoutError (it was jax's
+  # DuplicateSpecError, not a ValueError, from inside remesh).
+  m = Mesh(np.array(DEVS[:4]).reshape(2, 2), ("a", "b"))
+  rep = NamedSharding(m, P())
+
+  class M(nnx.Module):
+    pass
+
+  mod = M()
+  mod.w = nnx.Param(jax.device_put(np.zeros((4, 4), np.float32), rep),
+                    out_sharding=("embed", "mlp"), eager_sharding=False)
+  mod.v = nnx.Param(jax.device_put(np.zeros((4, 4, 2), np.float32), rep),
+                    out_sharding=("embed", "heads", "mlp"),
+                    eager_sharding=False)
+  rules = (("embed", "a"), ("mlp", ("b", "a")), ("heads", None))
+  with pytest.raises(LayoutError, match="a spec uses a mesh axis for more"
+                     " than one dimension: 2 leaves: v, w") as e:
+    tj.remesh(nnx.state(mod), m, rules=rules)
+  text = "\n".join(map(str, e.value.problems))
+  assert ("w: spec P('a', ('b', 'a')) uses mesh axes more than"
+          " once: dimension 1 uses 'a' (dimension 0) again") in text
+  assert ("v: spec P('a', None, ('b', 'a')) uses mesh axes more"
+          " than once: dimension 2 uses 'a' (dimension 0) again") in text

@@ -289,6 +289,147 @@ def test_donate_frees_source_and_keeps_values():
   assert bits(y2) == ref2
 
 
+_DONATED_AGAIN = """
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import tenplex_jax as tj
+d = jax.devices()
+a = NamedSharding(Mesh(np.array(d), ("a",)), P("a"))
+b = NamedSharding(Mesh(np.array(d).reshape(2, 4), ("c", "a")), P("c", "a"))
+host = np.arange(64, dtype=np.float32).reshape(8, 8)
+f = jax.jit(lambda v: v + 1)
+tj.reshard(jax.device_put(host, a), b, method="generic")  # warm programs
+x = jax.device_put(host, a)
+f(x)  # warm jax's fast path on x
+y = tj.reshard(x, b, method="generic", donate=True)
+assert x.is_deleted() and (np.asarray(y) == host).all()
+for call in (lambda: tj.reshard(x, b, method="generic"), lambda: f(x)):
+  try:
+    call()
+  except RuntimeError as e:
+    assert "deleted" in str(e), e
+  else:
+    raise AssertionError("a donated array was used")
+print("ok")
+"""
+
+
+def test_donated_array_used_again_raises_not_crashes():
+  # Donation that reuses no shard deletes the array itself: deleting only
+  # its shards left an array that a warm compiled program (reshard's own
+  # cut, or the user's jitted step) took with deleted buffers, a segfault.
+  import os
+  import subprocess
+  import sys
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-c", _DONATED_AGAIN], env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip() == "ok", (
+      r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+def test_donate_host_memory_source_under_two_paths(method):
+  # A pinned_host source under two paths, or already on its (host) target:
+  # moved to device memory once, deleted only after every result is built,
+  # and returned itself where it is already on its target.
+  m4 = Mesh(np.array(DEVS[:4]), ("a",))
+  h = NamedSharding(m4, P("a"), memory_kind="pinned_host")
+  t = NamedSharding(mesh24(), P("tensor"))
+  for paths in (("t", "t"), ("h",), ("h", "t"), ("h", "h")):
+    x = make((8, 4), jnp.float32, h)
+    ref = bits(x)
+    target = {f"p{i}": h if p == "h" else t for i, p in enumerate(paths)}
+    out = reshard({f"p{i}": x for i in range(len(paths))}, target,
+                  donate=True, method=method)
+    for k, v in out.items():
+      assert bits(v) == ref
+      assert v.sharding.is_equivalent_to(target[k], 2)
+      assert v.sharding.memory_kind == target[k].memory_kind
+      if target[k] == h:
+        assert v is x
+    assert x.is_deleted() == ("h" not in paths)
+
+
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+@pytest.mark.parametrize("n", [8, 0])
+def test_donate_keys_whose_devices_keep_their_shards(method, n):
+  # Replicated keys from 4 devices onto 8 (and zero-size keys, whose empty
+  # boxes every device "keeps"): the kept shards are the new array's, so
+  # donation must not delete the key array that shares them.
+  k = jax.random.split(jax.random.key(0), max(n, 1))[:n]
+  x = jax.device_put(k, NamedSharding(Mesh(np.array(DEVS[:4]), ("a",)), P()))
+  ref = bits(x)
+  t = NamedSharding(Mesh(np.array(DEVS), ("a",)), P())
+  y = reshard({"k": x}, {"k": t}, donate=True, method=method)["k"]
+  assert not y.is_deleted()
+  assert bits(y) == ref and y.sharding.is_equivalent_to(t, 1)
+  assert jax.random.key_impl(y) == jax.random.key_impl(k)
+
+
+_TWO_BIT = """
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import tenplex_jax as tj
+d = jax.devices()
+a = NamedSharding(Mesh(np.array(d).reshape(2, 4), ("b", "a")), P("a"))
+t = NamedSharding(Mesh(np.array(d[:4]), ("a",)), P(None, "a"))
+for dt in (jnp.int2, jnp.uint2):
+  host = (np.arange(32) % 2).astype(dt).reshape(4, 4, 2)
+  for donate in (False, True):
+    x = jax.device_put(host, a)
+    y = tj.reshard(x, t, method="generic", donate=donate)
+    assert (np.asarray(y).astype(np.int8) == host.astype(np.int8)).all()
+    assert y.sharding.is_equivalent_to(t, 3) and x.is_deleted() == donate
+# jax.device_put between these (a fallback tried) gave wrong shards and
+# corrupted the C heap.
+a = NamedSharding(Mesh(np.array(d)[[7, 1, 0, 6, 3, 2, 4, 5]].reshape(2, 2, 2),
+                       ("c", "b", "a")), P(None, ("c", "b"), "a"))
+t = NamedSharding(Mesh(np.array(d)[[5, 3, 4, 0, 1, 6, 2, 7]].reshape(1, 8),
+                       ("b", "a")), P("b"))
+host = np.random.default_rng(0).integers(0, 4, (4, 4, 4)).astype(jnp.uint2)
+y = tj.reshard(jax.device_put(host, a), t, method="generic")
+assert (np.asarray(y).astype(np.int8) == host.astype(np.int8)).all()
+for s in y.addressable_shards:
+  assert (np.asarray(s.data).astype(np.int8)
+          == host[s.index].astype(np.int8)).all()
+print("ok")
+"""
+
+
+def test_generic_two_bit_dtypes():
+  # XLA's CPU code generator aborts the process compiling a slice of int2
+  # or uint2 (jaxlib 0.10); the generic executor assembles them on the
+  # host, without a program (nor jax.device_put, wrong for them).
+  import os
+  import subprocess
+  import sys
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  r = subprocess.run([sys.executable, "-c", _TWO_BIT], env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip() == "ok", (
+      r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("method", ["cpu", "generic"])
+def test_host_memory_scalar_key_wrapped_from_sharded_data(method):
+  # wrap_key_data of data sharded P(None) gives a rank-0 key whose sharding
+  # keeps P(None); jax.device_put takes it, and so must the move out of
+  # pinned_host memory (it put the key onto that sharding and failed).
+  m1 = Mesh(np.array(DEVS[:1]), ("a",))
+  data = jax.device_put(np.array([1, 2], np.uint32),
+                        NamedSharding(m1, P(None), memory_kind="pinned_host"))
+  k = jax.random.wrap_key_data(data)
+  t = NamedSharding(Mesh(np.array(DEVS[:2]), ("b",)), P(),
+                    memory_kind="unpinned_host")
+  y = reshard({"k": k}, {"k": t}, method=method)["k"]
+  assert bits(y) == bits(k) == np.array([1, 2], np.uint32).tobytes()
+  assert y.sharding.memory_kind == "unpinned_host"
+  assert y.sharding.is_equivalent_to(t, 0)
+
+
 def test_structure_mismatch_names_the_leaf():
   m = mesh24()
   x = make((8, 8), jnp.float32, NamedSharding(m, P("data")))
