@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from tenplex_jax._hostmem import host_empty
+from tenplex_jax._keys import is_key, key_data_sharding, wrap_keys
 from tenplex_jax._targets import match_saved, raise_tree_problems
 from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
@@ -154,7 +155,7 @@ def place(leaves) -> list:
       array, in the physical form (a PRNG key array's key data and its
       sharding; ``key impl`` then names the implementation to wrap it in),
       optionally followed by the keys' own sharding (the target's, which
-      the keys are put on: see :func:`tenplex_jax.reshard.wrap_keys`).
+      the keys are put on: see :func:`tenplex_jax._keys.wrap_keys`).
 
   Returns:
     The arrays, in order.
@@ -181,7 +182,6 @@ def place(leaves) -> list:
     arr = jax.make_array_from_single_device_arrays(tuple(shape), sharding,
                                                    shards[lo:hi])
     if impl:
-      from tenplex_jax.reshard import wrap_keys  # heavy: on use only
       arr = wrap_keys(arr, impl, *keys_sharding)
     out.append(arr)
   return out
@@ -536,14 +536,9 @@ def match_target(target: Any, held: Mapping[str, SourceTensor], *,
   return flat, treedef, arrays, plain
 
 
-def _is_key_dtype(dtype) -> bool:
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _physical(leaf) -> tuple[jax.ShapeDtypeStruct, str | None]:
   """The leaf as stored: a key array's key data, with its sharding."""
-  if _is_key_dtype(leaf.dtype):
-    from tenplex_jax.reshard import key_data_sharding  # heavy: on use only
+  if is_key(leaf):
     data = jax.eval_shape(jax.random.key_data, leaf)
     s = key_data_sharding(leaf.sharding, leaf.ndim, data.ndim - leaf.ndim)
     return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=s), \
@@ -673,7 +668,6 @@ def _empty_array(leaf):
           + list(sds.shape[len(idx):]), sds.dtype))
   if not impl:
     return arr
-  from tenplex_jax.reshard import wrap_keys  # heavy: on use only
   return wrap_keys(arr, impl, leaf.sharding)
 
 

@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tenplex_jax import determinism
 from tenplex_jax.data import ElasticIterator
+from tenplex_jax._keys import is_key, key_data_sharding, wrap_keys
 from tenplex_jax.errors import LayoutError, SearchError, UsageError
 from tenplex_jax.layout import key_path_name
 from tenplex_jax.remesh import remesh
@@ -81,14 +82,9 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _is_key(x: Any) -> bool:
-  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(
-      x.dtype, jax.dtypes.prng_key)
-
-
 def _host(x: Any) -> np.ndarray:
   """Host value of an array leaf (key arrays as their key data)."""
-  if _is_key(x):
+  if is_key(x):
     x = jax.random.key_data(x)
   return np.asarray(x)
 
@@ -200,9 +196,9 @@ def stack(states: Sequence[Any], *, shardings: Any = None) -> Any:
       continue
     bad = [j for j, x in enumerate(xs)
            if not _is_array(x) or np.shape(x) != np.shape(x0)
-           or _is_key(x) != _is_key(x0)
-           or (not _is_key(x) and np.asarray(x).dtype != np.asarray(x0).dtype)
-           or (_is_key(x) and jax.random.key_impl(x) != jax.random.key_impl(x0))]
+           or is_key(x) != is_key(x0)
+           or (not is_key(x) and np.asarray(x).dtype != np.asarray(x0).dtype)
+           or (is_key(x) and jax.random.key_impl(x) != jax.random.key_impl(x0))]
     if bad:
       j = bad[0]
       problems.append(
@@ -213,25 +209,18 @@ def stack(states: Sequence[Any], *, shardings: Any = None) -> Any:
       continue
     data = np.stack([_host(x) for x in xs])
     target = _target_sharding(shardings, i, flat_targets)
-    if _is_key(x0):
-      if target is not None:
-        target = _key_data_sharding(target, data.ndim)
-      arr = jax.device_put(data, target) if target is not None else jnp.asarray(data)
-      leaves.append(jax.random.wrap_key_data(arr, impl=jax.random.key_impl(x0)))
+    if is_key(x0):
+      data_target = (None if target is None else
+                     key_data_sharding(target, data.ndim - 1, 1))
+      arr = (jax.device_put(data, data_target) if target is not None
+             else jnp.asarray(data))
+      leaves.append(wrap_keys(arr, jax.random.key_impl(x0), target))
     else:
       leaves.append(jax.device_put(data, target) if target is not None
                     else jnp.asarray(data))
   if problems:
     raise LayoutError(f"cannot stack {len(states)} jobs:\n  " + "\n  ".join(problems))
   return treedef.unflatten(leaves)
-
-
-def _key_data_sharding(sharding: Any, ndim: int):
-  """The sharding of a key array's key data (one trailing dimension)."""
-  if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (ndim - 1 - len(sharding.spec))
-    return NamedSharding(sharding.mesh, P(*spec, None))
-  return sharding
 
 
 def unstack(state: Any) -> list:
@@ -256,7 +245,7 @@ def unstack(state: Any) -> list:
       continue
     data = _host(x)
     rows = [jnp.asarray(data[j]) for j in range(k)]
-    if _is_key(x):
+    if is_key(x):
       impl = jax.random.key_impl(x)
       rows = [jax.random.wrap_key_data(r, impl=impl) for r in rows]
     per_leaf.append(rows)
@@ -692,11 +681,12 @@ def _index_box(index: tuple, shape: Sequence[int]) -> tuple[tuple[int, int], ...
 
 def _repack_leaf(x: Any, rows: list[int], news: list, target: Any,
                  stats: dict) -> jax.Array:
-  key_impl = jax.random.key_impl(x) if _is_key(x) else None
+  key_impl = jax.random.key_impl(x) if is_key(x) else None
+  keys_target = target
   if key_impl is not None:
     x = jax.random.key_data(x)
-    news = [jax.random.key_data(v) if _is_key(v) else np.asarray(v) for v in news]
-    target = _key_data_sharding(target, x.ndim)
+    news = [jax.random.key_data(v) if is_key(v) else np.asarray(v) for v in news]
+    target = key_data_sharding(target, x.ndim - 1, 1)
   old_shape = tuple(x.shape)
   new_shape = (len(rows), *old_shape[1:])
   if isinstance(x, jax.Array):
@@ -757,7 +747,7 @@ def _repack_leaf(x: Any, rows: list[int], news: list, target: Any,
   stats["state_bytes"] += math.prod(new_shape) * np.dtype(x.dtype).itemsize
   arr = jax.make_array_from_single_device_arrays(new_shape, target, out_shards)
   if key_impl is not None:
-    arr = jax.random.wrap_key_data(arr, impl=key_impl)
+    arr = wrap_keys(arr, key_impl, keys_target)
   return arr
 
 

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from tenplex_jax._keys import is_key as _is_key
+from tenplex_jax._keys import key_data_sharding, wrap_keys
 from tenplex_jax._hostmem import (collect_dropped_buffers, host_empty_leased,
                                   host_reclaim)
 from tenplex_jax._problems import raise_problems
@@ -134,53 +136,6 @@ class ReshardReport:
             f" layout {s.get('layout', 0) * 1e3:.1f} ms, plan"
             f" {s.get('plan', 0) * 1e3:.1f} ms, transfer"
             f" {s.get('transfer', 0) * 1e3:.1f} ms")
-
-
-def _is_key(x) -> bool:
-  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def key_data_sharding(sharding: Sharding, ndim: int, extra: int) -> Sharding:
-  """The sharding of ``key_data(k)`` for keys ``k`` sharded by ``sharding``
-  (``ndim``: the keys' rank; ``extra``: the key data's trailing dimensions).
-
-  >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  >>> key_data_sharding(s, 1, 1) == s
-  True
-  """
-  if isinstance(sharding, NamedSharding):
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec) + extra)
-    return NamedSharding(sharding.mesh, PartitionSpec(*spec),
-                         memory_kind=sharding.memory_kind)
-  if isinstance(sharding, SingleDeviceSharding):
-    return sharding
-  raise LayoutError(f"PRNG key arrays support NamedSharding and"
-                    f" SingleDeviceSharding, not {type(sharding).__name__}")
-
-
-def wrap_keys(data: jax.Array, impl: Any,
-              sharding: Sharding | None = None) -> jax.Array:
-  """``data`` (key data) wrapped as PRNG keys of ``impl``, on ``sharding``
-  (the keys' sharding, as the target gave it) when that is given.
-
-  ``jax.random.wrap_key_data`` derives the keys' sharding from the data's,
-  and not the same way everywhere: on a one-device mesh it keeps the data's
-  spec (keys of shape ``(4,)`` on ``P('a')`` came back on
-  ``P('a', None)``), elsewhere it pads it to the keys' rank. The keys are
-  put on ``sharding`` itself, over the same device buffers (no copy).
-
-  >>> s = jax.sharding.NamedSharding(jax.make_mesh((1,), ("a",)),
-  ...                                PartitionSpec("a"))
-  >>> data = jax.device_put(np.zeros((4, 2), np.uint32),
-  ...                       key_data_sharding(s, 1, 1))
-  >>> wrap_keys(data, "threefry2x32", s).sharding == s
-  True
-  """
-  keys = jax.random.wrap_key_data(data, impl=impl)
-  if sharding is None or keys.sharding == sharding:
-    return keys
-  return jax.make_array_from_single_device_arrays(
-      keys.shape, sharding, [s.data for s in keys.addressable_shards])
 
 
 def resolve_targets(tree: Any, target: Any, *, mesh=None

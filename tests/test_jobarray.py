@@ -88,7 +88,8 @@ def solo_run(seed, t0, t1, state=None):
 
 
 def leaves(state):
-  return [np.asarray(jax.random.key_data(x) if ja._is_key(x) else x)
+  return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
+      getattr(x, "dtype", None), jax.dtypes.prng_key) else x)
           for x in jax.tree.leaves(state)]
 
 
@@ -135,6 +136,27 @@ def test_stack_unstack_round_trip_bitwise():
         assert x.dtype == y.dtype and x.shape == y.shape
         assert x.tobytes() == y.tobytes()
       assert back[k]["name"] == "lm" and back[k]["eps"] == 1e-8
+
+
+def test_keys_stacked_and_repacked_on_one_device_land_on_the_target():
+  # jax.random.wrap_key_data keeps the key data's spec on a one-device mesh
+  # (P('job', None) for keys of rank 1 stacked: one entry too many); stack
+  # and repack put the keys on the target sharding itself, as on more
+  # devices, with the same key bits.
+  keys = [{"k": jax.random.split(jax.random.key(j), 3)} for j in range(2)]
+  for n in (1, 2):
+    mesh = ja.job_mesh(jax.devices()[:n], jobs=n)
+    target = NamedSharding(mesh, P("job"))
+    st = ja.stack(keys, shardings={"k": target})
+    want = jax.device_put(jax.random.split(jax.random.key(0), (2, 3)),
+                          target).sharding
+    assert st["k"].sharding == want, (n, st["k"].sharding, want)
+    new, _ = ja.repack(st, [1, 0], shardings={"k": target})
+    assert new["k"].sharding == want, (n, new["k"].sharding, want)
+    for j, row in enumerate((1, 0)):
+      np.testing.assert_array_equal(
+          jax.random.key_data(new["k"])[j],
+          jax.random.key_data(keys[row]["k"]))
 
 
 def test_stack_mismatches_name_leaf_and_jobs():

@@ -37,6 +37,7 @@ from tenplex_jax._hostmem import host_empty, populate
 from tenplex_jax.assembly import (NewBox, fetch_pieces, fill, new_boxes, place,
                                   shards_of)
 from tenplex_jax._problems import Problem
+from tenplex_jax._keys import is_key, key_data_sharding
 from tenplex_jax._targets import (bind_target, leaf_kind, match_saved,
                                   name_clashes, raise_tree_problems)
 from tenplex_jax.errors import (NoCopyError, StoreError, TLSError, TreeError,
@@ -47,7 +48,6 @@ from tenplex_jax.layout import (PTC, Box, Placement, slices_to_box,
                                 box_volume, intersect, key_path_name,
                                 relative_index)
 from tenplex_jax.planner import plan
-from tenplex_jax.reshard import key_data_sharding
 from tenplex_jax.store import checkpoint as ckpt
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
@@ -119,10 +119,6 @@ def open_store(location: str, *, timeout: float = 30.0, retries: int = 2,
   return HostStore(loc.target)
 
 
-def _is_key(x) -> bool:
-  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 # The JSON form of plain leaves (shared with the store's readers).
 _encode_extra, _decode_extra = encode_plain, decode_plain
 
@@ -156,7 +152,7 @@ def _snapshot_items(tree):
                                        sharding=leaf.sharding)
       impl = None
       data = leaf
-      if _is_key(leaf):
+      if is_key(leaf):
         impl = str(jax.random.key_impl(leaf))
         data = jax.random.key_data(leaf)
       seen = set()
@@ -747,7 +743,7 @@ def _plain_to_array(v, sds):
   """A saved plain value (e.g. ``step``) as an array on ``sds``'s sharding."""
   a = np.asarray(v)
   dt = np.dtype(sds.dtype)
-  if a.dtype.hasobject or _is_key(sds) or a.shape != tuple(sds.shape):
+  if a.dtype.hasobject or is_key(sds) or a.shape != tuple(sds.shape):
     raise ValueError(f"the target is {leaf_kind(sds)}, the saved value is"
                      f" {leaf_kind(v)}")
   b = a.astype(dt)

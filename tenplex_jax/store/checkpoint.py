@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from tenplex_jax._keys import is_key
 from tenplex_jax.cloud import upload_tree
 from tenplex_jax.errors import NoCopyError, UsageError
 from tenplex_jax.locations import LOCAL, OBJECT, parse_location
@@ -42,16 +43,11 @@ STORE_NAME = "tenplex-store"  # the store a multi-process job's object-
 # storage checkpoint is, inside the checkpoint directory
 
 
-def _is_key(x) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(
-      x.dtype, jax.dtypes.prng_key)
-
-
 def _unkey(tree):
   # Orbax stores arrays and numbers; strings are left to the caller's target.
   return jax.tree_util.tree_map(
       lambda x: jax.random.key_data(x) if isinstance(x, jax.Array)
-      and _is_key(x) else (None if isinstance(x, str) or _empty(x) else x),
+      and is_key(x) else (None if isinstance(x, str) or _empty(x) else x),
       tree)
 
 
