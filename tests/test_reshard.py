@@ -315,18 +315,24 @@ print("ok")
 """
 
 
-def test_donated_array_used_again_raises_not_crashes():
-  # Donation that reuses no shard deletes the array itself: deleting only
-  # its shards left an array that a warm compiled program (reshard's own
-  # cut, or the user's jitted step) took with deleted buffers, a segfault.
+def _run_alone(script: str) -> None:
+  """Runs ``script`` in a fresh Python (a crash there fails this test, not
+  the worker) and asserts that it printed ``ok``."""
   import os
   import subprocess
   import sys
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, "-c", _DONATED_AGAIN], env=env,
+  r = subprocess.run([sys.executable, "-c", script], env=env,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0 and r.stdout.strip() == "ok", (
       r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_donated_array_used_again_raises_not_crashes():
+  # Donation that reuses no shard deletes the array itself: deleting only
+  # its shards left an array that a warm compiled program (reshard's own
+  # cut, or the user's jitted step) took with deleted buffers, a segfault.
+  _run_alone(_DONATED_AGAIN)
 
 
 @pytest.mark.parametrize("method", ["cpu", "generic"])
@@ -403,14 +409,7 @@ def test_generic_two_bit_dtypes():
   # XLA's CPU code generator aborts the process compiling a slice of int2
   # or uint2 (jaxlib 0.10); the generic executor assembles them on the
   # host, without a program (nor jax.device_put, wrong for them).
-  import os
-  import subprocess
-  import sys
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, "-c", _TWO_BIT], env=env,
-                     capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0 and r.stdout.strip() == "ok", (
-      r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+  _run_alone(_TWO_BIT)
 
 
 @pytest.mark.parametrize("method", ["cpu", "generic"])
