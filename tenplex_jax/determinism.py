@@ -826,7 +826,9 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
   Raises:
     UsageError: ``virtual_workers`` is not a positive int, an axis is not in
       the mesh, the batch axis size does not divide ``virtual_workers``, or
-      the batch is not divisible (raised when ``f`` is called).
+      the batch is not divisible, or (outside ``jit``) an argument is placed
+      on devices outside the mesh, named by its path (raised when ``f`` is
+      called).
 
   Example:
     >>> import numpy as np
@@ -1444,9 +1446,33 @@ def value_and_grad(loss_fn: Callable[..., jax.Array], *, virtual_workers: int,
         x.sharding if isinstance(x, jax.Array)
         and x.sharding.device_set == mesh_devices else replicated
         for x in leaves))
-    return compiled(shardings, params)(params, batch, *args)
+    try:
+      return compiled(shardings, params)(params, batch, *args)
+    except ValueError as e:
+      off = _off_mesh(mesh_devices, params=params, batch=batch, args=args)
+      if not off:
+        raise
+      raise UsageError(
+          "arrays placed on devices outside the mesh (ids"
+          f" {sorted(d.id for d in mesh_devices)}): " + "; ".join(off)
+          + "; put them on the mesh first (tenplex_jax.reshard or"
+          " jax.device_put)") from e
 
   return f
+
+
+def _off_mesh(mesh_devices, **trees) -> list[str]:
+  """``"<name><key path> is on devices [ids]"`` for each committed array in
+  ``trees`` with a device outside ``mesh_devices`` (looked up only after
+  jax refused a call, so no call pays for it)."""
+  out = []
+  for name, tree in trees.items():
+    for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if (isinstance(x, jax.Array) and getattr(x, "committed", True)
+          and not x.sharding.device_set <= mesh_devices):
+        ids = sorted(d.id for d in x.sharding.device_set)
+        out.append(f"{name}{jax.tree_util.keystr(kp)} is on devices {ids}")
+  return out
 
 
 def on_shards(tree: Any, shardings: Any) -> Any:

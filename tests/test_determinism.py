@@ -768,3 +768,27 @@ def test_non_scalar_loss_is_a_usage_error_naming_the_shape():
   with pytest.raises(UsageError, match=re.escape(
       "loss_fn must return a scalar, got shape (2,)")):
     f(params, batch)
+
+
+def test_arrays_on_devices_outside_the_mesh_are_named():
+  """Params or a batch committed to other devices than the mesh's: a
+  UsageError naming the leaf's path and both device sets, not jax's
+  "incompatible devices" about the step's internal arguments."""
+  devs = jax.devices()
+  mesh = Mesh(np.array(devs[:2]), ("data",))
+  other = NamedSharding(Mesh(np.array(devs[4:6]), ("data",)), P())
+  f = det.value_and_grad(lambda p, b: jnp.mean((b @ p["w"]) ** 2),
+                         virtual_workers=2, mesh=mesh)
+  w = np.ones((4, 3), np.float32)
+  x = np.ones((8, 4), np.float32)
+  on_mesh = NamedSharding(mesh, P())
+  with pytest.raises(UsageError, match=re.escape(
+      "arrays placed on devices outside the mesh (ids [0, 1]):"
+      " params['w'] is on devices [4, 5]")):
+    f({"w": jax.device_put(w, other)}, jax.device_put(x, on_mesh))
+  with pytest.raises(UsageError, match=re.escape(
+      "batch is on devices [4, 5]")):
+    f({"w": jax.device_put(w, on_mesh)}, jax.device_put(x, other))
+  # uncommitted arrays and arrays on the mesh run as before
+  loss, _ = f({"w": jnp.asarray(w)}, jax.device_put(x, on_mesh))
+  assert np.isfinite(float(loss))
