@@ -2092,15 +2092,11 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
         final_kind[i] = s
         s = s.with_memory_kind(dflt)
     adjusted.append((name, leaf, s))
-  items = adjusted
-  if host_sources:
-    out = _reshard_default_memory(items, rebuild, final_kind, donate, method,
-                                  t0)
-    for leaf in host_sources.values():
-      leaf.delete()
-    return out
-  return _reshard_default_memory(items, rebuild, final_kind, donate, method,
-                                 t0)
+  out = _reshard_default_memory(adjusted, rebuild, final_kind, donate,
+                                method, t0)
+  for leaf in host_sources.values():  # donated host sources, once built
+    leaf.delete()
+  return out
 
 
 def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
