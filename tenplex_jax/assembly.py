@@ -151,11 +151,12 @@ def place(leaves) -> list:
   buffers).
 
   Args:
-    leaves: ``(shape, sharding, {device id: host buffer}, key impl)`` per
-      array, in the physical form (a PRNG key array's key data and its
-      sharding; ``key impl`` then names the implementation to wrap it in),
-      optionally followed by the keys' own sharding (the target's, which
-      the keys are put on: see :func:`tenplex_jax._keys.wrap_keys`).
+    leaves: ``(shape, sharding, {device id: host buffer}, key impl, keys'
+      sharding)`` per array, in the physical form (a PRNG key array's key
+      data and its sharding; ``key impl`` then names the implementation to
+      wrap it in, and the keys are put on the keys' sharding, the target's:
+      see :func:`tenplex_jax._keys.wrap_keys`; both unused where ``key
+      impl`` is ``None``).
 
   Returns:
     The arrays, in order.
@@ -163,12 +164,13 @@ def place(leaves) -> list:
   Example:
     >>> import jax
     >>> s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    >>> [a] = place([((3,), s, {jax.devices()[0].id: np.arange(3.0)}, None)])
+    >>> [a] = place([((3,), s, {jax.devices()[0].id: np.arange(3.0)}, None,
+    ...                None)])
     >>> a.tolist(), a.sharding == s
     ([0.0, 1.0, 2.0], True)
   """
   bufs, devs, spans = [], [], []
-  for shape, sharding, hosts, *_ in leaves:
+  for shape, sharding, hosts, _, _ in leaves:
     lo = len(bufs)
     for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
       bufs.append(hosts[d.id])
@@ -177,12 +179,12 @@ def place(leaves) -> list:
   shards = jax.device_put(bufs, devs, may_alias=True) if bufs else []
   del bufs
   out = []
-  for (shape, sharding, _, impl, *keys_sharding), (lo, hi) in zip(leaves,
-                                                                  spans):
+  for (shape, sharding, _, impl, keys_sharding), (lo, hi) in zip(leaves,
+                                                                spans):
     arr = jax.make_array_from_single_device_arrays(tuple(shape), sharding,
                                                    shards[lo:hi])
     if impl:
-      arr = wrap_keys(arr, impl, *keys_sharding)
+      arr = wrap_keys(arr, impl, keys_sharding)
     out.append(arr)
   return out
 

@@ -210,10 +210,8 @@ def stack(states: Sequence[Any], *, shardings: Any = None) -> Any:
     data = np.stack([_host(x) for x in xs])
     target = _target_sharding(shardings, i, flat_targets)
     if is_key(x0):
-      data_target = (None if target is None else
-                     key_data_sharding(target, data.ndim - 1, 1))
-      arr = (jax.device_put(data, data_target) if target is not None
-             else jnp.asarray(data))
+      arr = (jnp.asarray(data) if target is None else jax.device_put(
+          data, key_data_sharding(target, data.ndim - 1, 1)))
       leaves.append(wrap_keys(arr, jax.random.key_impl(x0), target))
     else:
       leaves.append(jax.device_put(data, target) if target is not None
