@@ -39,8 +39,9 @@ STATIC_CACHE = os.path.join(tempfile.gettempdir(), "tenplex-lm-static")
 def test_cross_process_resize_with_stage_change_follows_static_run(tmp):
   # Also when the generation started ahead for the resize hangs in its warm-up, before
   # its ready mark (--hang-ahead; as jaxlib 0.10.2's gloo communicators can deadlock
-  # there): the launcher's prepare timeout stops it and the resize starts afresh (or
-  # prepares it again), no step lost or repeated, nothing left behind.
+  # there): the launcher's warm-up timeout (from the end of its compile) stops it and
+  # the resize starts afresh (or prepares it again), no step lost or repeated, nothing
+  # left behind.
   procs.check_stage_change_resize(
       os.path.join(ROOT, "examples", "lm", "train.py"),
       os.path.join(tmp, "lm.json"), root=ROOT,
