@@ -1271,10 +1271,8 @@ class _Ahead:
     not waiting for another generation's programs; or (``warmup``) a
     process not ready ``warmup`` seconds after its warm-up mark
     (:func:`warming_up`)."""
-    if self.ready(job_dir):
-      return False
     if self.programs is None and time.time() - self.since > limit:
-      return True
+      return not self.ready(job_dir)
     return warmup is not None and bool(self.warmup_late(job_dir, warmup))
 
   def warmup_late(self, job_dir: str, warmup: float) -> list[int]:
