@@ -67,12 +67,17 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
 
   ``hang_ahead`` (the LM trainer's ``--hang-ahead``): the process of the
   generation started ahead for step 2 hangs after its warm-up step, before
-  its ready mark, once; the launcher's prepare timeout (60 s here: it counts
-  from the generation's start, and at load 13-20 a 30 s one fired while the
-  generation still compiled, before it reached the hang) must stop it and
+  its ready mark, once; the launcher's warm-up timeout (20 s here, from the
+  process's warm-up mark after its compile, ``store.warming_up``: the
+  compile, however slow on a loaded host, is not in it; the warm-up step
+  and the data path's first use took 0.8 s at load 4-9, after a 21 s
+  compile; one past it in the generation prepared again only makes the
+  resize start its process afresh) must stop it and
   replace it, so the job ends well inside its ``--timeout`` with the
   same steps and losses, nothing of it left running or on disk (its job
-  directory, its processes' ``TMPDIR``).
+  directory, its processes' ``TMPDIR``). (A prepare timeout from the
+  generation's start, which must leave room for its imports and compile,
+  needed 60 s: at load 13-20 a 30 s one fired while it still compiled.)
 
   ``static_cache`` (the LM trainer's ``--static-cache``): where the static run
   it compares with is shared with other tests'.
@@ -88,7 +93,7 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   extra = []
   if hang_ahead:
     marker = os.path.join(where, "hang_ahead")
-    extra = ["--hang-ahead", marker, "--prepare-timeout", "60"]
+    extra = ["--hang-ahead", marker, "--warmup-timeout", "20"]
     env["TMPDIR"] = os.path.join(where, "tmp")
     os.mkdir(env["TMPDIR"])
   if static_cache is not None:
@@ -105,7 +110,8 @@ def check_stage_change_resize(script: str, out: str, *, root: str,
   if hang_ahead:
     assert "--hang-ahead: process 0 of generation" in run.stdout, run.stdout[-5000:]
     # the launcher's line: which generation, its processes not ready, what it did
-    assert "processes not ready: [0]); stopped it, " in run.stdout, run.stdout[-5000:]
+    assert ("not ready 20 s after its warm-up began (warm-up timeout; processes not"
+            " ready: [0]); stopped it, ") in run.stdout, run.stdout[-5000:]
     # no wait for the launcher's --timeout (400 s): the guard replaced it
     assert wall < 300, (wall, run.stdout[-5000:])
     with open(marker) as f:

@@ -154,3 +154,38 @@ def test_expect_resizes_refuses_a_failure_generation_without_processes():
     with pytest.raises(UsageError, match=r"failure=.*expected \(procs >= 1, key\)"):
       store.expect_resizes([], key="k", failure=bad)
   store.expect_resizes([], key="k", failure=(1, "k"))  # no launcher: nothing
+
+
+def test_the_warmup_timeout_counts_from_each_process_warmup_mark(tmp_path):
+  # A generation prepared ahead is overdue once one of its processes is not ready
+  # warmup seconds after its warm-up mark (store.warming_up, after its compile), however
+  # long before that its imports and compile took; without a mark, or once ready, the
+  # prepare timeout from its start alone decides. warming_up itself marks nothing in a
+  # process the launcher did not start ahead.
+  import time
+
+  from tenplex_jax import store
+  from tenplex_jax.runtime.launch import _Ahead
+  job = str(tmp_path)
+  now = time.time()
+  a = _Ahead(7, 2, 2, "k", [], os.path.join(job, "turn"), started=now - 100)
+
+  def mark(kind, i, t):
+    with open(os.path.join(job, f"{kind}_7_{i}.txt"), "w") as f:
+      f.write(repr(t))
+
+  assert not a.overdue(job, 1000, 20)  # compiling still (no mark): not late
+  assert a.overdue(job, 50, None) and a.overdue(job, 50, 20)  # the prepare timeout's
+  mark("warmup", 1, now - 5)  # warming up for 5 s
+  assert not a.overdue(job, 1000, 20) and a.warmup_late(job, 20) == []
+  assert a.overdue(job, 1000, 4) and a.warmup_late(job, 4) == [1]
+  assert not a.overdue(job, 1000, None)  # no warm-up timeout: only the prepare one
+  mark("warmup", 0, now - 30)
+  assert a.overdue(job, 1000, 20) and a.warmup_late(job, 20) == [0]
+  mark("ready", 0, now)
+  assert not a.overdue(job, 1000, 20) and a.warmup_late(job, 4) == [1]
+  mark("ready", 1, now)
+  assert not a.overdue(job, 50, 4) and a.warmup_late(job, 4) == []  # ready: never late
+  store.warming_up()  # not prepared: no mark, no error
+  assert sorted(os.listdir(job)) == ["ready_7_0.txt", "ready_7_1.txt", "warmup_7_0.txt",
+                                     "warmup_7_1.txt"]

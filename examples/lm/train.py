@@ -666,6 +666,7 @@ def worker(args, cfg, phases, plan, trainer=None):
   if ahead:  # before the turn: the step compiled and run once (gloo's connections)
     t0 = time.time()
     fn, ahead_s["compile_s"], _, _ = compiling.result()
+    store.warming_up()  # the launcher's --warmup-timeout counts from here
     t1 = time.time()
     warm, _ = fn(_zeros(abstract), *(_zeros(x, 1) for x in batch))
     jax.block_until_ready(warm)
@@ -1016,6 +1017,8 @@ def run_procs(args, cfg, phases, plan, log=print, trainer=None):
                     # 0.10.2's gloo communicators can deadlock there) is stopped and
                     # prepared again, not waited for until --timeout
                     prepare_timeout=getattr(args, "prepare_timeout", PREPARE_TIMEOUT),
+                    # (from the warm-up step on, if given: however long the compile)
+                    warmup_timeout=getattr(args, "warmup_timeout", None),
                     # a step that hangs: stopped after --step-timeout and run again
                     # from the last save on as many processes, in the phase's layout
                     # (repeating the steps since that save from the same state and
@@ -1207,6 +1210,12 @@ def main(argv=None):
                   " launcher stops it and prepares it again, or starts the resize's"
                   " processes afresh at its turn (tenplex-jax launch --prepare-timeout;"
                   f" default {PREPARE_TIMEOUT:g})")
+  ap.add_argument("--warmup-timeout", type=float, default=None, metavar="SECONDS",
+                  help="(with --procs) seconds a process of a generation started ahead may"
+                  " take from the end of its compile (its warm-up step, where jaxlib's gloo"
+                  " communicators are made) to ready; past it the launcher handles the"
+                  " generation as past --prepare-timeout (tenplex-jax launch"
+                  " --warmup-timeout; default: none)")
   ap.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT, metavar="SECONDS",
                   help="(with --procs) seconds a process may go without a step (until its"
                   " first step it counts as alive: compiles and the restore are not in"

@@ -80,7 +80,7 @@ __all__ = ["Controller", "RESIZE_EXIT_CODE", "STANDBY_IMPORTS", "controller",
            "expect_resizes", "heartbeat",
            "initialize", "launch", "prepared", "prepared_for_failure", "register", "request_resize",
            "resize_due", "restore_or_init", "save_and_exit", "save_snapshot",
-           "use_controller", "wait_programs", "wait_turn"]
+           "use_controller", "wait_programs", "wait_turn", "warming_up"]
 
 RESIZE_EXIT_CODE = 75
 _MARGIN = 3  # steps ahead of the slowest process for signalled requests
@@ -509,6 +509,23 @@ def wait_programs() -> float:
   while not os.path.exists(path):
     time.sleep(0.02)
   return time.time() - t0
+
+
+def warming_up() -> None:
+  """In a prepared process (:func:`prepared`): marks it compiled, about to
+  run its warm-up step (``JOB_DIR/warmup_<g>_<p>.txt``), the point from
+  which the launcher's ``warmup_timeout`` counts until its ready mark
+  (:func:`wait_turn`); nothing elsewhere. Call it after the compile,
+  before the first run of the compiled step (where jaxlib 0.10.2's gloo
+  communicators are made, and can deadlock).
+
+  Example:
+    >>> warming_up()  # a process the launcher did not start ahead
+  """
+  if not prepared() or not job_env().job_dir:
+    return
+  with private.open_private(_job_file("warmup", "txt")) as f:
+    f.write(repr(time.time()))
 
 
 def prepared() -> bool:
@@ -1248,11 +1265,28 @@ class _Ahead:
     return [i for i in range(self.n) if not os.path.exists(
         os.path.join(job_dir, f"ready_{self.gen}_{i}.txt"))]
 
-  def overdue(self, job_dir: str, limit: float) -> bool:
+  def overdue(self, job_dir: str, limit: float,
+              warmup: float | None = None) -> bool:
     """Not ready ``limit`` seconds after its clock started (``since``), and
-    not waiting for another generation's programs."""
-    return (self.programs is None and time.time() - self.since > limit
-            and not self.ready(job_dir))
+    not waiting for another generation's programs; or (``warmup``) a
+    process not ready ``warmup`` seconds after its warm-up mark
+    (:func:`warming_up`)."""
+    if self.programs is None and time.time() - self.since > limit:
+      return not self.ready(job_dir)
+    return warmup is not None and bool(self.warmup_late(job_dir, warmup))
+
+  def warmup_late(self, job_dir: str, warmup: float) -> list[int]:
+    """The processes not ready ``warmup`` seconds after their warm-up mark
+    (:func:`warming_up`), by index."""
+    now, late = time.time(), []
+    for i in self.not_ready(job_dir):
+      try:
+        t = float(_text(os.path.join(job_dir, f"warmup_{self.gen}_{i}.txt")))
+      except (OSError, ValueError):  # no mark yet (or being written)
+        continue
+      if now - t > warmup:
+        late.append(i)
+    return late
 
   def release_programs(self) -> None:
     """Tells a generation waiting for another's programs (wait_programs)
@@ -1692,6 +1726,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
            standby_timeout: float = 300.0,
            prepare_ahead: int = 4, prepare_nice: int = 10,
            prepare_timeout: float | None = None,
+           warmup_timeout: float | None = None,
            prepare_retries: int = 1, on_hang: str | None = None,
            hang_restarts: int | None = None) -> int:
   """Runs ``cmd`` as ``procs`` processes; relaunches it on resizes and
@@ -1798,6 +1833,14 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       started then, as without a generation ahead: the running generation
       loses no step and repeats none, and a resize waits for a prepared
       generation only until its prepare timeout runs out.
+    warmup_timeout: seconds each process of a generation prepared ahead
+      may take from its warm-up mark (:func:`warming_up`, which the script
+      calls after its compile, before its warm-up step) to its ready mark
+      (:func:`wait_turn`). A hang there (the gloo deadlock above) is then
+      caught that long after the compile, however long the imports and
+      compile took, while ``prepare_timeout`` still bounds the whole from
+      the start; past it the generation is handled as past
+      ``prepare_timeout``. Default: none.
     prepare_retries: how many times a generation prepared ahead that was
       not ready in time is prepared again, per resize (and per running
       generation for the one prepared for a failure); default 1.
@@ -1855,6 +1898,9 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
   if prepare_timeout is not None and not prepare_timeout > 0:
     raise UsageError(f"launch: prepare_timeout must be positive seconds, not"
                      f" {prepare_timeout!r}")
+  if warmup_timeout is not None and not warmup_timeout > 0:
+    raise UsageError(f"launch: warmup_timeout must be positive seconds, not"
+                     f" {warmup_timeout!r}")
   if not isinstance(prepare_retries, int) or prepare_retries < 0:
     raise UsageError(f"launch: prepare_retries must be a count >= 0, not"
                      f" {prepare_retries!r}")
@@ -2123,13 +2169,17 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     resize, or per running generation for one prepared for a failure), at
     its turn the resize (or restart) starts its processes afresh."""
     late = a.not_ready(job_dir)
+    warm = (a.warmup_late(job_dir, warmup_timeout)
+            if warmup_timeout is not None else [])
     what = (f"generation {a.gen} ({a.n} processes, "
             + (f"started ahead for step {a.step}" if a.step is not None
                else "prepared for a failure")
-            + f") not ready {time.time() - a.since:.1f} s after"
-            + (" its start" if a.since == a.started
-               else " its programs came")
-            + f" (prepare timeout {limit:g} s; processes not ready: {late})")
+            + (f") not ready {warmup_timeout:g} s after its warm-up began"
+               f" (warm-up timeout; processes not ready: {late})" if warm else
+               f") not ready {time.time() - a.since:.1f} s after"
+               + (" its start" if a.since == a.started
+                  else " its programs came")
+               + f" (prepare timeout {limit:g} s; processes not ready: {late})"))
     _print_stacks(a.children, job_dir, a.gen, what)
     _stop(a.children, wake, 0)
     given_up.append(a)
@@ -2159,7 +2209,8 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     """Gives up on the generations prepared ahead that are overdue (not
     ready within the prepare timeout); prepare() starts them again."""
     for group in (ahead, standby_gen):
-      for a in [a for a in group if a.alive() and a.overdue(job_dir, limit)]:
+      for a in [a for a in group
+                if a.alive() and a.overdue(job_dir, limit, warmup_timeout)]:
         group.remove(a)
         give_up(a, cur)
 
@@ -2233,7 +2284,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
                           for a in standby_gen) else _GRACE
       def overdue():
         a = cur["prepared"]
-        if a is None or not a.overdue(job_dir, limit):
+        if a is None or not a.overdue(job_dir, limit, warmup_timeout):
           if a is not None and a.ready(job_dir):  # the step timeout's now
             cur["prepared"] = None
           return None
@@ -2278,7 +2329,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
                   " again", file=sys.stderr, flush=True)
             drop_ahead(lambda x, a=adopt: x is a)
           adopt = None
-        if adopt is not None and adopt.overdue(job_dir, limit):
+        if adopt is not None and adopt.overdue(job_dir, limit, warmup_timeout):
           ahead.remove(adopt)  # warming up still, past its prepare timeout
           give_up(adopt, cur, at_turn=True)
           adopt = None
@@ -2343,7 +2394,7 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
       # The generation prepared for this failure takes over, if it is alive
       # and has the restart's process count.
       spare = next((a for a in standby_gen if a.alive() and a.n == n), None)
-      if spare is not None and spare.overdue(job_dir, limit):
+      if spare is not None and spare.overdue(job_dir, limit, warmup_timeout):
         standby_gen.remove(spare)  # warming up still, past its prepare timeout
         give_up(spare, cur, at_turn=True)
         spare = None
@@ -2474,6 +2525,7 @@ def _launch_cmd(args) -> int:
                 prepare_ahead=args.prepare_ahead,
                 prepare_nice=args.prepare_nice,
                 prepare_timeout=args.prepare_timeout,
+                warmup_timeout=args.warmup_timeout,
                 prepare_retries=args.prepare_retries, on_hang=args.on_hang,
                 hang_restarts=args.hang_restarts)
   return 128 - code if code < 0 else code  # killed by N: 128+N, as a shell
@@ -2548,6 +2600,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                  " ready (compiled, warmed up); past it the launcher prints"
                  " its stacks, stops it and prepares it again (default:"
                  " twice --step-timeout, else 600)")
+  p.add_argument("--warmup-timeout", type=float, default=None,
+                 metavar="SECONDS",
+                 help="seconds a process of a generation started ahead may"
+                 " take from its warm-up mark (store.warming_up(), after its"
+                 " compile) to ready; past it the generation is handled as"
+                 " past --prepare-timeout (default: none)")
   p.add_argument("--prepare-retries", type=int, default=1, metavar="N",
                  help="times a generation started ahead that was not ready"
                  " in time is prepared again before its resize goes on"

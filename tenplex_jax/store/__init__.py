@@ -40,7 +40,7 @@ _LAZY = {
                      "initialize", "launch", "prepared",
                      "prepared_for_failure", "request_resize", "resize_due",
                      "restore_or_init", "save_and_exit", "save_snapshot",
-                     "wait_programs", "wait_turn"), "launch"),
+                     "wait_programs", "wait_turn", "warming_up"), "launch"),
 }
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "prepared_for_failure",
     "wait_turn",
     "wait_programs",
+    "warming_up",
     "restore",
     "restore_checkpoint",
     "restore_with_report",
