@@ -58,11 +58,10 @@ pytestmark = pytest.mark.xdist_group("ray")
 
 # Ray's GCS health-checks each raylet every 3 s by default and declares a
 # node dead after 5 checks in a row fail: a killed node (each check refused
-# at once) about 15 s after its kill. The tests' clusters check every
-# 0.5 s: a killed node is dead in about 2.5 s, while a node starved of CPU
-# still has 5 x (60 + 0.5) s (each check fails only at STARVATION_TOLERANT's
-# timeout, and the next starts 0.5 s after it ended).
-SYSTEM_CONFIG = {**STARVATION_TOLERANT, "health_check_period_ms": 500}
+# at once) about 15 s after its kill. The tests' clusters check every 1 s:
+# a killed node is dead in about 5 s, while a node starved of CPU still has
+# 5 x (60 + 1) s (each check fails only at STARVATION_TOLERANT's timeout).
+SYSTEM_CONFIG = {**STARVATION_TOLERANT, "health_check_period_ms": 1000}
 
 
 # Loopback only: the head on 127.0.0.2 (Ray turns 127.0.0.1 and
