@@ -350,11 +350,19 @@ def test_16_bit_gradients_summed_transposed(monkeypatch, dtype):
   mesh1 = mesh1d(1)
   # (float32 only checks that nothing changes: one case of each kind)
   bf16 = dtype == jnp.bfloat16
+  refs = {}
+
+  def one_device(v, unroll):
+    """The 1-device run at ``v`` workers (each computed once)."""
+    if (v, unroll) not in refs:
+      refs[v, unroll] = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
+          *place(params, batch, mesh1, False))
+    return refs[v, unroll]
+
   dp_cases = ((2, 4, None), (2, 8, None), (4, 8, None), (2, 4, 3))
   for n, v, unroll in dp_cases if bf16 else dp_cases[:1]:
     monkeypatch.setattr(det, "_UNROLL_LEVELS", unroll)
-    ref = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
-        *place(params, batch, mesh1, False))
+    ref = one_device(v, unroll)
     mesh = mesh1d(n)
     p, b = place(params, batch, mesh, False)
     gathered = {}
@@ -381,8 +389,7 @@ def test_16_bit_gradients_summed_transposed(monkeypatch, dtype):
   fsdp_cases = ((4, None), (8, None), (4, 3))
   for v, unroll in fsdp_cases if bf16 else fsdp_cases[:1]:
     monkeypatch.setattr(det, "_UNROLL_LEVELS", unroll)
-    ref = det.value_and_grad(mlp_loss, virtual_workers=v, mesh=mesh1)(
-        *place(params, batch, mesh1, False))
+    ref = one_device(v, unroll)
     mesh = mesh1d(2)
     p, b = place(params, batch, mesh, True)
     column_major = {}

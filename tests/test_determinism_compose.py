@@ -218,9 +218,25 @@ def pipeline_grads(shape, v=8, **kwargs):
   return f(*args)
 
 
+_PIPELINE_REF = {}
+
+
+def pipeline_ref():
+  """The 1-device run's loss and grads (:func:`pipeline_grads` on (1, 1, 1)),
+  computed once for the tests that compare with it: both on one xdist
+  worker (``_PIPELINE``)."""
+  if not _PIPELINE_REF:
+    _PIPELINE_REF["ref"] = pipeline_grads((1, 1, 1))
+  return _PIPELINE_REF["ref"]
+
+
+_PIPELINE = pytest.mark.xdist_group("compose_pipeline")
+
+
+@_PIPELINE
 def test_pipeline_stages_and_tensor_bitwise():
   # (2, 2, 2): test_pipeline_top_by_permutes_is_ordered_and_bitwise.
-  ref = pipeline_grads((1, 1, 1))
+  ref = pipeline_ref()
   for shape in [(1, 4, 2), (2, 4, 1), (4, 2, 1), (8, 1, 1), (2, 1, 2)]:
     assert_bitwise(ref, pipeline_grads(shape), f"mesh {shape}")
 
@@ -242,6 +258,7 @@ def entry_collective_sizes(text):
   return out
 
 
+@_PIPELINE
 def test_pipeline_grads_with_param_shardings_stay_on_their_stages():
   """With ``param_shardings`` the exchange of a leaf split over ``stage``
   runs on each stage's layers: no collective of the compiled step's entry
@@ -251,7 +268,7 @@ def test_pipeline_grads_with_param_shardings_stay_on_their_stages():
   stage taking chunks of all the layers, and the whole stack on every
   device after the all-gather over ``data``). The grads have the 1-device
   run's bits."""
-  ref = pipeline_grads((1, 1, 1))
+  ref = pipeline_ref()
   for shape in [(2, 2, 2), (1, 4, 2), (4, 2, 1)]:
     f, args = pipeline_step(shape, param_shardings=True)
     compiled = f.lower(*args).compile()
