@@ -8,7 +8,7 @@ come from the launcher (schedule, SIGUSR1) or, with ``TRAIN_REQUEST=A:M:S``,
 from ``request_resize(M, at_step=S)`` called at step A. Optional:
 ``TRAIN_SNAPSHOT_EVERY=k`` (``save_snapshot``), ``TRAIN_CKPT_EVERY=k``
 (Orbax checkpoint in the launcher's ``--checkpoint``), ``TRAIN_SLEEP=s``
-per step, ``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
+per step (``TRAIN_SLEEP_GEN0=1``: in generation 0 only), ``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
 processes from step S started ahead; each process of a job with it writes
 ``JOB_DIR/ahead_<generation>_<process>.json``: whether it was prepared, when
 ``initialize`` had returned, its turn, its nice value then and after it; ``TRAIN_AHEAD_FAIL=1``: processes
@@ -32,10 +32,25 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 
 from tenplex_jax import store
 
+
+def beat_until(done, every=0.5):
+  """Calls ``store.heartbeat`` every ``every`` s until ``done`` is set."""
+  while not done.is_set():
+    store.heartbeat()
+    done.wait(every)
+
+
+# Until its first step is done, this process is alive however long
+# jax.distributed, the restore and the compiles take on a loaded host (as in
+# examples/lm/train.py): the launcher's --step-timeout then bounds the imports
+# before this line and the steps themselves.
+first_step_done = threading.Event()
+threading.Thread(target=beat_until, args=(first_step_done,), daemon=True).start()
 info = store.initialize()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -134,9 +149,11 @@ ckpt_every = env_int("TRAIN_CKPT_EVERY")
 while step < total:
   w = add(state["w"])
   total_sum(w).block_until_ready()
+  first_step_done.set()
   state = {"w": w, "step": step + 1}
   step += 1
-  time.sleep(float(os.environ.get("TRAIN_SLEEP", "0")))
+  if info["generation"] == 0 or not os.environ.get("TRAIN_SLEEP_GEN0"):
+    time.sleep(float(os.environ.get("TRAIN_SLEEP", "0")))
   if request and int(request.split(":")[0]) == step:
     _, m, at = request.split(":")
     store.request_resize(int(m), at_step=int(at))

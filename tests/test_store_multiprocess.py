@@ -377,7 +377,9 @@ def check_final(job, *, procs, step, generation):
 
 
 def test_launch_resizes_on_sigusr1(tmp):
-  with launcher(tmp, 12, TRAIN_SLEEP=0.4) as (p, job, log):
+  # Generation 0 steps slowly (0.4 s) so that the signal lands before its
+  # last step; generation 1, after the resize, at full speed.
+  with launcher(tmp, 12, TRAIN_SLEEP=0.4, TRAIN_SLEEP_GEN0=1) as (p, job, log):
     t0 = time.time()
     while not os.path.exists(os.path.join(job, "progress_0")):
       assert p.poll() is None and time.time() - t0 < 60, "no progress"
