@@ -8,7 +8,8 @@ come from the launcher (schedule, SIGUSR1) or, with ``TRAIN_REQUEST=A:M:S``,
 from ``request_resize(M, at_step=S)`` called at step A. Optional:
 ``TRAIN_SNAPSHOT_EVERY=k`` (``save_snapshot``), ``TRAIN_CKPT_EVERY=k``
 (Orbax checkpoint in the launcher's ``--checkpoint``), ``TRAIN_SLEEP=s``
-per step (``TRAIN_SLEEP_GEN0=1``: in generation 0 only), ``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
+per step (``TRAIN_SLEEP_GEN0=1``: in generation 0 only),
+``TRAIN_EXPECT=S:M,...`` (``expect_resizes``: generations of M
 processes from step S started ahead; each process of a job with it writes
 ``JOB_DIR/ahead_<generation>_<process>.json``: whether it was prepared, when
 ``initialize`` had returned, its turn, its nice value then and after it; ``TRAIN_AHEAD_FAIL=1``: processes

@@ -2169,17 +2169,16 @@ def launch(cmd: Sequence[str], *, procs: int, devices_per_proc: int,
     resize, or per running generation for one prepared for a failure), at
     its turn the resize (or restart) starts its processes afresh."""
     late = a.not_ready(job_dir)
-    warm = (a.warmup_late(job_dir, warmup_timeout)
-            if warmup_timeout is not None else [])
+    if warmup_timeout is not None and a.warmup_late(job_dir, warmup_timeout):
+      why = (f"not ready {warmup_timeout:g} s after its warm-up began"
+             f" (warm-up timeout; processes not ready: {late})")
+    else:
+      since = "its start" if a.since == a.started else "its programs came"
+      why = (f"not ready {time.time() - a.since:.1f} s after {since}"
+             f" (prepare timeout {limit:g} s; processes not ready: {late})")
     what = (f"generation {a.gen} ({a.n} processes, "
             + (f"started ahead for step {a.step}" if a.step is not None
-               else "prepared for a failure")
-            + (f") not ready {warmup_timeout:g} s after its warm-up began"
-               f" (warm-up timeout; processes not ready: {late})" if warm else
-               f") not ready {time.time() - a.since:.1f} s after"
-               + (" its start" if a.since == a.started
-                  else " its programs came")
-               + f" (prepare timeout {limit:g} s; processes not ready: {late})"))
+               else "prepared for a failure") + f") {why}")
     _print_stacks(a.children, job_dir, a.gen, what)
     _stop(a.children, wake, 0)
     given_up.append(a)
