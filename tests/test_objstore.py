@@ -634,8 +634,13 @@ def test_orbax_ocdbt_on_s3_is_staged_in_few_requests(s3, monkeypatch):
   [(fetched, stage_dir, staged)] = reads
   assert staged == {"w": 8, "v": 8}  # every chunk staged
   # One request per object: the manifests, and the data files whole (all
-  # of their chunks are needed), not one per chunk.
-  assert len(got_whole) == len(set(got_whole)) <= 5, got_whole
+  # of their chunks are needed), not one per chunk (16). How many data
+  # files Orbax writes depends on its writes' timing (2, and 3 on a loaded
+  # host), so the bound is this checkpoint's own objects.
+  files = {f"s3://{k}" for k in before
+           if k.endswith("/manifest.ocdbt") or "/d/" in k}
+  assert len(got_whole) == len(set(got_whole)) < 16, got_whole
+  assert set(got_whole) <= files, (got_whole, sorted(files))
   assert not os.path.exists(stage_dir)  # the local copy is gone
   # zstd shrinks float noise a little; the manifests and b-tree come too.
   assert 0.8 * w.nbytes <= fetched <= 1.1 * (w.nbytes + v.nbytes) \
