@@ -1575,8 +1575,10 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
                         [shards[d.id] for d in devices], devices, kept=True)
     except Exception as e:
       raise ReshardError(f"{name}: resharding failed: {e}") from e
-    if donate and impl is None and id(orig) not in shared:
-      _donate_sources(shards, {d.id for d in devices})
+    if donate and id(orig) not in shared:
+      # A key array shares its buffers with its key data (``leaf``).
+      new = _donate_sources(new, shards, {d.id for d in devices},
+                            leaf if impl is None else orig)
     if impl is not None:
       new = wrap_keys(new, impl, target)
     reused += len(devices)
@@ -1593,26 +1595,51 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
   return rebuild(new_leaves), report
 
 
-def _donate_sources(shards: dict, reused, whole: jax.Array | None = None
-                    ) -> None:
-  """Deletes an array's old shards (``{device id: single-device array}``)
-  on every device but the ``reused`` ones, whose buffers now belong to the
-  new array too. A buffer a new shard aliases stays alive through the view
-  that new shard holds.
+def _donate_sources(new: jax.Array, shards: dict, reused,
+                    whole: jax.Array | None = None) -> jax.Array:
+  """Deletes a donated array (its old shards ``{device id: single-device
+  array}``, the array itself ``whole``) once ``new`` is built from them;
+  returns ``new``, rebuilt where it shared buffers with the old array.
 
-  Where no shard is reused and ``whole`` (the array itself) is given, the
-  array is deleted as a whole, as jax's own donation does: deleting only
-  its shards left an array that jax's compiled-call fast path passed on
-  with deleted buffers (a segfault on CPU, jax 0.10) where a jitted function
-  that had run on it before was called on it again, instead of the
-  ``Array has been deleted`` error.
+  The array is deleted as a whole, as jax's own donation leaves it: deleting
+  only some of its shards left an array that jax's compiled-call fast path
+  passed on with deleted buffers (a segfault on CPU, jax 0.10) where a
+  jitted function that had run on it before was called on it again, and an
+  array whose first shard lives is not even reported deleted.
+
+  Where ``new`` keeps the old shards of the ``reused`` devices (the same
+  buffers), those pass to ``new`` first: on CPU devices as zero-copy views
+  of their memory (host memory, adopted without a copy; a view keeps the
+  old buffer's memory alive after the old array is deleted, as the CPU
+  executor's aliased boxes do). On other platforms a buffer cannot change
+  hands, so an array whose shards the result keeps is left intact there:
+  its other shards are freed when the caller drops it.
   """
-  if whole is not None and not any(d in reused for d in shards):
+  kept = [d for d in shards if d in reused]
+  if kept:
+    if any(next(iter(shards[d].devices())).platform != "cpu" for d in kept):
+      return new
+    new = _unshared(new, shards, set(kept))
+  if whole is not None:
     whole.delete()
-    return
-  for d, a in shards.items():
-    if d not in reused:
+  else:
+    for a in shards.values():
       a.delete()
+  return new
+
+
+def _unshared(new: jax.Array, shards: dict, kept: set) -> jax.Array:
+  """``new`` with its shards on the ``kept`` devices (the old array's own
+  CPU buffers) replaced by new buffers over the same memory."""
+  arrays, devices = [], []
+  for d, a in _shards_of(new).items():
+    dev = next(iter(a.devices()))
+    if d in kept:
+      a = jax.device_put(_host_view(shards[d]), dev, may_alias=True)
+    arrays.append(a)
+    devices.append(dev)
+  return jax.make_array_from_single_device_arrays(new.shape, new.sharding,
+                                                  arrays)
 
 
 _DONATE_BATCH_BYTES = 64 << 20
@@ -2076,6 +2103,12 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
   never = _multi_target(items) if donate else set()
   host_sources: dict[int, jax.Array] = {}
   for i, (name, leaf, s) in enumerate(items):
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      # Also where it is on its target already: never hand it back as if
+      # it held values.
+      raise ReshardError(
+          f"{name}: the array {leaf.dtype.name}{list(leaf.shape)} has been "
+          "deleted (donated to an earlier call?): nothing to reshard")
     if s is not None and isinstance(leaf, jax.Array):
       dflt = _default_kind(leaf.sharding)
       if (leaf.sharding.memory_kind or dflt) != dflt:
@@ -2182,8 +2215,9 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
       if donate and id(items[i][1]) not in shared:
         # A key array shares its buffers with its key data: deleted whole
         # only where no shard of it is part of the new one.
-        _donate_sources(_shards_of(leaf) if shards is None else shards,
-                        kept, leaf if impl is None else items[i][1])
+        new = _donate_sources(
+            new, _shards_of(leaf) if shards is None else shards, kept,
+            leaf if impl is None else items[i][1])
       if impl is not None:
         new = wrap_keys(new, impl, items[i][2])
       built[i] = new
@@ -2231,7 +2265,10 @@ def reshard(tree: Any, target: Any, *, donate: bool = False,
     donate: free each source array once its new version is built, so peak
       memory stays near one copy of the state plus one array. A failure
       then leaves the arrays already converted freed in the source tree;
-      without ``donate`` a failure never touches the source.
+      without ``donate`` a failure never touches the source. A donated
+      array is deleted whole, also where the result keeps some of its
+      shards (on CPU devices their memory passes to the result; on other
+      platforms such an array is left intact, see ``docs/core.md``).
     method: ``"auto"`` (the CPU fast path when every device is a CPU, else
       generic), ``"cpu"`` or ``"generic"``.
 

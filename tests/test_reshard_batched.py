@@ -295,8 +295,12 @@ def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
 
   monkeypatch.setattr(rmod, "_send", counting_send)
 
+  before = {}
+
   def run(keys, target, donate=False):
     tree = {k: jax.device_put(hosts[k], src) for k in keys}
+    before.update({k: {s.device.id: s.data.unsafe_buffer_pointer()
+                       for s in tree[k].addressable_shards} for k in keys})
     sent.clear()
     with CompileCounter() as c:
       out, rep = tj.reshard_with_report(tree, {k: target for k in keys},
@@ -321,14 +325,16 @@ def test_generic_packs_arrays_of_one_class_into_shared_transfers(monkeypatch):
   _, _, rep, _, compiles = run(sorted(hosts), other)
   assert compiles == 0 and rep.cached
   # Devices 1 and 2 swap their shards, 0 and 3-7 keep theirs (reused, not
-  # copied), and with donate the sources are freed.
+  # copied: the same memory), and with donate the sources are deleted.
   perm = NamedSharding(Mesh(np.array(DEVS)[[0, 2, 1, 3, 4, 5, 6, 7]]
                             .reshape(2, 4), ("p", "q")), P("p", "q"))
-  tree, _, rep, n_sent, _ = run(sorted(hosts), perm, donate=True)
+  tree, out, rep, n_sent, _ = run(sorted(hosts), perm, donate=True)
   assert n_sent == 2 * 2 and rep.reused_shards == 6 * len(hosts)
   for k in hosts:
-    old = rmod._shards_of(tree[k])
-    assert [d for d, x in old.items() if x.is_deleted()] == [1, 2]
+    assert tree[k].is_deleted(), k
+    kept = {s.device.id: s.data.unsafe_buffer_pointer()
+            for s in out[k].addressable_shards if s.device.id not in (1, 2)}
+    assert kept == {d: p for d, p in before[k].items() if d not in (1, 2)}
 
 
 def _spy_groups(monkeypatch):
