@@ -33,25 +33,16 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 
 from tenplex_jax import store
-
-
-def beat_until(done, every=0.5):
-  """Calls ``store.heartbeat`` every ``every`` s until ``done`` is set."""
-  while not done.is_set():
-    store.heartbeat()
-    done.wait(every)
 
 
 # Until its first step is done, this process is alive however long
 # jax.distributed, the restore and the compiles take on a loaded host (as in
 # examples/lm/train.py): the launcher's --step-timeout then bounds the imports
 # before this line and the steps themselves.
-first_step_done = threading.Event()
-threading.Thread(target=beat_until, args=(first_step_done,), daemon=True).start()
+beating = store.heartbeats(every=0.5)
 info = store.initialize()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -150,7 +141,7 @@ ckpt_every = env_int("TRAIN_CKPT_EVERY")
 while step < total:
   w = add(state["w"])
   total_sum(w).block_until_ready()
-  first_step_done.set()
+  beating.stop()
   state = {"w": w, "step": step + 1}
   step += 1
   if info["generation"] == 0 or not os.environ.get("TRAIN_SLEEP_GEN0"):

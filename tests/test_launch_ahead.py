@@ -189,3 +189,36 @@ def test_the_warmup_timeout_counts_from_each_process_warmup_mark(tmp_path):
   store.warming_up()  # not prepared: no mark, no error
   assert sorted(os.listdir(job)) == ["ready_7_0.txt", "ready_7_1.txt", "warmup_7_0.txt",
                                      "warmup_7_1.txt"]
+
+
+def test_heartbeats_beat_until_stopped(tmp_path, monkeypatch):
+  # store.heartbeats() writes this process's heartbeat file every `every` s from a
+  # thread (as heartbeat() does once), and none after stop() or its with-block.
+  import time
+
+  from tenplex_jax import store
+  for name, value in [("TENPLEX_JOB_DIR", str(tmp_path)), ("TENPLEX_NUM_PROCS", "2"),
+                      ("TENPLEX_PROC_ID", "1"), ("TENPLEX_GENERATION", "3")]:
+    monkeypatch.setenv(name, value)
+  path = tmp_path / "heartbeat_1"
+
+  def beat_time():
+    gen, t = path.read_text().split()
+    assert gen == "3"
+    return float(t)
+
+  with store.heartbeats(every=0.05) as beats:
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+      time.sleep(0.01)
+    first = beat_time()
+    while beat_time() == first and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert beat_time() > first  # beats again, unprompted
+  beats._thread.join(5)
+  assert not beats._thread.is_alive()
+  last = beat_time()
+  time.sleep(0.2)
+  assert beat_time() == last  # stopped
+  with pytest.raises(store.UsageError, match="every=0"):
+    store.heartbeats(every=0)

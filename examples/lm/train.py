@@ -358,23 +358,6 @@ class _Background(threading.Thread):
     return self._out
 
 
-class _Beats(threading.Thread):
-  """Calls ``beat()`` every ``every`` seconds in a thread until :meth:`stop`."""
-
-  def __init__(self, beat, every=2.0):
-    super().__init__(daemon=True)
-    self._beat, self._every, self._done = beat, every, threading.Event()
-    self.start()
-
-  def run(self):
-    while not self._done.is_set():
-      self._beat()
-      self._done.wait(self._every)
-
-  def stop(self):
-    self._done.set()
-
-
 def _host_scalar(x):
   """A replicated scalar as a Python float (also when other processes hold copies)."""
   return float(np.asarray(x.addressable_data(0)))
@@ -625,7 +608,7 @@ def worker(args, cfg, phases, plan, trainer=None):
   info = store.initialize()
   # Until the first step, this process is alive however long its compiles (the init's,
   # the step's) take on a loaded host: --step-timeout then bounds the steps themselves.
-  beating = _Beats(store.heartbeat)
+  beating = store.heartbeats(every=2.0)
   t_init = time.time()
   lead = info["process_id"] == 0
   # A generation the launcher started ahead (it expected this resize, or prepared it for

@@ -376,6 +376,55 @@ def heartbeat() -> None:
       pass
 
 
+class Heartbeats:
+  """A thread that calls :func:`heartbeat` every ``every`` seconds until
+  :meth:`stop` (or the end of a ``with`` block); see :func:`heartbeats`."""
+
+  def __init__(self, every: float = 2.0):
+    if not every > 0:
+      raise UsageError(f"heartbeats: every={every!r} s, must be > 0")
+    self.every = float(every)
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True,
+                                    name="tenplex-heartbeats")
+    self._thread.start()
+
+  def _run(self) -> None:
+    while not self._done.is_set():
+      heartbeat()
+      self._done.wait(self.every)
+
+  def stop(self) -> None:
+    """Stops the beats (at once; a beat in progress finishes)."""
+    self._done.set()
+
+  def __enter__(self) -> "Heartbeats":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+def heartbeats(every: float = 2.0) -> Heartbeats:
+  """Marks this process alive every ``every`` seconds, from a thread, until
+  the returned object's ``stop()`` or the end of its ``with`` block.
+
+  For set-up that is progress however long it takes (``import``s,
+  ``initialize``, a restore, the first step's compile on a loaded host), so
+  that the launcher's ``step_timeout`` bounds the steps, not the set-up:
+  start it before the set-up, stop it before the first step (a step that
+  hangs must stop beating). A no-op wherever :func:`heartbeat` is one.
+
+  Example:
+    >>> from tenplex_jax import store
+    >>> with store.heartbeats(every=0.5):
+    ...   pass  # imports, initialize(), the restore, the step's compile
+    >>> beats = store.heartbeats()  # or stopped by hand
+    >>> beats.stop()
+  """
+  return Heartbeats(every)
+
+
 def _schedule() -> list[tuple[int, int]]:
   path = job_env().schedule
   out = []
