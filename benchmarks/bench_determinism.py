@@ -69,6 +69,9 @@ devices, with ``V = n k`` workers of ``rows`` sequences each (global batch
   implementation before issue 23 (every worker's gradient flattened and
   exchanged with an ``all_to_all``, summed on a stack): the "before" of the
   same run,
+* ``plain_l3`` / ``det_l3``: ``plain`` / ``det`` compiled at XLA's backend
+  optimisation level 3 (``COMPILER_OPTIONS`` set 3 before the twenty-first
+  session, 2 since: the same step time, a fraction of the compile time),
 
 and reports medians and minima of the wall time and of the process's CPU
 time per call (user + system: the work done, less disturbed by other jobs
@@ -131,7 +134,8 @@ SIZES = {"small": dict(d=256, ff=1024, blocks=2),
          "100m": dict(d=1024, ff=4096, blocks=12)}
 METHODS = ("plain", "plain_acc", "plain_acc_cond", "det", "det_prev",
            "det_s12", "det_gather", "det_root_out", "det_a2a", "det_scan",
-           "det_unroll", "det_cond", "det_barrier", "det_old")
+           "det_unroll", "det_cond", "det_barrier", "det_old", "plain_l3",
+           "det_l3")
 GIB = 1 << 30
 OPTS = det._compiler_options()  # the xla_cpu_* options on CPU only
 
@@ -218,9 +222,10 @@ def programs(mesh, params, fsdp, k, rows, methods):
   if "plain_acc_cond" in methods:
     fns["plain_acc_cond"] = jax.jit(lambda p, b: plain_acc(p, b, True),
                                     out_shardings=out, compiler_options=OPTS)
-  if "det" in methods:
+  if "det" in methods or "det_l3" in methods:
     vg = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh,
                             param_shardings=out[1])
+  if "det" in methods:
     fns["det"] = det.jit(lambda p, b: vg(p, b), out_shardings=out)
   if "det_gather" in methods and fsdp:  # in DP the same program as det
     with mock.patch.object(det, "_GATHER_INSIDE_JIT", True):
@@ -250,6 +255,13 @@ def programs(mesh, params, fsdp, k, rows, methods):
                                   param_shardings=out[1])
       fns[name] = det.jit(lambda p, b, vg_l=vg_l: vg_l(p, b),
                           out_shardings=out)
+  level3 = {"xla_backend_optimization_level": 3}
+  if "plain_l3" in methods:
+    fns["plain_l3"] = jax.jit(jax.value_and_grad(loss_fn), out_shardings=out,
+                              compiler_options={**OPTS, **level3})
+  if "det_l3" in methods:
+    fns["det_l3"] = det.jit(lambda p, b: vg(p, b), out_shardings=out,
+                            compiler_options=level3)
   if "det_old" in methods:
     with mock.patch.object(det, "_EXCHANGE_EVERY_WORKER", True):
       vg_old = det.value_and_grad(loss_fn, virtual_workers=v, mesh=mesh)

@@ -21,7 +21,7 @@ os.environ.setdefault("XLA_FLAGS", "")
 # CPU-bound and mostly compiling (the README gives its times at both levels).
 # It changes no HLO (the fusions, collectives and their order are those of
 # the default level), only the machine code. The steps whose bits are the point
-# (determinism.jit, jobarray.jit) compile at level 3 whatever the process
+# (determinism.jit, jobarray.jit) compile at level 2 whatever the process
 # asks (determinism.COMPILER_OPTIONS). JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs
 # the suite at the default level.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")

@@ -748,7 +748,7 @@ def test_compiler_options_per_platform():
   assert det._compiler_options("cpu") == dict(det.COMPILER_OPTIONS)
   gpu = det._compiler_options("gpu")
   assert gpu == {"xla_disable_hlo_passes": "spmd-cleanup",
-                 "xla_backend_optimization_level": 3}
+                 "xla_backend_optimization_level": 2}
 
 
 def test_partial_gradient_bytes():
