@@ -3,7 +3,9 @@
 A checkpoint saved by stock Orbax on 8 devices (this process) is restored by
 two processes of 2 devices each (tests/orbax_worker.py): every shard must
 equal the saved array at its index, bitwise, and each process must read
-exactly the bytes of the distinct boxes its own devices hold.
+exactly the bytes of the distinct boxes its own devices hold. The same for
+seeded random trees (dtypes, ranks, saved and target layouts, OCDBT on and
+off).
 """
 
 import json
@@ -52,12 +54,69 @@ def test_two_processes_each_read_their_own_boxes(tmp_path):
           "q": put(jnp.arange(12, dtype=jnp.int8) - 6, "y"),
           "keys": jax.random.split(jax.random.key(5), 8),
           "step": jnp.int32(77)}
+  _restore_in_two_processes(tmp_path, tree, LEAVES, ocdbt=True)
+
+
+_DTYPES = ["float32", "bfloat16", "float16", "int8", "uint8", "int32", "bool"]
+_SPECS = [None, "x", "y", ("x", "y")]  # the saving (x=4, y=2) mesh's
+_TARGET_SPECS = [None, "a", "b", ["a", "b"]]  # the restoring (a=2, b=2) mesh's
+
+
+def _random_case(seed):
+  """A seeded tree saved in random layouts and random targets for it: 3-6
+  leaves of rank 0-3, dims of 8, 16 or 24 (every axis combination divides
+  them), the dtypes above, each split over random axes of each mesh."""
+  rng = np.random.default_rng(seed)
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+  tree, leaves = {}, {}
+  for i in range(int(rng.integers(3, 7))):
+    shape = [int(rng.choice([8, 16, 24])) for _ in range(int(rng.integers(0, 4)))]
+    dtype = str(rng.choice(_DTYPES))
+
+    def pick(options):
+      used, out = set(), []
+      for _ in shape:
+        o = options[int(rng.integers(len(options)))]
+        names = set(o) if isinstance(o, (list, tuple)) else {o} - {None}
+        out.append(None if names & used else o)
+        used |= names
+      return out
+
+    bits = rng.integers(0, 256, size=int(np.prod(shape)) * 4, dtype=np.uint8)
+    host = (bits.view(np.int32) % 3 == 0) if dtype == "bool" else \
+        bits.view(np.uint8)[:int(np.prod(shape)) * jnp.dtype(dtype).itemsize] \
+        .view(jnp.dtype(dtype))
+    host = host[:int(np.prod(shape))].reshape(shape)
+    if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):  # no NaN payloads
+      host = np.where(np.isfinite(host.astype(np.float32)), host, 0).astype(dtype)
+    tree[f"l{i}"] = jax.device_put(host, NamedSharding(mesh, P(*pick(_SPECS))))
+    leaves[f"l{i}"] = (shape, dtype, pick(_TARGET_SPECS))
+  return tree, leaves
+
+
+@pytest.mark.parametrize("seed,ocdbt", [(0, True), (1, False), (2, True)])
+def test_random_layouts_restore_in_two_processes(tmp_path, seed, ocdbt):
+  # Seeded random trees (dtypes, ranks, saved and restored layouts) through
+  # the same two-process restore: every shard bitwise, each process reading
+  # exactly its own devices' distinct boxes.
+  tree, leaves = _random_case(seed)
+  _restore_in_two_processes(tmp_path, tree, leaves, ocdbt=ocdbt)
+
+
+def _restore_in_two_processes(tmp_path, tree, leaves, ocdbt):
+  """Saves ``tree`` with stock Orbax (OCDBT on or off), restores it in two
+  processes of 2 devices each onto ``leaves``' (shape, dtype, spec on the
+  (a=2, b=2) mesh), and checks every restored shard and read byte."""
   ck = str(tmp_path / "ck")
-  with ocp.CheckpointManager(ck) as m:
+  opts = ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False)
+  handler = ocp.StandardCheckpointHandler(use_ocdbt=ocdbt)
+  with ocp.CheckpointManager(ck, options=opts,
+                             item_handlers=handler) as m:
     m.save(3, args=ocp.args.StandardSave(tree))
     m.wait_until_finished()
   cfg = {"procs": 2, "devices": 2, "port": _port(), "mesh": [2, 2],
-         "ckpt": ck, "out": str(tmp_path), "leaves": LEAVES}
+         "ckpt": ck, "out": str(tmp_path), "leaves": leaves}
   path = tmp_path / "config.json"
   path.write_text(json.dumps(cfg))
   children = run_all([[sys.executable, os.path.join(HERE, "orbax_worker.py"),
@@ -65,9 +124,9 @@ def test_two_processes_each_read_their_own_boxes(tmp_path):
                       env=ENV, timeout=120)
   for i, c in enumerate(children):
     assert c.returncode == 0, f"process {i}:\n{c.stdout[-3000:]}"
-  full = {k: np.asarray(jax.random.key_data(v) if k == "keys" else v)
+  full = {k: np.asarray(jax.random.key_data(v) if leaves[k][1] == "key" else v)
           for k, v in tree.items()}
-  seen = {k: 0 for k in LEAVES}
+  seen = {k: 0 for k in leaves}
   devs = [set(), set()]
   for i in range(2):
     res = json.loads((tmp_path / f"result_{i}.json").read_text())
