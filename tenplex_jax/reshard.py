@@ -2213,8 +2213,8 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
       kept = tr.progs[i].reused if shards is not None else ()
       reused += len(kept)
       if donate and id(items[i][1]) not in shared:
-        # A key array shares its buffers with its key data: deleted whole
-        # only where no shard of it is part of the new one.
+        # A key array shares its buffers with its key data: the key array
+        # is what is deleted (whole; kept shards pass to ``new`` first).
         new = _donate_sources(
             new, _shards_of(leaf) if shards is None else shards, kept,
             leaf if impl is None else items[i][1])
