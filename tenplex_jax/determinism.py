@@ -103,6 +103,7 @@ __all__ = ["COMPILER_OPTIONS", "GPU_DETERMINISM_FLAGS", "DeterminismReport",
 COMPILER_OPTIONS = (("xla_disable_hlo_passes", "spmd-cleanup"),
                     ("xla_cpu_use_fusion_emitters", False),
                     ("xla_backend_optimization_level", 2))
+_OPT_LEVEL = dict(COMPILER_OPTIONS)["xla_backend_optimization_level"]
 
 
 def _compiler_options(platform: str | None = None) -> dict[str, Any]:
@@ -1580,12 +1581,12 @@ def jit(fun: Callable, **kwargs) -> Callable:
   """
   options = _compiler_options()
   user = kwargs.pop("compiler_options", None) or {}
-  if str(user.get("xla_backend_optimization_level", 2)) == "0":
+  if str(user.get("xla_backend_optimization_level")) == "0":
     raise ValueError(
         "determinism.jit: compiler_options sets xla_backend_optimization_level=0, "
         "at which XLA:CPU's programs for different device counts give different bits "
         "for the same per-worker code (D1 breaks); leave it out (the step compiles at "
-        "level 2, see COMPILER_OPTIONS)")
+        f"level {_OPT_LEVEL}, see COMPILER_OPTIONS)")
   options.update(user)
   return jax.jit(fun, compiler_options=options, **kwargs)
 
@@ -1681,7 +1682,7 @@ def check_environment(xla_flags: str | None = None,
       xla_flags is None and jax.config.values.get("jax_disable_most_optimizations")):
     problems.append("XLA's backend optimisation level is 0 (XLA_FLAGS or"
                     " JAX_DISABLE_MOST_OPTIMIZATIONS): steps not compiled by"
-                    " determinism.jit, which compiles at level 2, give other"
+                    f" determinism.jit, which compiles at level {_OPT_LEVEL}, give other"
                     " bits on other device counts (D1 breaks)")
   if precision is not None:
     problems.append(f"jax_default_matmul_precision is {precision!r}: keep it"

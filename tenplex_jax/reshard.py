@@ -1596,7 +1596,7 @@ def _keep_in_place(items, phys, rebuild, donate: bool, tr, t0: float,
 
 
 def _donate_sources(new: jax.Array, shards: dict, reused,
-                    whole: jax.Array | None = None) -> jax.Array:
+                    whole: jax.Array) -> jax.Array:
   """Deletes a donated array (its old shards ``{device id: single-device
   array}``, the array itself ``whole``) once ``new`` is built from them;
   returns ``new``, rebuilt where it shared buffers with the old array.
@@ -1620,24 +1620,19 @@ def _donate_sources(new: jax.Array, shards: dict, reused,
     if any(next(iter(shards[d].devices())).platform != "cpu" for d in kept):
       return new
     new = _unshared(new, shards, set(kept))
-  if whole is not None:
-    whole.delete()
-  else:
-    for a in shards.values():
-      a.delete()
+  whole.delete()
   return new
 
 
 def _unshared(new: jax.Array, shards: dict, kept: set) -> jax.Array:
   """``new`` with its shards on the ``kept`` devices (the old array's own
   CPU buffers) replaced by new buffers over the same memory."""
-  arrays, devices = [], []
+  arrays = []
   for d, a in _shards_of(new).items():
-    dev = next(iter(a.devices()))
     if d in kept:
-      a = jax.device_put(_host_view(shards[d]), dev, may_alias=True)
+      a = jax.device_put(_host_view(shards[d]), next(iter(a.devices())),
+                         may_alias=True)
     arrays.append(a)
-    devices.append(dev)
   return jax.make_array_from_single_device_arrays(new.shape, new.sharding,
                                                   arrays)
 

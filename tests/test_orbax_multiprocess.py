@@ -82,11 +82,11 @@ def _random_case(seed):
         used |= names
       return out
 
-    bits = rng.integers(0, 256, size=int(np.prod(shape)) * 4, dtype=np.uint8)
-    host = (bits.view(np.int32) % 3 == 0) if dtype == "bool" else \
-        bits.view(np.uint8)[:int(np.prod(shape)) * jnp.dtype(dtype).itemsize] \
-        .view(jnp.dtype(dtype))
-    host = host[:int(np.prod(shape))].reshape(shape)
+    n = int(np.prod(shape))
+    bits = rng.integers(0, 256, size=n * 4, dtype=np.uint8)
+    host = ((bits.view(np.int32) % 3 == 0) if dtype == "bool" else
+            bits[:n * jnp.dtype(dtype).itemsize].view(jnp.dtype(dtype)))
+    host = host.reshape(shape)
     if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):  # no NaN payloads
       host = np.where(np.isfinite(host.astype(np.float32)), host, 0).astype(dtype)
     tree[f"l{i}"] = jax.device_put(host, NamedSharding(mesh, P(*pick(_SPECS))))
@@ -108,11 +108,9 @@ def _restore_in_two_processes(tmp_path, tree, leaves, ocdbt):
   processes of 2 devices each onto ``leaves``' (shape, dtype, spec on the
   (a=2, b=2) mesh), and checks every restored shard and read byte."""
   ck = str(tmp_path / "ck")
-  opts = ocp.CheckpointManagerOptions(
-      enable_async_checkpointing=False)
+  opts = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
   handler = ocp.StandardCheckpointHandler(use_ocdbt=ocdbt)
-  with ocp.CheckpointManager(ck, options=opts,
-                             item_handlers=handler) as m:
+  with ocp.CheckpointManager(ck, options=opts, item_handlers=handler) as m:
     m.save(3, args=ocp.args.StandardSave(tree))
     m.wait_until_finished()
   cfg = {"procs": 2, "devices": 2, "port": _port(), "mesh": [2, 2],
