@@ -203,7 +203,11 @@ def test_heartbeats_beat_until_stopped(tmp_path, monkeypatch):
   path = tmp_path / "heartbeat_1"
 
   def beat_time():
-    gen, t = path.read_text().split()
+    # heartbeat() truncates the file, then writes it: a read in between sees
+    # it empty (the launcher reads only its mtime), so read until it is whole.
+    while not (parts := path.read_text().split()):
+      time.sleep(0.001)
+    gen, t = parts
     assert gen == "3"
     return float(t)
 
