@@ -1267,11 +1267,18 @@ def _group_programs(src: NamedSharding, dst: NamedSharding, dtype,
 
   for st in stages:
     if sig(st) not in glues:
+      n_out = sum(len(runs[c]) for c in st)
+      # out_shardings: the results carry the target itself, not the
+      # equivalent sharding jax derives from the program (P('b',) for a
+      # target P('b', 'a') on a size-1 'a', P() for P(None, None)), so
+      # they compare equal to it as device_put's and the CPU path's do (a
+      # jitted step that ran on arrays of the target's sharding compiled
+      # again for the derived one: jit caches by the sharding's value).
       glues[sig(st)] = jax.jit(jax.shard_map(
           functools.partial(glue_body, st), mesh=dst.mesh,
           in_specs=(fd,) * (n_glue * len(st)),
-          out_specs=(dst.spec,) * sum(len(runs[c]) for c in st),
-          check_vma=False)).lower(*(jax.ShapeDtypeStruct(
+          out_specs=(dst.spec,) * n_out, check_vma=False),
+          out_shardings=(dst,) * n_out).lower(*(jax.ShapeDtypeStruct(
               (run_sizes[st[i % len(st)]] * dst.mesh.size,), dtype,
               sharding=moves.flat_dst) for i in range(n_glue * len(st))))
   return cut, tuple(glues[sig(st)] for st in stages), run_sizes

@@ -111,12 +111,13 @@ def test_random_reshard_is_bitwise_and_on_target(c):
   y = y["x"]
   assert bits(y) == before
   assert bits(x) == before  # source untouched
-  assert y.sharding.is_equivalent_to(b, len(shape))
+  assert y.sharding == b, (y.sharding, b)  # the target itself, as
+  # jax.device_put gives: not only an equivalent one
   assert y.dtype == x.dtype and y.shape == x.shape
   assert report.moved_bytes == report.lower_bound_bytes
   # Round trip is the identity.
   z = reshard(y, a, method=method)
-  assert bits(z) == before and z.sharding.is_equivalent_to(a, len(shape))
+  assert bits(z) == before and z.sharding == a, (z.sharding, a)
 
 
 def test_layouts_match_jax_for_zero_size_dims():
