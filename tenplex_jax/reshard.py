@@ -1146,7 +1146,7 @@ def _sub_byte(dtype) -> bool:
 # Arrays of a class (see _class_key) with fewer members than this take the
 # per-device executor: packing them would compile a cut and a glue for each
 # such class. Held-out random states (arrays laid out one by one, 393 and
-# ~770 classes) compiled 792 and 1,542 programs, 266 and 270 with this.
+# 770 classes) compiled 792 and 1,542 programs, 266 and 270 with this.
 _PACK_MIN = 3
 
 
@@ -1410,7 +1410,7 @@ def _groups(batch: list, flight: int) -> list:
   in groups of at most ``flight`` bytes."""
   by_key: dict = {}
   for n, (_, x, s) in enumerate(batch):
-    by_key.setdefault((x.sharding, s, x.ndim, x.dtype), []).append(n)
+    by_key.setdefault(_class_key(x, s), []).append(n)
   out = []
   for (src, dst, ndim, dtype), members in by_key.items():
     moves = _class_moves(src, dst, ndim)
