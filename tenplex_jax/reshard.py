@@ -1724,13 +1724,10 @@ def _build_generic(batch: list, phys: list, tr) -> dict:
   # A class of fewer than _PACK_MIN arrays packs nothing, yet compiles a
   # cut and a glue of its own: such arrays go to the per-device executor,
   # whose two programs per device take every one of them.
-  classes = collections.Counter(_class_key(phys[i][1], phys[i][2])
-                                for i in spmd)
-  if any(n < _PACK_MIN for n in classes.values()):
-    few = {i for i in spmd
-           if classes[_class_key(phys[i][1], phys[i][2])] < _PACK_MIN}
-    rest += [i for i in spmd if i in few]
-    spmd = [i for i in spmd if i not in few]
+  key = {i: _class_key(phys[i][1], phys[i][2]) for i in spmd}
+  classes = collections.Counter(key.values())
+  rest += [i for i in spmd if classes[key[i]] < _PACK_MIN]
+  spmd = [i for i in spmd if classes[key[i]] >= _PACK_MIN]
   try:
     out = {}
     if direct:  # assembled on the host, as the CPU executor does
