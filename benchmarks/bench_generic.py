@@ -64,6 +64,7 @@ for p in (ROOT, HERE, os.path.join(ROOT, "tests")):
 
 EVENT = "/jax/core/compile/backend_compile_duration"
 WARM_CALLS = 5
+PAUSE = 2.0  # seconds between the calls of the paused warm series
 
 
 def _case(jax, name):
@@ -127,11 +128,19 @@ def worker(case: str, method: str) -> dict:
   import tenplex_jax as tj
   state, target = _case(jax, case)
   jax.block_until_ready(state)
+  import threading
   n = [0]
   secs = [0.0]
+  re_n = [0]  # the generic executor's background recompiles
+  re_secs = [0.0]
 
   def listen(ev, d, **kw):
-    if ev == EVENT:
+    if ev != EVENT:
+      return
+    if threading.current_thread().name == "tenplex-recompile":
+      re_n[0] += 1
+      re_secs[0] += d
+    else:
       n[0] += 1
       secs[0] += d
   jax.monitoring.register_event_duration_secs_listener(listen)
@@ -174,21 +183,32 @@ def worker(case: str, method: str) -> dict:
   out["warm_alive_all_minor_faults"] = alive_flt
   out["warm_alive_seconds"] = sorted(alive)[mid]
   out["warm_alive_peak_rss_rise"] = sorted(alive_rise)[mid]
+  # Calls PAUSE seconds apart (a job trains between two resizes; the
+  # generic executor's background recompile, if any, runs meanwhile).
+  paused, _, paused_rise, _ = _warm_series(jax, call, state, False,
+                                           pause=PAUSE)
+  out["warm_paused_all_seconds"] = paused
+  out["warm_paused_seconds"] = sorted(paused)[mid]
+  out["warm_paused_peak_rss_rise"] = sorted(paused_rise)[mid]
   out["warm_compiles"] = n[0]
+  out["recompiles"] = re_n[0]
+  out["recompile_seconds"] = re_secs[0]
   return out
 
 
-def _warm_series(jax, call, state, keep: bool) -> tuple:
+def _warm_series(jax, call, state, keep: bool, pause: float = 0.0) -> tuple:
   """WARM_CALLS timed calls in a row, each on a fresh copy of ``state``:
   per call its wall seconds, CPU seconds, peak RSS rise and minor page
   faults. With ``keep`` the previous call's result stays alive while the
   next call runs (one untimed call first makes the first one's), else it
-  is dropped before the next call's copy is made."""
+  is dropped before the next call's copy is made. ``pause``: seconds of
+  sleep before each call (untimed)."""
   import resource
   from bench_transitions import _fresh_copy
   prev = jax.block_until_ready(call(_fresh_copy(jax, state))) if keep else None
   wall, cpu, rise, faults = [], [], [], []
   for _ in range(WARM_CALLS):
+    time.sleep(pause)
     fresh = _fresh_copy(jax, state)
     jax.block_until_ready(fresh)
     base = _peak_reset()
@@ -337,6 +357,13 @@ def main(argv=None) -> int:
             a <= b for a, b in zip(
                 g["warm_all_seconds"] + g["warm_alive_all_seconds"],
                 d["warm_all_seconds"] + d["warm_alive_all_seconds"])),
+        "warm_paused_generic_over_device_put": (
+            g["warm_paused_seconds"] / d["warm_paused_seconds"]),
+        "warm_paused_each_generic_over_device_put": [
+            a / b for a, b in zip(g["warm_paused_all_seconds"],
+                                  d["warm_paused_all_seconds"])],
+        "warm_paused_within_1_2x": (g["warm_paused_seconds"]
+                                    <= 1.2 * d["warm_paused_seconds"]),
         "warm_alive_peak_rss_below": (g["warm_alive_peak_rss_rise"]
                                       <= d["warm_alive_peak_rss_rise"]),
         "warm_cpu_generic_over_device_put": (
@@ -375,7 +402,9 @@ def main(argv=None) -> int:
           f" {d['warm_peak_rss_rise'] / 2**20:.0f} MiB (previous result alive:"
           f" {g['warm_alive_peak_rss_rise'] / 2**20:.0f} against"
           f" {d['warm_alive_peak_rss_rise'] / 2**20:.0f} MiB, warm"
-          f" {checks[case]['warm_alive_generic_over_device_put']:.2f}x)")
+          f" {checks[case]['warm_alive_generic_over_device_put']:.2f}x;"
+          f" {PAUSE:g} s apart: warm"
+          f" {checks[case]['warm_paused_generic_over_device_put']:.2f}x)")
   alternate = []
   for case in args.cases.split(",") if args.alternate else ():
     try:
@@ -403,19 +432,22 @@ def main(argv=None) -> int:
     json.dump(doc, f, indent=1)
   print("| case | method | cold s | cold compiles | warm s (median) |"
         " warm s, call by call | warm s, previous result alive |"
-        " warm compiles |"
+        f" warm s, {PAUSE:g} s apart |"
+        " warm compiles (background recompiles, s) |"
         " peak RSS rise cold / warm / warm alive, MiB (x state) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     if "failure" in r:
-      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | | | |")
+      print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | | | | |")
       continue
     print(f"| {r['case']} ({r['leaves']} arrays, {r['bytes'] >> 20} MiB) |"
           f" {r['method']} | {r['cold_seconds']:.3f} | {r['cold_compiles']} |"
           f" {r['warm_seconds']:.3f} |"
           f" {', '.join(f'{w:.3f}' for w in r['warm_all_seconds'])} |"
           f" {', '.join(f'{w:.3f}' for w in r['warm_alive_all_seconds'])} |"
-          f" {r['warm_compiles']} |"
+          f" {', '.join(f'{w:.3f}' for w in r['warm_paused_all_seconds'])} |"
+          f" {r['warm_compiles']} ({r['recompiles']},"
+          f" {r['recompile_seconds']:.2f}) |"
           f" {r['cold_peak_rss_rise'] / 2**20:.0f}"
           f" ({r['cold_peak_rss_over_state']:.2f}) /"
           f" {r['warm_peak_rss_rise'] / 2**20:.0f}"

@@ -4,6 +4,7 @@ cache, and flax's lm1b train state moved between lm1b meshes."""
 import functools
 import gc
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,21 +20,40 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileCounter:
-  """Counts XLA backend compilations (jax's monitoring events)."""
+  """Counts XLA backend compilations (jax's monitoring events) of the calls
+  inside it. The generic executor's background recompiles (see
+  ``reshard._queue_recompile``) would land in any count at a moment of the
+  scheduler's choosing: those queued before are waited for, and none is
+  queued inside (``TENPLEX_JAX_RECOMPILE=0``)."""
 
   def __init__(self):
     self.n = 0
+    self._env = None
 
   def __call__(self, event, duration, **kw):
     if event == COMPILE_EVENT:
       self.n += 1
 
   def __enter__(self):
+    assert rmod._wait_recompiles(60.0)
+    self._env = os.environ.get("TENPLEX_JAX_RECOMPILE")
+    os.environ["TENPLEX_JAX_RECOMPILE"] = "0"
     jax.monitoring.register_event_duration_secs_listener(self)
     return self
 
   def __exit__(self, *exc):
     jax.monitoring.unregister_event_duration_listener(self)
+    if self._env is None:
+      del os.environ["TENPLEX_JAX_RECOMPILE"]
+    else:
+      os.environ["TENPLEX_JAX_RECOMPILE"] = self._env
+
+
+@pytest.fixture(autouse=True)
+def _no_recompile_running():
+  # An earlier test's background recompile (see CompileCounter) neither
+  # counts nor trims the heap inside the next test.
+  assert rmod._wait_recompiles(60.0)
 
 
 def _ptrs(x):
@@ -667,3 +687,127 @@ def test_generic_large_group_sends_and_glues_run_by_run_on_cpu(
   assert sends == [168, 112] and n == 4, (sends, n)
   assert glued == [(24, 20), (16, 16)], glued
   assert len(g20) == 1 and len(g16) == 1
+
+
+@pytest.fixture
+def recompiles_on(monkeypatch):
+  """Background recompiles on, none left over from an earlier test."""
+  assert rmod._wait_recompiles(60.0)
+  monkeypatch.setenv("TENPLEX_JAX_RECOMPILE", "1")
+  yield
+  assert rmod._wait_recompiles(60.0)
+
+
+def test_generic_recompiles_in_the_background_and_swaps_bitwise(
+    monkeypatch, recompiles_on):
+  # A cold call compiles fast code; a background thread compiles the same
+  # programs again (XLA level 1 on CPU) and swaps them into the caches. A
+  # later call runs the new executables, compiles nothing, and its results
+  # are bitwise the same, on the target sharding.
+  hosts, _, target = _rows_to_cols_tree(4, rows=64, cols=72)
+  # one more array in a class of its own: the per-device executor's
+  # programs are recompiled too
+  hosts["z"] = np.arange(64 * 40, dtype=np.int32).reshape(64, 40)
+  target["z"] = NamedSharding(Mesh(np.array(DEVS[:4]), ("y",)), P("y"))
+  a = Mesh(np.array(DEVS), ("x",))
+  rmod._GROUP_EXES.clear()
+  rmod._programs.clear()
+  threads, installed = [], []
+
+  def listen(event, duration, **kw):
+    if event == COMPILE_EVENT:
+      threads.append(rmod.threading.current_thread().name)
+
+  for name in ("_install_group", "_install_program"):
+    real = getattr(rmod, name)
+
+    def wrap(key, fast, exes, real=real, name=name):
+      installed.append((name, key, fast, exes))
+      real(key, fast, exes)
+    monkeypatch.setattr(rmod, name, wrap)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    outs = []
+    for call in range(2):
+      tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+              for k, v in hosts.items()}
+      n0 = len(threads)
+      outs.append(jax.block_until_ready(
+          tj.reshard(tree, target, method="generic")))
+      if call == 0:
+        cold = [t for t in threads[n0:] if t != "tenplex-recompile"]
+        assert cold, threads
+        assert rmod._wait_recompiles(60.0)
+      else:  # nothing compiled by the warm call itself
+        assert [t for t in threads[n0:] if t != "tenplex-recompile"] == []
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  again = [t for t in threads if t == "tenplex-recompile"]
+  kinds = {name for name, *_ in installed}
+  assert kinds == {"_install_group", "_install_program"}, kinds
+  # Each program compiled once more, on the background thread.
+  assert len(again) == sum(len({id(e) for e in x[3]}) for x in installed)
+  for name, key, fast, exes in installed:
+    if name == "_install_group":
+      assert rmod._GROUP_EXES[key] == (exes[0], tuple(exes[1:]), fast[2])
+      assert rmod._GROUP_EXES[key][0] is not fast[0]
+    else:
+      assert rmod._programs[key] is exes[0] and exes[0] is not fast
+  for out in outs:
+    for k, v in out.items():
+      assert v.sharding == target[k], k
+      assert _bits(v) == hosts[k].tobytes(), k
+
+
+def test_generic_recompile_switch(monkeypatch, recompiles_on):
+  hosts, tree, target = _rows_to_cols_tree(3, rows=64, cols=88)
+  rmod._GROUP_EXES.clear()
+  queued = []
+  real = rmod._queue_recompile
+  monkeypatch.setattr(rmod, "_queue_recompile",
+                      lambda *a: (queued.append(a), real(*a)))
+  monkeypatch.setenv("TENPLEX_JAX_RECOMPILE", "0")
+  out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
+  assert queued and rmod._recompile_thread is None and \
+      not rmod._recompile_jobs
+  for k, v in out.items():
+    assert _bits(v) == hosts[k].tobytes(), k
+  rmod._GROUP_EXES.clear()
+  monkeypatch.setenv("TENPLEX_JAX_RECOMPILE", "yes")
+  with pytest.raises(Exception, match="TENPLEX_JAX_RECOMPILE must be 0 or 1"):
+    tj.reshard(tree, target, method="generic")
+
+
+_EXIT_SCRIPT = """
+import time, importlib
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import tenplex_jax as tj
+rmod = importlib.import_module("tenplex_jax.reshard")
+d = jax.devices()
+a, b = Mesh(np.array(d), ("x",)), Mesh(np.array(d[::-1]), ("x",))
+tree = {f"w{i}": jax.device_put(np.full((64, 64 + 8 * i), i, np.float32),
+                                NamedSharding(a, P("x"))) for i in range(24)}
+out = jax.block_until_ready(tj.reshard(
+    tree, {k: NamedSharding(b, P(None, "x")) for k in tree}, method="generic"))
+assert all((np.asarray(v) == int(k[1:])).all() for k, v in out.items())
+print("recompiling at exit:", rmod._recompile_thread is not None,
+      len(rmod._recompile_jobs), flush=True)
+"""
+
+
+def test_process_exits_cleanly_while_recompiling():
+  # The background thread is not a daemon (a daemon killed inside XLA at
+  # interpreter exit can crash it): an exiting process waits for the
+  # compile in progress and drops the queued ones.
+  import sys
+
+  import procs
+  env = {**os.environ, "TENPLEX_JAX_RECOMPILE": "1"}
+  r, = procs.run_all([[sys.executable, "-c", _EXIT_SCRIPT]], timeout=120,
+                     env=env, merge_stderr=False)
+  assert r.returncode == 0, (r.stdout, r.stderr)
+  assert "recompiling at exit: True" in r.stdout, r.stdout
+  assert r.stderr.strip() == "", r.stderr
