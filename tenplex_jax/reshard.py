@@ -785,17 +785,24 @@ def _compile(lowered, platform: str):
 # XLA's optimisation level 1, ``pieces`` 0.028 s against 0.022 s, while
 # level 1 made the cold call 1.9x and 1.2x longer (0.46 -> 0.87 s, 0.48 ->
 # 0.59 s; ``jax.device_put``'s cold lm1b call takes 0.60 s). So a cold call
-# compiles fast, and one background thread of the lowest priority compiles
-# the same programs again with these options and swaps them into the
-# caches: later calls run the better code, compiled while the job trains.
-# The programs only slice, reshape and concatenate, so either code gives
-# the same bits. Only on CPU devices, where it was measured (no GPU was
-# lent to measure it there). ``TENPLEX_JAX_RECOMPILE=0`` turns it off.
+# compiles fast and keeps each program's lowered module; when a later call
+# uses the program again (a transition that repeats; a one-off resize
+# costs nothing more), one background thread of the lowest priority
+# compiles it again with these options, between reshard calls, and swaps
+# it into the cache. The programs only slice, reshape and concatenate, so
+# either code gives the same bits. Only on CPU devices, where it was
+# measured (no GPU was lent to measure it there). ``TENPLEX_JAX_RECOMPILE=0``
+# turns it off.
 _RECOMPILE_OPTIONS = {
     "cpu": {**_FAST_COMPILE_CPU, "xla_backend_optimization_level": 1}}
+# Programs compiled fast, not yet used again: key -> (lowered, platform,
+# install); bounded like the caches they shadow.
+_recompile_later: collections.OrderedDict = collections.OrderedDict()
+_RECOMPILE_LATER_MAX = 1024
 _recompile_jobs: collections.deque = collections.deque()
 _recompile_cv = threading.Condition()
 _recompile_thread: threading.Thread | None = None
+_resharding = 0  # reshard calls in progress; the thread waits for none
 
 
 def _recompile_on() -> bool:
@@ -803,6 +810,42 @@ def _recompile_on() -> bool:
   if v not in ("0", "1"):
     raise ValueError(f"TENPLEX_JAX_RECOMPILE must be 0 or 1, not {v!r}")
   return v == "1"
+
+
+def _recompile_on_reuse(key, lowered: list, platform: str, install) -> None:
+  """Remembers a program compiled fast: its reuse (:func:`_reused`) queues
+  ``lowered`` for :func:`_queue_recompile`."""
+  if platform not in _RECOMPILE_OPTIONS or not _recompile_on():
+    return
+  with _recompile_cv:
+    _recompile_later[key] = (lowered, platform, install)
+    while len(_recompile_later) > _RECOMPILE_LATER_MAX:
+      _recompile_later.popitem(last=False)
+
+
+def _reused(key) -> None:
+  """A cached program ``key`` runs again: its recompile is queued (once)."""
+  if not _recompile_later:
+    return
+  with _recompile_cv:
+    job = _recompile_later.pop(key, None)
+  if job is not None:
+    _queue_recompile(*job)
+
+
+class _Resharding:
+  """Marks a reshard call in progress: recompiles wait until none is."""
+
+  def __enter__(self):
+    global _resharding
+    with _recompile_cv:
+      _resharding += 1
+
+  def __exit__(self, *exc):
+    global _resharding
+    with _recompile_cv:
+      _resharding -= 1
+      _recompile_cv.notify_all()
 
 
 def _queue_recompile(lowered: list, platform: str, install) -> None:
@@ -823,19 +866,19 @@ def _queue_recompile(lowered: list, platform: str, install) -> None:
 
 def _recompile_loop() -> None:
   global _recompile_thread
-  # Linux: this thread runs only when no other thread of the machine wants
-  # the CPU (SCHED_IDLE), else at the lowest nice value.
-  tid = threading.get_native_id()
+  # Linux: the lowest priority, for this thread alone. Not SCHED_IDLE: a
+  # thread that never runs while the cores are busy could hold the
+  # interpreter lock (jax's Python around each compile) for as long.
   try:
-    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
   except (AttributeError, OSError):  # pragma: no cover - not Linux
-    try:
-      os.setpriority(os.PRIO_PROCESS, tid, 19)
-    except (AttributeError, OSError):
-      pass
+    pass
   main = threading.main_thread()
   while True:
     with _recompile_cv:
+      # Never beside a reshard call (its own work and compiles come first).
+      while _resharding and main.is_alive():
+        _recompile_cv.wait(1.0)
       # A process that is exiting waits for the compile in progress only.
       if not _recompile_jobs or not main.is_alive():
         _recompile_jobs.clear()
@@ -870,9 +913,11 @@ def _wait_recompiles(timeout: float | None = None) -> bool:
 
 
 def _reset_recompile_after_fork() -> None:
-  global _recompile_cv, _recompile_thread
+  global _recompile_cv, _recompile_thread, _resharding
   _recompile_jobs.clear()
+  _recompile_later.clear()
   _recompile_cv, _recompile_thread = threading.Condition(), None
+  _resharding = 0
 
 
 os.register_at_fork(after_in_child=_reset_recompile_after_fork)
@@ -892,6 +937,7 @@ def _ensure_programs(jobs: list) -> None:
     key = _program_key(fn, spec, dev, avals)
     if key in _programs:
       _programs.move_to_end(key)
+      _reused(key)
       continue
     if key in seen:
       continue
@@ -911,7 +957,7 @@ def _ensure_programs(jobs: list) -> None:
   _trim_heap()
   for (key, lo, platform), exe in zip(todo, exes):
     _programs[key] = exe
-    _queue_recompile([lo], platform, functools.partial(
+    _recompile_on_reuse(key, [lo], platform, functools.partial(
         _install_program, key, exe))
   while len(_programs) > max(_PROGRAMS_MAX, len(jobs)):
     _programs.popitem(last=False)
@@ -1415,6 +1461,8 @@ def _ensure_group_programs(keys: list) -> list:
       if hit is not None:
         _GROUP_EXES.move_to_end(k)
         out[k] = hit
+  for k in out:
+    _reused(("group", k))
   for k in keys:
     if k not in out and all(k != t[0] for t in todo):
       cut, glues, sizes = _group_programs(*k)
@@ -1440,8 +1488,8 @@ def _ensure_group_programs(keys: list) -> list:
       while len(_GROUP_EXES) > max(_GROUP_EXES_MAX, len(keys)):
         _GROUP_EXES.popitem(last=False)
     for t in todo:
-      _queue_recompile([t[1], *t[2]], t[4], functools.partial(
-          _install_group, t[0], out[t[0]]))
+      _recompile_on_reuse(("group", t[0]), [t[1], *t[2]], t[4],
+                          functools.partial(_install_group, t[0], out[t[0]]))
     del jobs, todo, uniq, done
     _trim_heap()
   return [out[k] for k in keys]
@@ -2261,8 +2309,9 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
         final_kind[i] = s
         s = s.with_memory_kind(dflt)
     adjusted.append((name, leaf, s))
-  out = _reshard_default_memory(adjusted, rebuild, final_kind, donate,
-                                method, t0)
+  with _Resharding():
+    out = _reshard_default_memory(adjusted, rebuild, final_kind, donate,
+                                  method, t0)
   for leaf in host_sources.values():  # donated host sources, once built
     leaf.delete()
   return out

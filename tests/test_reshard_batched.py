@@ -700,9 +700,10 @@ def recompiles_on(monkeypatch):
 
 def test_generic_recompiles_in_the_background_and_swaps_bitwise(
     monkeypatch, recompiles_on):
-  # A cold call compiles fast code; a background thread compiles the same
-  # programs again (XLA level 1 on CPU) and swaps them into the caches. A
-  # later call runs the new executables, compiles nothing, and its results
+  # A cold call compiles fast code and queues nothing; a call that uses the
+  # programs again queues them, and after it a background thread compiles
+  # them again (XLA level 1 on CPU) and swaps them into the caches. The
+  # next call runs the new executables, compiles nothing, and its results
   # are bitwise the same, on the target sharding.
   hosts, _, target = _rows_to_cols_tree(4, rows=64, cols=72)
   # one more array in a class of its own: the per-device executor's
@@ -712,7 +713,8 @@ def test_generic_recompiles_in_the_background_and_swaps_bitwise(
   a = Mesh(np.array(DEVS), ("x",))
   rmod._GROUP_EXES.clear()
   rmod._programs.clear()
-  threads, installed = [], []
+  rmod._recompile_later.clear()
+  threads, installed, queued = [], [], []
 
   def listen(event, duration, **kw):
     if event == COMPILE_EVENT:
@@ -725,26 +727,38 @@ def test_generic_recompiles_in_the_background_and_swaps_bitwise(
       installed.append((name, key, fast, exes))
       real(key, fast, exes)
     monkeypatch.setattr(rmod, name, wrap)
+  real_queue = rmod._queue_recompile
+
+  def queue(*job):
+    # queued inside a reshard call, compiled only after it
+    queued.append(rmod._resharding)
+    real_queue(*job)
+  monkeypatch.setattr(rmod, "_queue_recompile", queue)
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
     outs = []
-    for call in range(2):
+    for call in range(3):
       tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
               for k, v in hosts.items()}
       n0 = len(threads)
       outs.append(jax.block_until_ready(
           tj.reshard(tree, target, method="generic")))
-      if call == 0:
-        cold = [t for t in threads[n0:] if t != "tenplex-recompile"]
-        assert cold, threads
+      mine = [t for t in threads[n0:] if t != "tenplex-recompile"]
+      if call == 0:  # cold: compiles, queues nothing
+        assert mine and not queued, (threads, queued)
+        assert rmod._recompile_later
+      else:  # nothing compiled by a warm call itself
+        assert mine == [], threads
+      if call == 1:
+        assert queued and set(queued) == {1}, queued
+        assert not rmod._recompile_later
         assert rmod._wait_recompiles(60.0)
-      else:  # nothing compiled by the warm call itself
-        assert [t for t in threads[n0:] if t != "tenplex-recompile"] == []
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
   again = [t for t in threads if t == "tenplex-recompile"]
   kinds = {name for name, *_ in installed}
   assert kinds == {"_install_group", "_install_program"}, kinds
+  assert len(installed) == len(queued)
   # Each program compiled once more, on the background thread.
   assert len(again) == sum(len({id(e) for e in x[3]}) for x in installed)
   for name, key, fast, exes in installed:
@@ -760,18 +774,20 @@ def test_generic_recompiles_in_the_background_and_swaps_bitwise(
 
 
 def test_generic_recompile_switch(monkeypatch, recompiles_on):
-  hosts, tree, target = _rows_to_cols_tree(3, rows=64, cols=88)
+  hosts, _, target = _rows_to_cols_tree(3, rows=64, cols=88)
+  a = Mesh(np.array(DEVS), ("x",))
   rmod._GROUP_EXES.clear()
+  rmod._recompile_later.clear()
   queued = []
-  real = rmod._queue_recompile
-  monkeypatch.setattr(rmod, "_queue_recompile",
-                      lambda *a: (queued.append(a), real(*a)))
+  monkeypatch.setattr(rmod, "_queue_recompile", lambda *a: queued.append(a))
   monkeypatch.setenv("TENPLEX_JAX_RECOMPILE", "0")
-  out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
-  assert queued and rmod._recompile_thread is None and \
-      not rmod._recompile_jobs
-  for k, v in out.items():
-    assert _bits(v) == hosts[k].tobytes(), k
+  for _ in range(2):
+    tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+            for k, v in hosts.items()}
+    out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
+    for k, v in out.items():
+      assert _bits(v) == hosts[k].tobytes(), k
+  assert not queued and not rmod._recompile_later
   rmod._GROUP_EXES.clear()
   monkeypatch.setenv("TENPLEX_JAX_RECOMPILE", "yes")
   with pytest.raises(Exception, match="TENPLEX_JAX_RECOMPILE must be 0 or 1"):
@@ -790,8 +806,10 @@ d = jax.devices()
 a, b = Mesh(np.array(d), ("x",)), Mesh(np.array(d[::-1]), ("x",))
 tree = {f"w{i}": jax.device_put(np.full((64, 64 + 8 * i), i, np.float32),
                                 NamedSharding(a, P("x"))) for i in range(24)}
-out = jax.block_until_ready(tj.reshard(
-    tree, {k: NamedSharding(b, P(None, "x")) for k in tree}, method="generic"))
+for _ in range(2):  # the second call queues the recompiles
+  out = jax.block_until_ready(tj.reshard(
+      tree, {k: NamedSharding(b, P(None, "x")) for k in tree},
+      method="generic"))
 assert all((np.asarray(v) == int(k[1:])).all() for k, v in out.items())
 print("recompiling at exit:", rmod._recompile_thread is not None,
       len(rmod._recompile_jobs), flush=True)
