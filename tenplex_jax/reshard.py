@@ -805,6 +805,13 @@ _recompile_jobs: collections.deque = collections.deque()
 _recompile_cv = threading.Condition()
 _recompile_thread: threading.Thread | None = None
 _resharding = 0  # reshard calls in progress; the thread waits for none
+# At most this many recompiled executables alive: XLA:CPU maps each
+# executable's kernels into memory mappings of their own, ~22 a program at
+# level 0 and ~40 at level 1 on a held-out state (196 programs: 4,256 and
+# 7,797 mappings), against the kernel's 65,530 a process; beyond it the
+# programs keep their fast code.
+_RECOMPILED_MAX = 256
+_recompiled: weakref.WeakSet = weakref.WeakSet()
 
 
 def _recompile_on() -> bool:
@@ -889,6 +896,8 @@ def _recompile_loop() -> None:
         _recompile_cv.notify_all()
         break
       lower, platform, install = _recompile_jobs.popleft()
+    if len(_recompiled) >= _RECOMPILED_MAX:
+      continue
     opts = _RECOMPILE_OPTIONS[platform]
     try:
       lowered = lower()
@@ -897,6 +906,7 @@ def _recompile_loop() -> None:
         if id(lo) not in made:
           made[id(lo)] = lo.compile(compiler_options=opts)
       exes = [made[id(lo)] for lo in lowered]
+      _recompiled.update(made.values())
       del made
     except Exception:  # pylint: disable=broad-except
       continue  # the fast programs stay
@@ -946,9 +956,7 @@ def _ensure_programs(jobs: list) -> None:
     if key in seen:
       continue
     seen.add(key)
-    sds = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
-           for s, d in avals]
-    todo.append((key, fn.lower(spec, *sds), dev.platform))
+    todo.append((key, _lower_program(*key)[0], dev.platform))
   if not todo:
     return
   n = min(len(todo), _copy_threads())
@@ -961,8 +969,7 @@ def _ensure_programs(jobs: list) -> None:
   for (key, _, platform), exe in zip(todo, exes):
     _programs[key] = exe
     _recompile_on_reuse(key, functools.partial(_lower_program, *key),
-                        platform, functools.partial(_install_program, key,
-                                                    exe))
+                        platform, functools.partial(_install_program, key))
   del todo  # the lowered modules (an MLIR context each), then the trim
   _trim_heap()
   while len(_programs) > max(_PROGRAMS_MAX, len(jobs)):
@@ -970,14 +977,24 @@ def _ensure_programs(jobs: list) -> None:
 
 
 def _lower_program(fn, spec, dev, avals) -> list:
-  return [fn.lower(spec, *(
+  """``fn(spec, *avals)`` on ``dev`` lowered through a jit of its own:
+  jax keeps the executables compiled from a lowering as long as the
+  lowering lives, and a lowering of ``fn`` itself lives in ``fn``'s cache,
+  so ``_programs`` would not be what bounds them (a held-out state's
+  recompiles added ~5,000 memory mappings that way, of the kernel's
+  65,530 a process)."""
+  return [jax.jit(fn.__wrapped__, static_argnums=0).lower(spec, *(
       jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
       for s, d in avals))]
 
 
-def _install_program(key, fast, exes: list) -> None:
+# The installs hold no reference to the executables they replace (a queued
+# or remembered job would keep an evicted one alive); whatever is cached
+# under a key is the same program.
+def _install_program(key, exes: list) -> None:
   with _transitions_lock:
-    if _programs.get(key) is fast:  # still cached, not evicted
+    old = _programs.get(key)
+    if old is not None and old is not _PLAIN_JIT:  # not evicted
       _programs[key] = exes[0]
 
 
@@ -1502,7 +1519,7 @@ def _ensure_group_programs(keys: list) -> list:
     for t in todo:
       _recompile_on_reuse(("group", t[0]),
                           functools.partial(_lower_group, t[0]), t[4],
-                          functools.partial(_install_group, t[0], out[t[0]]))
+                          functools.partial(_install_group, t[0]))
     del jobs, todo, uniq, done
     _trim_heap()
   return [out[k] for k in keys]
@@ -1513,10 +1530,11 @@ def _lower_group(key) -> list:
   return [cut, *glues]
 
 
-def _install_group(key, fast: tuple, exes: list) -> None:
+def _install_group(key, exes: list) -> None:
   with _transitions_lock:
-    if _GROUP_EXES.get(key) is fast:  # still cached, not evicted
-      _GROUP_EXES[key] = (exes[0], tuple(exes[1:]), fast[2])
+    old = _GROUP_EXES.get(key)
+    if old is not None:  # not evicted
+      _GROUP_EXES[key] = (exes[0], tuple(exes[1:]), old[2])
 
 
 def _received_bytes(x: jax.Array, s: Sharding) -> int:

@@ -723,9 +723,10 @@ def test_generic_recompiles_in_the_background_and_swaps_bitwise(
   for name in ("_install_group", "_install_program"):
     real = getattr(rmod, name)
 
-    def wrap(key, fast, exes, real=real, name=name):
-      installed.append((name, key, fast, exes))
-      real(key, fast, exes)
+    def wrap(key, exes, real=real, name=name):
+      cache = rmod._GROUP_EXES if name == "_install_group" else rmod._programs
+      installed.append((name, key, cache[key], exes))
+      real(key, exes)
     monkeypatch.setattr(rmod, name, wrap)
   real_queue = rmod._queue_recompile
 
@@ -771,6 +772,41 @@ def test_generic_recompiles_in_the_background_and_swaps_bitwise(
     for k, v in out.items():
       assert v.sharding == target[k], k
       assert _bits(v) == hosts[k].tobytes(), k
+
+
+def test_generic_recompiled_executables_are_bounded(monkeypatch,
+                                                    recompiles_on):
+  # Each executable takes memory mappings of its own (a process has 65,530):
+  # once _RECOMPILED_MAX recompiled ones are alive, the rest keep their
+  # fast code, and the results stay bitwise.
+  hosts, _, target = _rows_to_cols_tree(4, rows=64, cols=56)
+  hosts["z"] = np.arange(64 * 40, dtype=np.int32).reshape(64, 40)
+  target["z"] = NamedSharding(Mesh(np.array(DEVS[:4]), ("y",)), P("y"))
+  a = Mesh(np.array(DEVS), ("x",))
+  rmod._GROUP_EXES.clear()
+  rmod._programs.clear()
+  rmod._recompile_later.clear()
+  kept = list(rmod._recompiled)  # none may die in between
+  monkeypatch.setattr(rmod, "_RECOMPILED_MAX", len(kept) + 1)
+  installs = []
+  for name in ("_install_group", "_install_program"):
+    real = getattr(rmod, name)
+    monkeypatch.setattr(rmod, name, lambda key, exes, real=real: (
+        installs.append((key, {id(e) for e in exes})), real(key, exes)))
+  for call in range(3):
+    tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+            for k, v in hosts.items()}
+    out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
+    assert rmod._wait_recompiles(60.0)
+    for k, v in out.items():
+      assert v.sharding == target[k], k
+      assert _bits(v) == hosts[k].tobytes(), k
+  # the group's and the per-device programs were queued; one job was
+  # compiled (the bound is checked before each job: a group's cut and glue
+  # go together)
+  assert len(installs) == 1, installs
+  assert len(rmod._recompiled) == len(kept) + len(installs[0][1])
+  del kept
 
 
 def test_generic_recompile_switch(monkeypatch, recompiles_on):
