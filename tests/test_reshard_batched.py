@@ -698,6 +698,18 @@ def recompiles_on(monkeypatch):
   assert rmod._wait_recompiles(60.0)
 
 
+def _recompile_case(cols: int):
+  """4 arrays of one class (a packed group) and one of a class of its own
+  (the per-device executor), every program cache emptied."""
+  hosts, _, target = _rows_to_cols_tree(4, rows=64, cols=cols)
+  hosts["z"] = np.arange(64 * 40, dtype=np.int32).reshape(64, 40)
+  target["z"] = NamedSharding(Mesh(np.array(DEVS[:4]), ("y",)), P("y"))
+  rmod._GROUP_EXES.clear()
+  rmod._programs.clear()
+  rmod._recompile_later.clear()
+  return hosts, target, Mesh(np.array(DEVS), ("x",))
+
+
 def test_generic_recompiles_in_the_background_and_swaps_bitwise(
     monkeypatch, recompiles_on):
   # A cold call compiles fast code and queues nothing; a call that uses the
@@ -705,15 +717,7 @@ def test_generic_recompiles_in_the_background_and_swaps_bitwise(
   # them again (XLA level 1 on CPU) and swaps them into the caches. The
   # next call runs the new executables, compiles nothing, and its results
   # are bitwise the same, on the target sharding.
-  hosts, _, target = _rows_to_cols_tree(4, rows=64, cols=72)
-  # one more array in a class of its own: the per-device executor's
-  # programs are recompiled too
-  hosts["z"] = np.arange(64 * 40, dtype=np.int32).reshape(64, 40)
-  target["z"] = NamedSharding(Mesh(np.array(DEVS[:4]), ("y",)), P("y"))
-  a = Mesh(np.array(DEVS), ("x",))
-  rmod._GROUP_EXES.clear()
-  rmod._programs.clear()
-  rmod._recompile_later.clear()
+  hosts, target, a = _recompile_case(cols=72)
   threads, installed, queued = [], [], []
 
   def listen(event, duration, **kw):
@@ -779,13 +783,7 @@ def test_generic_recompiled_executables_are_bounded(monkeypatch,
   # Each executable takes memory mappings of its own (a process has 65,530):
   # once _RECOMPILED_MAX recompiled ones are alive, the rest keep their
   # fast code, and the results stay bitwise.
-  hosts, _, target = _rows_to_cols_tree(4, rows=64, cols=56)
-  hosts["z"] = np.arange(64 * 40, dtype=np.int32).reshape(64, 40)
-  target["z"] = NamedSharding(Mesh(np.array(DEVS[:4]), ("y",)), P("y"))
-  a = Mesh(np.array(DEVS), ("x",))
-  rmod._GROUP_EXES.clear()
-  rmod._programs.clear()
-  rmod._recompile_later.clear()
+  hosts, target, a = _recompile_case(cols=56)
   kept = list(rmod._recompiled)  # none may die in between
   monkeypatch.setattr(rmod, "_RECOMPILED_MAX", len(kept) + 1)
   installs = []
