@@ -785,16 +785,16 @@ def _compile(lowered, platform: str):
 # XLA's optimisation level 1, ``pieces`` 0.028 s against 0.022 s, while
 # level 1 made the cold call 1.9x and 1.2x longer (0.46 -> 0.87 s, 0.48 ->
 # 0.59 s; ``jax.device_put``'s cold lm1b call takes 0.60 s). So a cold call
-# compiles fast and keeps each program's lowered module; when a later call
+# compiles fast and remembers how to lower each program; when a later call
 # uses the program again (a transition that repeats; a one-off resize
-# costs nothing more), one background thread of the lowest priority
-# compiles it again with these options, starting each compile only while
-# no reshard call runs, and swaps it into the cache. The programs only slice, reshape and concatenate, so
-# either code gives the same bits. Only on CPU devices, where it was
-# measured (no GPU was lent to measure it there). ``TENPLEX_JAX_RECOMPILE=0``
-# turns it off. The thread lowers the program again rather than keeping
-# its lowered module: each held its own MLIR context, ~2.4 MiB (101 kept
-# raised a held-out state's RSS by 244 MiB).
+# costs nothing more), one background thread of the lowest priority lowers
+# and compiles it again with these options, starting each compile only
+# while no reshard call runs, and swaps it into the cache. The programs
+# only slice, reshape and concatenate, so either code gives the same bits.
+# Only on CPU devices, where it was measured (no GPU was lent to measure it
+# there). ``TENPLEX_JAX_RECOMPILE=0`` turns it off. Lowering again, not
+# keeping the lowered modules: each held its own MLIR context, ~2.4 MiB
+# (101 kept raised a held-out state's RSS by 244 MiB).
 _RECOMPILE_OPTIONS = {
     "cpu": {**_FAST_COMPILE_CPU, "xla_backend_optimization_level": 1}}
 # Programs compiled fast, not yet used again: key -> (lower, platform,
@@ -876,6 +876,18 @@ def _queue_recompile(lower: Callable, platform: str, install) -> None:
 
 def _recompile_loop() -> None:
   global _recompile_thread
+  try:
+    _recompile_jobs_run()
+  finally:  # if something failed unexpectedly, waiters still wake
+    with _recompile_cv:
+      if _recompile_thread is threading.current_thread():
+        _recompile_jobs.clear()
+        _recompile_thread = None
+        _recompile_cv.notify_all()
+
+
+def _recompile_jobs_run() -> None:
+  global _recompile_thread
   # Linux: the lowest priority, for this thread alone. Not SCHED_IDLE: a
   # thread that never runs while the cores are busy could hold the
   # interpreter lock (jax's Python around each compile) for as long.
@@ -891,10 +903,12 @@ def _recompile_loop() -> None:
         _recompile_cv.wait(1.0)
       # A process that is exiting waits for the compile in progress only.
       if not _recompile_jobs or not main.is_alive():
+        # in the same hold of the lock as the last look at the queue: a
+        # job queued after it starts a thread of its own
         _recompile_jobs.clear()
         _recompile_thread = None
         _recompile_cv.notify_all()
-        break
+        return
       lower, platform, install = _recompile_jobs.popleft()
     if len(_recompiled) >= _RECOMPILED_MAX:
       continue
@@ -907,12 +921,11 @@ def _recompile_loop() -> None:
           made[id(lo)] = lo.compile(compiler_options=opts)
       exes = [made[id(lo)] for lo in lowered]
       _recompiled.update(made.values())
-      del made
+      del made, lowered
+      install(exes)
+      del exes
     except Exception:  # pylint: disable=broad-except
       continue  # the fast programs stay
-    del lowered
-    install(exes)
-    del exes
     with _recompile_cv:
       idle = not _recompile_jobs
     if idle:

@@ -807,6 +807,27 @@ def test_generic_recompiled_executables_are_bounded(monkeypatch,
   del kept
 
 
+def test_generic_recompile_failure_keeps_the_fast_programs(monkeypatch,
+                                                           recompiles_on):
+  # A recompile that fails (here its install) leaves the fast programs in
+  # place, raises nothing in the thread (pytest would report it), and
+  # waiters still wake; later calls stay bitwise.
+  hosts, target, a = _recompile_case(cols=40)
+
+  def broken(key, exes):
+    raise RuntimeError("install failed")
+  monkeypatch.setattr(rmod, "_install_group", broken)
+  monkeypatch.setattr(rmod, "_install_program", broken)
+  for _ in range(3):
+    tree = {k: jax.device_put(v, NamedSharding(a, P("x")))
+            for k, v in hosts.items()}
+    out = jax.block_until_ready(tj.reshard(tree, target, method="generic"))
+    assert rmod._wait_recompiles(60.0)
+    assert rmod._recompile_thread is None and not rmod._recompile_jobs
+    for k, v in out.items():
+      assert _bits(v) == hosts[k].tobytes(), k
+
+
 def test_generic_recompile_switch(monkeypatch, recompiles_on):
   hosts, _, target = _rows_to_cols_tree(3, rows=64, cols=88)
   a = Mesh(np.array(DEVS), ("x",))
