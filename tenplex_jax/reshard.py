@@ -814,18 +814,21 @@ _RECOMPILED_MAX = 256
 _recompiled: weakref.WeakSet = weakref.WeakSet()
 
 
-def _recompile_on() -> bool:
+def _recompiles(platform: str) -> bool:
+  """Whether programs of ``platform`` are recompiled (asked when a program
+  is remembered and again when it is queued: the switch may change in
+  between)."""
   v = os.environ.get("TENPLEX_JAX_RECOMPILE", "1")
   if v not in ("0", "1"):
     raise ValueError(f"TENPLEX_JAX_RECOMPILE must be 0 or 1, not {v!r}")
-  return v == "1"
+  return v == "1" and platform in _RECOMPILE_OPTIONS
 
 
 def _recompile_on_reuse(key, lower: Callable, platform: str, install
                         ) -> None:
   """Remembers a program compiled fast: its reuse (:func:`_reused`) queues
   it for :func:`_queue_recompile`."""
-  if platform not in _RECOMPILE_OPTIONS or not _recompile_on():
+  if not _recompiles(platform):
     return
   with _recompile_cv:
     _recompile_later[key] = (lower, platform, install)
@@ -863,7 +866,7 @@ def _queue_recompile(lower: Callable, platform: str, install) -> None:
   (lowered modules) with ``_RECOMPILE_OPTIONS[platform]``, then calls
   ``install`` with the executables (in order) to swap them into a cache."""
   global _recompile_thread
-  if platform not in _RECOMPILE_OPTIONS or not _recompile_on():
+  if not _recompiles(platform):
     return
   with _recompile_cv:
     _recompile_jobs.append((lower, platform, install))
@@ -990,12 +993,14 @@ def _ensure_programs(jobs: list) -> None:
 
 
 def _lower_program(fn, spec, dev, avals) -> list:
-  """``fn(spec, *avals)`` on ``dev`` lowered through a jit of its own:
-  jax keeps the executables compiled from a lowering as long as the
-  lowering lives, and a lowering of ``fn`` itself lives in ``fn``'s cache,
-  so ``_programs`` would not be what bounds them (a held-out state's
-  recompiles added ~5,000 memory mappings that way, of the kernel's
-  65,530 a process)."""
+  """``fn(spec, *avals)`` on ``dev`` lowered through a jit of its own.
+
+  jax caches the executables compiled from a lowering (per compiler
+  options) for as long as the lowering lives, and a lowering of ``fn``
+  itself lives in ``fn``'s cache: ``_programs`` and ``_RECOMPILED_MAX``
+  would not be what bounds them. (Not measured to matter: the extra memory
+  mappings a held-out state's recompiles added came from the level-1
+  executables themselves, ~40 each against ~22.)"""
   return [jax.jit(fn.__wrapped__, static_argnums=0).lower(spec, *(
       jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
       for s, d in avals))]

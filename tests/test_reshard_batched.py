@@ -691,8 +691,8 @@ def test_generic_large_group_sends_and_glues_run_by_run_on_cpu(
 
 @pytest.fixture
 def recompiles_on(monkeypatch):
-  """Background recompiles on, none left over from an earlier test."""
-  assert rmod._wait_recompiles(60.0)
+  """Background recompiles on (none is left over from an earlier test: see
+  _no_recompile_running), and none left running after."""
   monkeypatch.setenv("TENPLEX_JAX_RECOMPILE", "1")
   yield
   assert rmod._wait_recompiles(60.0)
