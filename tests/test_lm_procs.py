@@ -296,14 +296,18 @@ def test_a_job_stopped_by_the_launchers_timeout_leaves_no_directory(tmp):
   # trainer removes its job directory (tenplex-lm-*, in /dev/shm unless
   # --job-parent) on the way out: nothing of the job is left in host memory.
   # (The processes are up, their pid files written, 7.5-8.2 s after the start
-  # at load 8-13 on 2 cores; a 25 s timeout leaves three times that.)
+  # at load 8-13 on 2 cores; a 25 s timeout leaves three times that.) The
+  # first process to reach step 1 sleeps there (--hang-at; the launcher's step
+  # timeout, 300 s, is far off) and the other waits for it in the step's
+  # collectives: a stuck job, as a timeout usually stops, and no CPU spent on
+  # steps until the timeout (the job's processes 46 -> 19 CPU s alone here).
   log = open(os.path.join(tmp, "out.log"), "w+")
   parent = os.path.join(tmp, "jobs")
   os.mkdir(parent)
   p = subprocess.Popen([
       sys.executable, os.path.join(ROOT, "examples", "lm", "train.py"), "--procs", "2",
       "--schedule", "0:stage=2,data=2", "--steps", "100000", "--fast-compile",
-      "--job-parent", parent, "--timeout", "25"], env=_env(), stdout=log,
+      "--hang-at", "1", "--job-parent", parent, "--timeout", "25"], env=_env(), stdout=log,
       stderr=subprocess.STDOUT, start_new_session=True)
   try:
     t0, running = time.time(), []
