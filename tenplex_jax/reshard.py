@@ -878,19 +878,24 @@ def _queue_recompile(lower: Callable, platform: str, install) -> None:
 
 
 def _recompile_loop() -> None:
-  global _recompile_thread
   try:
     _recompile_jobs_run()
   finally:  # if something failed unexpectedly, waiters still wake
     with _recompile_cv:
       if _recompile_thread is threading.current_thread():
-        _recompile_jobs.clear()
-        _recompile_thread = None
-        _recompile_cv.notify_all()
+        _recompile_thread_ends()
+
+
+def _recompile_thread_ends() -> None:
+  """Drops the queue and marks no recompile thread running, waking the
+  waiters; called with ``_recompile_cv`` held."""
+  global _recompile_thread
+  _recompile_jobs.clear()
+  _recompile_thread = None
+  _recompile_cv.notify_all()
 
 
 def _recompile_jobs_run() -> None:
-  global _recompile_thread
   # Linux: the lowest priority, for this thread alone. Not SCHED_IDLE: a
   # thread that never runs while the cores are busy could hold the
   # interpreter lock (jax's Python around each compile) for as long.
@@ -908,9 +913,7 @@ def _recompile_jobs_run() -> None:
       if not _recompile_jobs or not main.is_alive():
         # in the same hold of the lock as the last look at the queue: a
         # job queued after it starts a thread of its own
-        _recompile_jobs.clear()
-        _recompile_thread = None
-        _recompile_cv.notify_all()
+        _recompile_thread_ends()
         return
       lower, platform, install = _recompile_jobs.popleft()
     if len(_recompiled) >= _RECOMPILED_MAX:
