@@ -85,6 +85,9 @@ class ReshardReport:
       distinct new box that no old shard held exactly, once per process
       however many devices hold it; ``0`` on the ``kept`` path, ``None`` on
       the ``generic`` path (which copies per device).
+    host_staged: (``generic`` path) arrays built through the host: their
+      device programs were not compiled yet (the host tier: a cold call
+      compiles nothing; see ``reshard``), or XLA cannot slice their dtype.
     plan: the plan that was executed; ``None`` on the ``kept`` path. (On
       the CPU path it is built when first read: the executor plans arrays
       by class and does not need it.)
@@ -103,6 +106,7 @@ class ReshardReport:
   seconds: Mapping[str, float]
   aliased_shards: int = 0
   copied_bytes: int | None = None
+  host_staged: int = 0
   _plan: Plan | Callable[[], Plan] | None = dataclasses.field(
       default=None, repr=False, compare=False)
   cached: bool = False
@@ -132,6 +136,8 @@ class ReshardReport:
             f" {self.aliased_shards} shared"
             + (f", copied {f(self.copied_bytes)}"
                if self.copied_bytes is not None else "")
+            + (f", {self.host_staged} through the host"
+               if self.host_staged else "")
             + f"; {self.method} path;"
             f" layout {s.get('layout', 0) * 1e3:.1f} ms, plan"
             f" {s.get('plan', 0) * 1e3:.1f} ms, transfer"
@@ -846,6 +852,53 @@ def _reused(key) -> None:
     _queue_recompile(*job)
 
 
+# The generic executor's host tier (see _build_generic): programs a call
+# needed and did not have, key -> (lower, platform, install), or ``None``
+# once queued. A later call that needs one again queues its compile (once);
+# until the install, calls build those arrays through the host.
+_compile_later: collections.OrderedDict = collections.OrderedDict()
+
+
+def _generic_cold() -> str:
+  """How the generic executor builds arrays whose programs are not compiled
+  yet: ``host`` (the default) or ``compile`` (``TENPLEX_JAX_GENERIC_COLD``)."""
+  v = os.environ.get("TENPLEX_JAX_GENERIC_COLD", "host")
+  if v not in ("host", "compile"):
+    raise ValueError("TENPLEX_JAX_GENERIC_COLD must be 'host' or 'compile',"
+                     f" not {v!r}")
+  return v
+
+
+# Platforms whose host tier is never slower than the device programs: CPU
+# devices, whose shards are host memory (the host tier reads them in place
+# and copies each moved byte at most once, the programs cut, send and glue:
+# on held-out states 0.29-0.48 s a call against 0.002-0.02 s). Their
+# programs are never compiled for the host tier (they would cost compile
+# time on the cores a job trains on, and be timed once, slower, before the
+# host tier was chosen again).
+_HOST_ONLY = frozenset({"cpu"})
+
+
+def _needed(key, lower: Callable, platform: str, install) -> None:
+  """A call built arrays through the host for want of program ``key``: the
+  first time it is remembered, the second its compile is queued
+  (:func:`_queue_recompile` with ``new``), never again; never on
+  :data:`_HOST_ONLY` platforms."""
+  if platform in _HOST_ONLY:
+    return
+  with _recompile_cv:
+    if key not in _compile_later:
+      _compile_later[key] = (lower, platform, install)
+      while len(_compile_later) > _RECOMPILE_LATER_MAX:
+        _compile_later.popitem(last=False)
+      return
+    job = _compile_later[key]
+    if job is None:
+      return
+    _compile_later[key] = None
+  _queue_recompile(*job, new=True)
+
+
 class _Resharding:
   """Marks a reshard call in progress: recompiles wait until none is."""
 
@@ -861,15 +914,21 @@ class _Resharding:
       _recompile_cv.notify_all()
 
 
-def _queue_recompile(lower: Callable, platform: str, install) -> None:
+def _queue_recompile(lower: Callable, platform: str, install,
+                     new: bool = False) -> None:
   """On the background thread, compiles the programs ``lower()`` returns
   (lowered modules) with ``_RECOMPILE_OPTIONS[platform]``, then calls
-  ``install`` with the executables (in order) to swap them into a cache."""
+  ``install`` with the executables (in order) to swap them into a cache.
+
+  ``new``: programs not compiled yet (the host tier's, see
+  :func:`_build_generic`): compiled whatever ``TENPLEX_JAX_RECOMPILE`` says
+  and on every platform, with those options where the recompiles would
+  use them, else with :func:`_compile`'s."""
   global _recompile_thread
-  if not _recompiles(platform):
+  if not new and not _recompiles(platform):
     return
   with _recompile_cv:
-    _recompile_jobs.append((lower, platform, install))
+    _recompile_jobs.append((lower, platform, install, new))
     if _recompile_thread is None:
       _recompile_thread = threading.Thread(
           target=_recompile_loop, name="tenplex-recompile")
@@ -915,18 +974,21 @@ def _recompile_jobs_run() -> None:
         # job queued after it starts a thread of its own
         _recompile_thread_ends()
         return
-      lower, platform, install = _recompile_jobs.popleft()
-    if len(_recompiled) >= _RECOMPILED_MAX:
+      lower, platform, install, new = _recompile_jobs.popleft()
+    level1 = (_recompiles(platform) and len(_recompiled) < _RECOMPILED_MAX)
+    if not level1 and not new:
       continue
-    opts = _RECOMPILE_OPTIONS[platform]
     try:
       lowered = lower()
       made: dict = {}  # a program listed twice is compiled once
       for lo in lowered:
         if id(lo) not in made:
-          made[id(lo)] = lo.compile(compiler_options=opts)
+          made[id(lo)] = (
+              lo.compile(compiler_options=_RECOMPILE_OPTIONS[platform])
+              if level1 else _compile(lo, platform))
       exes = [made[id(lo)] for lo in lowered]
-      _recompiled.update(made.values())
+      if level1:
+        _recompiled.update(made.values())
       del made, lowered
       install(exes)
       del exes
@@ -949,6 +1011,7 @@ def _reset_recompile_after_fork() -> None:
   global _recompile_cv, _recompile_thread, _resharding
   _recompile_jobs.clear()
   _recompile_later.clear()
+  _compile_later.clear()
   _recompile_cv, _recompile_thread = threading.Condition(), None
   _resharding = 0
 
@@ -1007,6 +1070,28 @@ def _lower_program(fn, spec, dev, avals) -> list:
   return [jax.jit(fn.__wrapped__, static_argnums=0).lower(spec, *(
       jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
       for s, d in avals))]
+
+
+def _programs_ready(jobs) -> bool:
+  """Whether every program of ``jobs`` (see :func:`_ensure_programs`) is
+  compiled; those that are not are reported to :func:`_needed`."""
+  ready = True
+  with _transitions_lock:
+    missing = [key for key in (_program_key(*j) for j in jobs)
+               if key not in _programs]
+  for key in dict.fromkeys(missing):
+    ready = False
+    _needed(key, functools.partial(_lower_program, *key), key[2].platform,
+            functools.partial(_install_new_program, key))
+  return ready
+
+
+def _install_new_program(key, exes: list) -> None:
+  with _transitions_lock:
+    if key not in _programs:
+      _programs[key] = exes[0]
+      while len(_programs) > _PROGRAMS_MAX:
+        _programs.popitem(last=False)
 
 
 # The installs hold no reference to the executables they replace (a queued
@@ -1551,6 +1636,30 @@ def _lower_group(key) -> list:
   return [cut, *glues]
 
 
+def _compiled_groups(groups: list) -> list:
+  """The groups (see :func:`_groups`) whose programs are compiled; the
+  others' are reported to :func:`_needed`."""
+  with _transitions_lock:
+    have = {g[0] for g in groups if g[0] in _GROUP_EXES}
+  for k in dict.fromkeys(g[0] for g in groups if g[0] not in have):
+    sizes: list = []
+
+    def lower(k=k, sizes=sizes) -> list:
+      cut, glues, got = _group_programs(*k)
+      sizes[:] = [got]
+      return [cut, *glues]
+
+    def install(exes: list, k=k, sizes=sizes) -> None:
+      with _transitions_lock:
+        if k not in _GROUP_EXES:
+          _GROUP_EXES[k] = (exes[0], tuple(exes[1:]), sizes[0])
+          while len(_GROUP_EXES) > _GROUP_EXES_MAX:
+            _GROUP_EXES.popitem(last=False)
+
+    _needed(("group", k), lower, next(iter(_platforms(k[0]))), install)
+  return [g for g in groups if g[0] in have]
+
+
 def _install_group(key, exes: list) -> None:
   with _transitions_lock:
     old = _GROUP_EXES.get(key)
@@ -1689,11 +1798,13 @@ def _groups(batch: list, flight: int) -> list:
   return out
 
 
-def _run_generic_packed(batch: list) -> list:
+def _run_generic_packed(batch: list, flight: int | None = None,
+                        groups: list | None = None) -> list:
   """The generic executor for arrays between plain NamedShardings:
   ``(program, array, target)`` triples; returns, per array, ``(new array,
   None)``, or ``(xs, shards)`` for :func:`_make_array` where a device
-  keeps its old shard.
+  keeps its old shard; ``None`` for an array in none of ``groups`` (a
+  subset of :func:`_groups`'s, by default all of them).
 
   Group by group: cut, then stage by stage (see :func:`_group_programs`)
   send and glue, every intermediate let go as soon as the next step has it
@@ -1703,8 +1814,10 @@ def _run_generic_packed(batch: list) -> list:
   :func:`_flight_bytes`, so a call holds its results and up to twice that in
   packed copies, not three copies of the state (lm1b SMALL: cold peak RSS
   rise 3.6-3.9x -> 2.0-2.4x of the state, ``device_put`` 2.0x)."""
-  flight = _flight_bytes(batch)
-  groups = _groups(batch, flight)
+  if flight is None:
+    flight = _flight_bytes(batch)
+  if groups is None:
+    groups = _groups(batch, flight)
   exes = _ensure_group_programs([k for k, _, _, _ in groups])
   made: list = [None] * len(batch)
   pending: list = []  # (glue outputs, bytes) of the groups in flight
@@ -1933,10 +2046,24 @@ def _make_arrays(staged, phys: list, tr, cpu: bool = False) -> dict:
 _NOT_COMPILED = frozenset({"int2", "uint2"})
 
 
-def _build_generic(batch: list, phys: list, tr) -> dict:
+def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
   """Builds the arrays ``batch`` on the generic path: arrays between plain
   NamedShardings by class (see _run_generic_packed), the rest per device (see
-  _run_generic)."""
+  _run_generic). Returns the arrays and how many went through the host.
+
+  The host tier: an array whose device programs are not compiled yet is
+  built as the CPU executor builds it (its source shards read on the host,
+  on accelerators one copy each, its new boxes assembled there and put on
+  their devices; ``jax.device_put``'s own path between device sets), so a
+  cold call compiles nothing; where a later call needs the same programs,
+  they are compiled on the background thread (see _queue_recompile). Once
+  all of a batch's programs are in, the next call runs them and is timed
+  (its results waited for), and later calls take the faster of the two
+  tiers as last measured (see ``_Transition.tiers``): on accelerators
+  presumably the device programs, which never leave device memory. On CPU
+  devices (see _HOST_ONLY) the host tier is never slower and nothing is
+  compiled for it. ``TENPLEX_JAX_GENERIC_COLD=compile``: compiled in the
+  call instead, and run."""
   spmd, rest, direct = [], [], []
   for i in batch:
     leaf, s = phys[i][1], phys[i][2]
@@ -1949,25 +2076,80 @@ def _build_generic(batch: list, phys: list, tr) -> dict:
   classes = collections.Counter(key.values())
   rest += [i for i in spmd if classes[key[i]] < _PACK_MIN]
   spmd = [i for i in spmd if classes[key[i]] >= _PACK_MIN]
+  host_tier = _generic_cold() == "host"
+  t0 = time.perf_counter()
   try:
     out = {}
+    packed = rest_items = None
+    ready = True  # every program compiled
+    if spmd:
+      packed = [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd]
+      flight = _flight_bytes(packed)
+      groups = _groups(packed, flight)
+      if host_tier:
+        n = len(groups)
+        groups = _compiled_groups(groups)
+        ready = len(groups) == n
+    if rest:
+      rest_items = [(tr.progs[i], phys[i][1]) for i in rest]
+      if host_tier and not _programs_ready(_cached_schedule(rest_items).jobs):
+        ready = False
+        direct += rest
+        rest_items = None
+    # Every program compiled: the faster tier as measured on this batch
+    # (see _Transition.tiers); the device programs are timed once first.
+    times = tr.tiers.setdefault(tuple(batch), [None, None])
+    measure = None
+    if host_tier and ready and (spmd or rest):
+      if times[1] is None:
+        measure = 1
+      elif times[0] is not None and times[0] < times[1]:
+        direct += spmd + rest
+        packed = rest_items = None
+    if packed is not None:
+      for i, m in zip(spmd, _run_generic_packed(packed, flight, groups)):
+        if m is None:
+          direct.append(i)
+        else:
+          out[i] = m
+      del packed
+    if rest_items is not None:
+      out.update(zip(rest, _run_generic(rest_items)))
+      del rest_items
+    if len(direct) == len(batch):
+      measure = 0
     if direct:  # assembled on the host, as the CPU executor does
+      for i in direct:
+        _prefetch_to_host(tr.progs[i], phys[i][1])
       copies: list = []
       for i in direct:
         out[i] = _run_cpu(tr.progs[i], phys[i][1], copies)[:2]
       _copy_all(copies)
       del copies
-    out.update(zip(spmd, _run_generic_packed(
-        [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd])))
-    if rest:
-      out.update(zip(rest, _run_generic(
-          [(tr.progs[i], phys[i][1]) for i in rest])))
   except Exception as e:
     names = [phys[i][0] for i in batch]
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     raise ReshardError(f"resharding {', '.join(names[:3])}{more} failed:"
                        f" {e}") from e
-  return _make_arrays(((i, *out[i]) for i in batch), phys, tr)
+  made = _make_arrays(((i, *out[i]) for i in batch), phys, tr)
+  if measure is not None:
+    if measure:
+      jax.block_until_ready([m[0] for m in made.values()])
+    times[measure] = time.perf_counter() - t0
+  return made, len(direct)
+
+
+def _prefetch_to_host(prog: _LeafProgram, x: jax.Array) -> None:
+  """Starts the host copies of the source shards ``prog`` reads, where they
+  are not in host memory already (all at once, before any is waited for)."""
+  shards = None
+  for _, pieces in prog.boxes:
+    for src, *_ in pieces:
+      if shards is None:
+        shards = _shards_of(x)
+        if next(iter(shards[src].devices())).platform == "cpu":
+          return
+      shards[src].copy_to_host_async()
 
 
 # -- transitions by class: one program per (old sharding, new sharding, rank) --
@@ -2139,6 +2321,12 @@ class _Transition:
     sig: per item, ``(path, shape, dtype, sharding, target)`` (``(path,)``
       for a non-array): what the whole state's plan is built from when it
       is first asked for; ``None`` once ``plan`` is set.
+    tiers: the generic executor's host tier (see :func:`_build_generic`):
+      per batch, ``[seconds through the host, seconds on the devices]``
+      the last time each built all of it (``None``: not yet). Once every
+      program is compiled, the device programs are timed once (their
+      results waited for); then the faster tier builds the batch, the
+      host's timed again on each call it builds.
   """
 
   kept: bool
@@ -2152,6 +2340,7 @@ class _Transition:
   local_bytes: int = 0
   plan: Plan | None = None
   sig: tuple | None = dataclasses.field(default=None, repr=False)
+  tiers: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def full_plan(self) -> Plan | None:
     """The plan of the whole state (built on first use, then kept)."""
@@ -2439,7 +2628,7 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
       cur, cur_bytes = [], 0
   if cur:
     batches.append(cur)
-  aliased = 0
+  aliased = host_staged = 0
   copied: int | None = 0 if tr.method == "cpu" else None
   for batch in batches:
     if tr.method == "cpu":
@@ -2447,7 +2636,8 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
       aliased += counts[0]
       copied += counts[1]
     else:
-      made = _build_generic(batch, phys, tr)
+      made, n = _build_generic(batch, phys, tr)
+      host_staged += n
     for i in batch:
       name, leaf, s, impl = phys[i]
       new, shards = made[i]
@@ -2475,7 +2665,7 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
       seconds={"layout": (t1 - t0) - (0 if cached else tr.plan_seconds),
                "plan": 0.0 if cached else tr.plan_seconds,
                "transfer": t2 - t1, "total": t2 - t0},
-      aliased_shards=aliased, copied_bytes=copied,
+      aliased_shards=aliased, copied_bytes=copied, host_staged=host_staged,
       _plan=tr.plan if tr.plan is not None else tr.full_plan,
       cached=cached)
   return rebuild(new_leaves), report
@@ -2512,7 +2702,13 @@ def reshard(tree: Any, target: Any, *, donate: bool = False,
       shards (on CPU devices their memory passes to the result; on other
       platforms such an array is left intact, see ``docs/core.md``).
     method: ``"auto"`` (the CPU fast path when every device is a CPU, else
-      generic), ``"cpu"`` or ``"generic"``.
+      generic), ``"cpu"`` or ``"generic"``. The generic path compiles
+      nothing in a cold call: arrays whose device programs are not compiled
+      yet go through the host (``jax.device_put``'s own path between device
+      sets); a transition that repeats has its programs compiled in the
+      background and then takes the faster of the two as measured (on CPU
+      devices always the host, which compiles nothing;
+      ``TENPLEX_JAX_GENERIC_COLD=compile`` compiles in the call instead).
 
   Returns:
     The tree with the same structure (boxes kept), every array on its

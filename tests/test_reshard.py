@@ -1,7 +1,9 @@
 """reshard on 8 simulated CPU devices: values bitwise, shardings as targeted."""
 
+import contextlib
 import importlib
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,29 @@ DEVS = jax.devices()
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn,
           jnp.float8_e5m2, jnp.int8, jnp.int32, jnp.uint8, jnp.bool_,
           jnp.complex64, jnp.int4]
+
+
+@contextlib.contextmanager
+def generic_cold(how):
+  """``TENPLEX_JAX_GENERIC_COLD=how`` inside: how the generic executor builds
+  arrays whose programs are not compiled yet (``host`` or ``compile``)."""
+  old = os.environ.get("TENPLEX_JAX_GENERIC_COLD")
+  os.environ["TENPLEX_JAX_GENERIC_COLD"] = how
+  try:
+    yield
+  finally:
+    if old is None:
+      del os.environ["TENPLEX_JAX_GENERIC_COLD"]
+    else:
+      os.environ["TENPLEX_JAX_GENERIC_COLD"] = old
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cold():
+  # The generic executor's device programs, not its host tier, unless a test
+  # asks for it (see tests/test_reshard_host_tier.py).
+  with generic_cold("compile"):
+    yield
 
 
 def bits(x):
@@ -96,7 +121,7 @@ def case(draw):
   if draw(st.integers(0, 3)):  # mostly non-empty
     shape = tuple(max(n, math.lcm(x, y)) for n, x, y in zip(shape, pa, pb))
   dtype = draw(st.sampled_from(DTYPES))
-  method = draw(st.sampled_from(["cpu", "generic"]))
+  method = draw(st.sampled_from(["cpu", "generic", "generic-host"]))
   return shape, dtype, a, b, method
 
 
@@ -105,9 +130,14 @@ def case(draw):
 @given(case())
 def test_random_reshard_is_bitwise_and_on_target(c):
   shape, dtype, a, b, method = c
+  # "generic-host": the generic executor's host tier (arrays whose programs
+  # are not compiled yet built through the host; a new transition's are not)
+  cold = "host" if method == "generic-host" else "compile"
+  method = method.removesuffix("-host")
   x = make(shape, dtype, a)
   before = bits(x)
-  y, report = reshard_with_report({"x": x}, {"x": b}, method=method)
+  with generic_cold(cold):
+    y, report = reshard_with_report({"x": x}, {"x": b}, method=method)
   y = y["x"]
   assert bits(y) == before
   assert bits(x) == before  # source untouched
@@ -116,7 +146,8 @@ def test_random_reshard_is_bitwise_and_on_target(c):
   assert y.dtype == x.dtype and y.shape == x.shape
   assert report.moved_bytes == report.lower_bound_bytes
   # Round trip is the identity.
-  z = reshard(y, a, method=method)
+  with generic_cold(cold):
+    z = reshard(y, a, method=method)
   assert bits(z) == before and z.sharding == a, (z.sharding, a)
 
 

@@ -49,6 +49,19 @@ class CompileCounter:
       os.environ["TENPLEX_JAX_RECOMPILE"] = self._env
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cold():
+  # This file tests the generic executor's device programs, which its host
+  # tier (tests/test_reshard_host_tier.py) would stand in for on a cold call.
+  old = os.environ.get("TENPLEX_JAX_GENERIC_COLD")
+  os.environ["TENPLEX_JAX_GENERIC_COLD"] = "compile"
+  yield
+  if old is None:
+    del os.environ["TENPLEX_JAX_GENERIC_COLD"]
+  else:
+    os.environ["TENPLEX_JAX_GENERIC_COLD"] = old
+
+
 @pytest.fixture(autouse=True)
 def _no_recompile_running():
   # An earlier test's background recompile (see CompileCounter) neither
