@@ -44,6 +44,14 @@ that alternate the two methods call by call (see ``worker_alternate``).
 worker importing ``tenplex_jax`` from ``DIR`` (e.g. ``git archive main
 tenplex_jax | tar -x -C DIR``), so before and after come from one run.
 
+``--held-out SEED:N`` adds the first N transitions of
+``benchmarks/random_transitions.py``'s seed SEED as cases (``heldout:SEED:I``;
+targets on subsets and other devices, column and 2-D layouts, mixed sizes)
+and prints the median and worst ratios over them. ``--compile-cold`` adds a
+``generic (compile)`` row per case: ``TENPLEX_JAX_GENERIC_COLD=compile``,
+the cold call compiling its programs (the executor before its host tier).
+Every method's cold result is checked bit for bit and on its target.
+
 Run: ``python benchmarks/bench_generic.py`` (a few minutes on 2 cores).
 """
 
@@ -71,6 +79,19 @@ def _case(jax, name):
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   devs = jax.devices()
+  if name.startswith("heldout:"):  # heldout:SEED:INDEX
+    import random_transitions as rt
+    _, seed, idx = name.split(":")
+    t = rt.make_transition(int(seed), int(idx))
+    src, dst = t.src.build(devs), t.dst.build(devs)
+    tree, target = {}, {}
+    for k, leaf in enumerate(t.leaves):
+      host = rt.host_value(leaf, k)
+      tree[f"l{k:04d}"] = jax.make_array_from_callback(
+          leaf.shape, NamedSharding(src, rt.pspec(leaf.src_spec)),
+          lambda i, h=host: h[i].copy())
+      target[f"l{k:04d}"] = NamedSharding(dst, rt.pspec(leaf.dst_spec))
+    return tree, target
   if name == "pieces":
     a = Mesh(np.array(devs), ("x",))
     b = Mesh(np.array(devs[::-1]), ("x",))
@@ -156,6 +177,11 @@ def worker(case: str, method: str) -> dict:
   out["cold_seconds"] = time.perf_counter() - t0
   out["cold_cpu_seconds"] = time.process_time() - c0
   out["cold_peak_rss_rise"] = _peak_rise(base)
+  import numpy as np
+  out["bitwise"] = all(
+      a.sharding == t and np.asarray(a).tobytes() == np.asarray(x).tobytes()
+      for a, x, t in zip(jax.tree.leaves(res), jax.tree.leaves(state),
+                         jax.tree.leaves(target)))
   del res
   out["cold_compiles"] = n[0]
   # XLA compile seconds, summed over the compiles (which may overlap).
@@ -268,7 +294,15 @@ def worker_alternate(case: str, rounds: int) -> dict:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--cases", default="lm1b,pieces")
+  ap.add_argument("--cases", default="lm1b,pieces",
+                  help="lm1b, pieces, heldout:SEED:INDEX (a transition of"
+                  " benchmarks/random_transitions.py)")
+  ap.add_argument("--held-out", default=None, metavar="SEED:N",
+                  help="adds the first N transitions of SEED as cases")
+  ap.add_argument("--compile-cold", action="store_true",
+                  help="adds a 'generic (compile)' row per case: the generic"
+                  " executor with TENPLEX_JAX_GENERIC_COLD=compile (cold"
+                  " calls compile their programs, as before the host tier)")
   ap.add_argument("--out", default=os.path.join(HERE,
                                                 "bench_generic_result.json"))
   ap.add_argument("--timeout", type=float, default=300)
@@ -300,12 +334,22 @@ def main(argv=None) -> int:
   if args.trim_first:
     env["TENPLEX_BENCH_TRIM_FIRST"] = "1"
   methods = ["generic", "device_put"]
+  if args.compile_cold:
+    methods.append("generic (compile)")
   if args.baseline_src:
     methods.append("generic (before)")
+  cases = [c for c in args.cases.split(",") if c]
+  if args.held_out:
+    seed, n = args.held_out.split(":")
+    cases += [f"heldout:{seed}:{i}" for i in range(int(n))]
+  args.cases = ",".join(cases)
   rows = []
-  for case in args.cases.split(","):
+  for case in cases:
     for method in methods:
       wenv = dict(env)
+      wenv.pop("TENPLEX_JAX_GENERIC_COLD", None)
+      if method == "generic (compile)":
+        wenv["TENPLEX_JAX_GENERIC_COLD"] = "compile"
       if method == "generic (before)":
         wenv["TENPLEX_BENCH_SRC"] = os.path.abspath(args.baseline_src)
       try:
@@ -426,8 +470,30 @@ def main(argv=None) -> int:
           f" {r['generic_over_device_put']:.2f}x; rounds: "
           + ", ".join(f"{x:.2f}" for x in
                       r["each_round_generic_over_device_put"]))
+  held = [c for c in checks if c.startswith("heldout:")]
+  summary = {}
+  if held:
+    def spread(key: str) -> dict:
+      v = sorted(checks[c][key] for c in held)
+      return {"median": v[len(v) // 2], "worst": v[-1]}
+    summary = {k: spread(k) for k in (
+        "cold_generic_over_device_put", "warm_generic_over_device_put",
+        "warm_alive_generic_over_device_put",
+        "warm_paused_generic_over_device_put",
+        "cold_peak_rss_generic_over_device_put")}
+    summary["cases"] = len(held)
+    summary["all_met"] = {k: all(checks[c][k] for c in held) for k in (
+        "cold_not_slower", "warm_within_1_2x", "warm_each_not_slower_than_cold",
+        "warm_each_not_slower_than_device_put", "cold_peak_rss_below",
+        "compile_budget_met")}
+    print(f"held-out ({len(held)} transitions), generic / device_put:"
+          + "".join(f" {k} median {v['median']:.2f} worst {v['worst']:.2f};"
+                    for k, v in summary.items() if isinstance(v, dict)
+                    and "median" in v)
+          + f" met: {summary['all_met']}")
   doc = {"load": os.getloadavg(), "trim_first": args.trim_first,
-         "results": rows, "checks": checks, "alternate": alternate}
+         "results": rows, "checks": checks, "held_out": summary,
+         "alternate": alternate}
   with open(args.out, "w") as f:
     json.dump(doc, f, indent=1)
   print("| case | method | cold s | cold compiles | warm s (median) |"
@@ -441,7 +507,9 @@ def main(argv=None) -> int:
       print(f"| {r['case']} | {r['method']} | {r['failure']} | | | | | | | |")
       continue
     print(f"| {r['case']} ({r['leaves']} arrays, {r['bytes'] >> 20} MiB) |"
-          f" {r['method']} | {r['cold_seconds']:.3f} | {r['cold_compiles']} |"
+          f" {r['method']} | {r['cold_seconds']:.3f}"
+          f"{'' if r.get('bitwise') else ' (NOT bitwise)'} |"
+          f" {r['cold_compiles']} |"
           f" {r['warm_seconds']:.3f} |"
           f" {', '.join(f'{w:.3f}' for w in r['warm_all_seconds'])} |"
           f" {', '.join(f'{w:.3f}' for w in r['warm_alive_all_seconds'])} |"

@@ -872,7 +872,7 @@ def _generic_cold() -> str:
 # Platforms whose host tier is never slower than the device programs: CPU
 # devices, whose shards are host memory (the host tier reads them in place
 # and copies each moved byte at most once, the programs cut, send and glue:
-# on held-out states 0.29-0.48 s a call against 0.002-0.02 s). Their
+# warm calls 0.035-2.4 s against 0.014-0.26 s in docs/benchmarks.md). Their
 # programs are never compiled for the host tier (they would cost compile
 # time on the cores a job trains on, and be timed once, slower, before the
 # host tier was chosen again).
