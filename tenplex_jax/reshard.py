@@ -272,33 +272,11 @@ def _widened(dst: np.ndarray, src: np.ndarray) -> tuple:
   return dst, src
 
 
-def _copy_all(copies) -> None:
-  """Runs the piece copies; large batches over several threads.
-
-  numpy releases the GIL while it copies, so threads overlap both the copies
-  and the first-touch page faults of the new buffers. On the 2-core
-  benchmark VM, 2 threads took the cold tensor 2->4 reshard of 1 GiB from
-  0.55-0.68 s to 0.26-0.57 s (when the cores were not busy with other work).
-  """
-  global _copy_pool, _copy_pool_size, _copy_pool_pid
-  n = _copy_threads()
-  # Small pieces are copied by this thread while the others copy the large
-  # ones: a small copy is mostly Python work under the GIL, which threads
-  # would only pass back and forth (r0.16's 18,440 pieces are ~800 bytes on
-  # average).
-  small = [c for c in copies if c[2].nbytes < _SMALL_PIECE_BYTES]
-  large = ([c for c in copies if c[2].nbytes >= _SMALL_PIECE_BYTES]
-           if len(small) < len(copies) else [])
+def _lanes(large: list, n: int) -> list:
+  """``large`` piece copies as ``n`` lanes of (destination view, source
+  view) pairs of about equal bytes (big pieces cut along their first axis
+  so that the lanes come out even)."""
   total = sum(src.nbytes for _, _, src in large)
-  if n == 1 or total < _THREADED_MIN_BYTES:
-    for buf, idx, src in small:
-      buf[idx] = src
-    for buf, idx, src in large:
-      dst, src = _widened(buf[idx], src)
-      dst[...] = src
-    return
-  # (destination view, source view) pairs; big ones cut along their first
-  # axis so that the lanes come out even.
   pairs = []
   step = max(1, total // (4 * n))
   for buf, idx, src in large:
@@ -315,25 +293,103 @@ def _copy_all(copies) -> None:
     i = load.index(min(load))
     lanes[i].append(p)
     load[i] += p[1].nbytes
+  return [lane for lane in lanes if lane]
 
-  def run(lane):
-    for dst, src in lane:
-      dst[...] = src
 
+def _run_lane(lane: list) -> None:
+  for dst, src in lane:
+    dst[...] = src
+
+
+def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+  global _copy_pool, _copy_pool_size, _copy_pool_pid
   with _copy_pool_lock:
     if (_copy_pool is None or _copy_pool_size < n
         or _copy_pool_pid != os.getpid()):
       _copy_pool = concurrent.futures.ThreadPoolExecutor(
           n, thread_name_prefix="tenplex-copy")
       _copy_pool_size, _copy_pool_pid = n, os.getpid()
-    pool = _copy_pool
-  futures = [pool.submit(run, lane) for lane in lanes if lane]
-  try:
-    for buf, idx, src in small:
-      buf[idx] = src
-  finally:
+    return _copy_pool
+
+
+class _Copies:
+  """The piece copies of a call, ``(buffer, index, source view)``, collected
+  by :func:`_run_cpu` and run by :meth:`run`; large batches over several
+  threads.
+
+  numpy releases the GIL while it copies, so threads overlap both the copies
+  and the first-touch page faults of the new buffers. On the 2-core
+  benchmark VM, 2 threads took the cold tensor 2->4 reshard of 1 GiB from
+  0.55-0.68 s to 0.26-0.57 s (when the cores were not busy with other work).
+  Once the large pieces collected reach _STREAM_BYTES they go to the
+  threads while the caller goes on collecting (working out the next arrays'
+  boxes is Python under the GIL, the copies are not): a held-out state of
+  1,632 arrays spent 152 ms collecting and 179 ms copying, one after the
+  other.
+  """
+
+  def __init__(self):
+    self.small: list = []
+    self.large: list = []
+    self.large_bytes = 0
+    self.futures: list = []
+    self.n = _copy_threads()
+
+  def append(self, copy: tuple) -> None:
+    nbytes = copy[2].nbytes
+    # Small pieces are copied by the calling thread while the others copy
+    # the large ones: a small copy is mostly Python work under the GIL,
+    # which threads would only pass back and forth (r0.16's 18,440 pieces
+    # are ~800 bytes on average).
+    if nbytes < _SMALL_PIECE_BYTES:
+      self.small.append(copy)
+      return
+    self.large.append(copy)
+    self.large_bytes += nbytes
+    if self.n > 1 and self.large_bytes >= _STREAM_BYTES:
+      self._submit()
+
+  def _submit(self) -> None:
+    pool = _pool(self.n)
+    self.futures += [pool.submit(_run_lane, lane)
+                     for lane in _lanes(self.large, self.n)]
+    self.large, self.large_bytes = [], 0
+
+  def run(self) -> None:
+    """Runs (or waits for) every copy collected; then holds none."""
+    try:
+      if self.futures or (self.n > 1
+                          and self.large_bytes >= _THREADED_MIN_BYTES):
+        if self.large:
+          self._submit()
+      else:
+        for buf, idx, src in self.large:
+          dst, src = _widened(buf[idx], src)
+          dst[...] = src
+      for buf, idx, src in self.small:
+        buf[idx] = src
+    finally:
+      self.wait()
+    self.small = self.large = []
+
+  def wait(self) -> None:
+    """Waits for the copies handed to the threads (raising the first
+    failure once all are done): none writes into a buffer after this."""
+    futures, self.futures = self.futures, []
+    concurrent.futures.wait(futures)
     for f in futures:
       f.result()
+
+
+_STREAM_BYTES = 64 << 20
+
+
+def _copy_all(copies) -> None:
+  """Runs the piece copies ``copies`` (see :class:`_Copies`)."""
+  c = _Copies()
+  for copy in copies:
+    c.append(copy)
+  c.run()
 
 
 # -- building new arrays -------------------------------------------------------
@@ -1995,7 +2051,7 @@ _DONATE_BATCH_BYTES = 64 << 20
 def _build_cpu(batch: list, phys: list, tr) -> tuple[dict, tuple]:
   """Builds the arrays ``batch`` (indices into ``phys``) on the CPU path:
   every copy of the batch in one threaded pass, then one call per array."""
-  copies: list = []
+  copies = _Copies()
   staged = []
   aliased = copied = 0
   for i in batch:
@@ -2004,12 +2060,13 @@ def _build_cpu(batch: list, phys: list, tr) -> tuple[dict, tuple]:
     try:
       xs, shards, filled, nbytes = _run_cpu(prog, leaf, copies)
     except Exception as e:
+      copies.wait()  # no copy still writes into a buffer given back
       raise ReshardError(f"{name}: resharding failed: {e}") from e
     staged.append((i, xs, shards))
     aliased += sum(kind == "box" for kind, _ in prog.outs) - filled
     copied += nbytes
   try:
-    _copy_all(copies)
+    copies.run()
   except Exception as e:
     raise ReshardError(f"resharding failed while copying: {e}") from e
   del copies  # drop the source views before any source is donated
@@ -2052,7 +2109,9 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
   _run_generic). Returns the arrays and how many went through the host.
 
   The host tier: an array whose device programs are not compiled yet is
-  built as the CPU executor builds it (its source shards read on the host,
+  built as the CPU executor builds it, by the CPU executor's programs
+  (``tr.progs``, planned by class; the device programs are planned on
+  first use, see _Transition.device_programs) (its source shards read on the host,
   on accelerators one copy each, its new boxes assembled there and put on
   their devices; ``jax.device_put``'s own path between device sets), so a
   cold call compiles nothing; where a later call needs the same programs,
@@ -2064,11 +2123,16 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
   devices (see _HOST_ONLY) the host tier is never slower and nothing is
   compiled for it. ``TENPLEX_JAX_GENERIC_COLD=compile``: compiled in the
   call instead, and run."""
+  host_tier = _generic_cold() == "host"
   spmd, rest, direct = [], [], []
-  for i in batch:
-    leaf, s = phys[i][1], phys[i][2]
-    (direct if np.dtype(leaf.dtype).name in _NOT_COMPILED else
-     spmd if _packed_eligible(leaf, s) else rest).append(i)
+  if host_tier and all(_platforms(phys[i][1].sharding) | _platforms(phys[i][2])
+                       <= _HOST_ONLY for i in batch):
+    direct = list(batch)  # nothing is compiled for these (see _HOST_ONLY)
+  else:
+    for i in batch:
+      leaf, s = phys[i][1], phys[i][2]
+      (direct if np.dtype(leaf.dtype).name in _NOT_COMPILED else
+       spmd if _packed_eligible(leaf, s) else rest).append(i)
   # A class of fewer than _PACK_MIN arrays packs nothing, yet compiles a
   # cut and a glue of its own: such arrays go to the per-device executor,
   # whose two programs per device take every one of them.
@@ -2076,14 +2140,14 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
   classes = collections.Counter(key.values())
   rest += [i for i in spmd if classes[key[i]] < _PACK_MIN]
   spmd = [i for i in spmd if classes[key[i]] >= _PACK_MIN]
-  host_tier = _generic_cold() == "host"
   t0 = time.perf_counter()
   try:
     out = {}
     packed = rest_items = None
     ready = True  # every program compiled
+    dprogs = tr.device_programs(phys) if spmd or rest else None
     if spmd:
-      packed = [(tr.progs[i], phys[i][1], phys[i][2]) for i in spmd]
+      packed = [(dprogs[i], phys[i][1], phys[i][2]) for i in spmd]
       flight = _flight_bytes(packed)
       groups = _groups(packed, flight)
       if host_tier:
@@ -2091,7 +2155,7 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
         groups = _compiled_groups(groups)
         ready = len(groups) == n
     if rest:
-      rest_items = [(tr.progs[i], phys[i][1]) for i in rest]
+      rest_items = [(dprogs[i], phys[i][1]) for i in rest]
       if host_tier and not _programs_ready(_cached_schedule(rest_items).jobs):
         ready = False
         direct += rest
@@ -2121,10 +2185,13 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
     if direct:  # assembled on the host, as the CPU executor does
       for i in direct:
         _prefetch_to_host(tr.progs[i], phys[i][1])
-      copies: list = []
-      for i in direct:
-        out[i] = _run_cpu(tr.progs[i], phys[i][1], copies)[:2]
-      _copy_all(copies)
+      copies = _Copies()
+      try:
+        for i in direct:
+          out[i] = _run_cpu(tr.progs[i], phys[i][1], copies)[:2]
+        copies.run()
+      finally:
+        copies.wait()  # also on a failure: no copy still writes
       del copies
   except Exception as e:
     names = [phys[i][0] for i in batch]
@@ -2314,7 +2381,8 @@ class _Transition:
     kept: every target device already holds its box (nothing moves).
     method: the executor, ``cpu`` or ``generic`` (``auto`` if kept).
     progs: per item, its :class:`_LeafProgram` (on the kept path, the
-      target's addressable devices; ``None`` for non-arrays).
+      target's addressable devices; ``None`` for non-arrays); for the
+      generic executor's host tier, the CPU executor's programs.
     plan_seconds: time the planning took.
     n_tensors, state_bytes, moved_bytes, lower_bound_bytes, local_bytes:
       the report's figures (on the kept path, ``local_bytes`` is all of it).
@@ -2327,6 +2395,9 @@ class _Transition:
       program is compiled, the device programs are timed once (their
       results waited for); then the faster tier builds the batch, the
       host's timed again on each call it builds.
+    device: the generic executor's device programs, per item (``progs``
+      where they are those; with the host tier, planned on first use by
+      :meth:`device_programs`).
   """
 
   kept: bool
@@ -2341,6 +2412,7 @@ class _Transition:
   plan: Plan | None = None
   sig: tuple | None = dataclasses.field(default=None, repr=False)
   tiers: dict = dataclasses.field(default_factory=dict, repr=False)
+  device: list | None = dataclasses.field(default=None, repr=False)
 
   def full_plan(self) -> Plan | None:
     """The plan of the whole state (built on first use, then kept)."""
@@ -2355,19 +2427,33 @@ class _Transition:
       self.sig = None
     return self.plan
 
+  def device_programs(self, phys: list) -> list:
+    """The generic executor's per-array programs (see ``device``)."""
+    if self.device is None:
+      progs = _plan_programs(phys, "generic", [None] * len(phys))[0]
+      with _transitions_lock:
+        if self.device is None:
+          self.device = progs
+    return self.device
+
   @classmethod
   def build(cls, phys: list, method: str, sig: tuple) -> "_Transition":
     t0 = time.perf_counter()
     resolved = method
+    platforms = set()
+    for _, leaf, s, _ in phys:
+      if s is not None:
+        platforms |= _platforms(leaf.sharding) | _platforms(s)
     if method == "auto":
-      platforms = set()
-      for _, leaf, s, _ in phys:
-        if s is not None:
-          platforms |= _platforms(leaf.sharding) | _platforms(s)
       resolved = "cpu" if platforms <= {"cpu"} else "generic"
+    # The generic executor's host tier runs the CPU executor's programs
+    # (planned by class; see _build_generic); its device programs are
+    # planned when first needed.
+    host = resolved == "cpu" or (resolved == "generic"
+                                 and _generic_cold() == "host")
     arrays = [p for p in phys if p[2] is not None]
     classes: list = [None] * len(phys)
-    if resolved == "cpu" and len({p[0] for p in arrays}) == len(arrays):
+    if host and len({p[0] for p in arrays}) == len(arrays):
       classes = [None if s is None else _class_of(leaf, s)
                  for _, leaf, s, _ in phys]
     slow = [p if c is None else (p[0], p[1], None, p[3])
@@ -2394,45 +2480,61 @@ class _Transition:
                           in zip(dst.boxes, dst.holders)) * leaf.dtype.itemsize
       return cls(True, method, progs, n_tensors=n, state_bytes=state_bytes,
                  local_bytes=kept_bytes)
-    moved = local = 0
-    progs: list = [None] * len(phys)
-    scaled: dict = {}
-    for i, ((_, leaf, _, _), c) in enumerate(zip(phys, classes)):
-      if c is not None:
-        k = math.prod(c[1]) * leaf.dtype.itemsize
-        moved += c[0].lower * k
-        local += c[0].local * k
-        k = (c[0], c[1])  # arrays of one signature share one program
-        if k not in scaled:
-          scaled[k] = _scale(*k)
-        progs[i] = scaled[k]
-    the_plan = None
-    if any(p[2] is not None for p in slow):
-      src_ptc = PTC.from_tree(_sds(slow, True))
-      dst_ptc = PTC.from_tree(_sds(slow, False))
-      sub = plan(src_ptc, dst_ptc)
-      moved += sub.moved_bytes
-      local += sub.local_bytes
-      if len(src_ptc) == n:
-        the_plan = sub
-      memo = {}
-      for i, (name, leaf, s, _) in enumerate(slow):
-        if s is None:
-          continue
-        tpl, rot = sub.template(name)
-        # On CPU devices any replica is as near as another: arrays of one
-        # template share one program whatever their replica rotation.
-        k = (id(tpl), rot if resolved == "generic" else 0, leaf.sharding, s)
-        if k not in memo:
-          memo[k] = _leaf_program(
-              name, tpl, k[1], src_ptc[name].placement,
-              dst_ptc[name].placement, s, _addressable_ids(leaf.sharding),
-              cpu=resolved == "cpu")
-        progs[i] = memo[k]
+    progs, moved, local, the_plan = _plan_programs(
+        phys, "cpu" if host else "generic", classes)
     return cls(False, resolved, progs, plan_seconds=time.perf_counter() - t0,
                n_tensors=n, state_bytes=state_bytes, moved_bytes=moved,
                lower_bound_bytes=moved, local_bytes=local, plan=the_plan,
-               sig=None if the_plan is not None else sig)
+               sig=None if the_plan is not None else sig,
+               device=None if host else progs)
+
+
+def _plan_programs(phys: list, kind: str, classes: list) -> tuple:
+  """``(programs, moved bytes, local bytes, plan or None)`` of the arrays
+  of ``phys``: per item, its :class:`_LeafProgram` for the CPU executor's
+  code (``kind`` ``cpu``: the CPU executor and the generic one's host tier)
+  or the generic executor's device programs (``generic``); arrays with a
+  class (see :func:`_class_of`) scaled from it, the others planned."""
+  n = sum(p[2] is not None for p in phys)
+  slow = [p if c is None else (p[0], p[1], None, p[3])
+          for p, c in zip(phys, classes)]
+  moved = local = 0
+  progs: list = [None] * len(phys)
+  scaled: dict = {}
+  for i, ((_, leaf, _, _), c) in enumerate(zip(phys, classes)):
+    if c is not None:
+      k = math.prod(c[1]) * leaf.dtype.itemsize
+      moved += c[0].lower * k
+      local += c[0].local * k
+      k = (c[0], c[1])  # arrays of one signature share one program
+      if k not in scaled:
+        scaled[k] = _scale(*k)
+      progs[i] = scaled[k]
+  the_plan = None
+  if any(p[2] is not None for p in slow):
+    src_ptc = PTC.from_tree(_sds(slow, True))
+    dst_ptc = PTC.from_tree(_sds(slow, False))
+    sub = plan(src_ptc, dst_ptc)
+    moved += sub.moved_bytes
+    local += sub.local_bytes
+    if len(src_ptc) == n:
+      the_plan = sub
+    memo = {}
+    for i, (name, leaf, s, _) in enumerate(slow):
+      if s is None:
+        continue
+      tpl, rot = sub.template(name)
+      # Where the CPU executor's code reads the shards any replica is as
+      # near as another: arrays of one template share one program whatever
+      # their replica rotation.
+      k = (id(tpl), rot if kind == "generic" else 0, leaf.sharding, s)
+      if k not in memo:
+        memo[k] = _leaf_program(
+            name, tpl, k[1], src_ptc[name].placement,
+            dst_ptc[name].placement, s, _addressable_ids(leaf.sharding),
+            cpu=kind == "cpu")
+      progs[i] = memo[k]
+  return progs, moved, local, the_plan
 
 
 _TRANSITIONS: collections.OrderedDict = collections.OrderedDict()
@@ -2592,13 +2694,15 @@ def _reshard_default_memory(items: list, rebuild: Callable, final_kind: dict,
   if method not in ("auto", "cpu", "generic"):
     raise ValueError(f"method must be 'auto', 'cpu' or 'generic', not"
                      f" {method!r}")
-  key = (method, tuple((name,) if s is None else
-                       (name, leaf.shape, leaf.dtype, leaf.sharding, s)
-                       for name, leaf, s, _ in phys))
+  # (the generic executor plans for its host tier or not: see _Transition)
+  key = (method, None if method == "cpu" else _generic_cold(),
+         tuple((name,) if s is None else
+               (name, leaf.shape, leaf.dtype, leaf.sharding, s)
+               for name, leaf, s, _ in phys))
   tr = _cached_transition(key)
   cached = tr is not None
   if tr is None:
-    tr = _Transition.build(phys, method, key[1])
+    tr = _Transition.build(phys, method, key[2])
     _remember_transition(key, tr)
   t1 = time.perf_counter()
   if tr.kept:

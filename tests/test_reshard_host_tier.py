@@ -216,3 +216,11 @@ def test_cpu_devices_compile_nothing_for_the_host_tier(monkeypatch):
     _check(out, hosts, target)
   assert not rmod._GROUP_EXES and not rmod._programs
   assert not rmod._compile_later
+  # planned as the CPU executor plans (by class); the device programs never
+  (tr,) = rmod._TRANSITIONS.values()
+  assert tr.device is None
+  cpu = rmod._Transition.build(
+      [(k, tree[k], target[k], None) for k in sorted(tree)], "cpu", ())
+  assert len(tr.progs) == len(cpu.progs) == len(tree)
+  assert ([(p.boxes, p.alias, p.outs) for p in tr.progs]
+          == [(p.boxes, p.alias, p.outs) for p in cpu.progs])
