@@ -272,11 +272,33 @@ def _widened(dst: np.ndarray, src: np.ndarray) -> tuple:
   return dst, src
 
 
-def _lanes(large: list, n: int) -> list:
-  """``large`` piece copies as ``n`` lanes of (destination view, source
-  view) pairs of about equal bytes (big pieces cut along their first axis
-  so that the lanes come out even)."""
+def _copy_all(copies) -> None:
+  """Runs the piece copies; large batches over several threads.
+
+  numpy releases the GIL while it copies, so threads overlap both the copies
+  and the first-touch page faults of the new buffers. On the 2-core
+  benchmark VM, 2 threads took the cold tensor 2->4 reshard of 1 GiB from
+  0.55-0.68 s to 0.26-0.57 s (when the cores were not busy with other work).
+  """
+  global _copy_pool, _copy_pool_size, _copy_pool_pid
+  n = _copy_threads()
+  # Small pieces are copied by this thread while the others copy the large
+  # ones: a small copy is mostly Python work under the GIL, which threads
+  # would only pass back and forth (r0.16's 18,440 pieces are ~800 bytes on
+  # average).
+  small = [c for c in copies if c[2].nbytes < _SMALL_PIECE_BYTES]
+  large = ([c for c in copies if c[2].nbytes >= _SMALL_PIECE_BYTES]
+           if len(small) < len(copies) else [])
   total = sum(src.nbytes for _, _, src in large)
+  if n == 1 or total < _THREADED_MIN_BYTES:
+    for buf, idx, src in small:
+      buf[idx] = src
+    for buf, idx, src in large:
+      dst, src = _widened(buf[idx], src)
+      dst[...] = src
+    return
+  # (destination view, source view) pairs; big ones cut along their first
+  # axis so that the lanes come out even.
   pairs = []
   step = max(1, total // (4 * n))
   for buf, idx, src in large:
@@ -293,103 +315,25 @@ def _lanes(large: list, n: int) -> list:
     i = load.index(min(load))
     lanes[i].append(p)
     load[i] += p[1].nbytes
-  return [lane for lane in lanes if lane]
 
+  def run(lane):
+    for dst, src in lane:
+      dst[...] = src
 
-def _run_lane(lane: list) -> None:
-  for dst, src in lane:
-    dst[...] = src
-
-
-def _pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
-  global _copy_pool, _copy_pool_size, _copy_pool_pid
   with _copy_pool_lock:
     if (_copy_pool is None or _copy_pool_size < n
         or _copy_pool_pid != os.getpid()):
       _copy_pool = concurrent.futures.ThreadPoolExecutor(
           n, thread_name_prefix="tenplex-copy")
       _copy_pool_size, _copy_pool_pid = n, os.getpid()
-    return _copy_pool
-
-
-class _Copies:
-  """The piece copies of a call, ``(buffer, index, source view)``, collected
-  by :func:`_run_cpu` and run by :meth:`run`; large batches over several
-  threads.
-
-  numpy releases the GIL while it copies, so threads overlap both the copies
-  and the first-touch page faults of the new buffers. On the 2-core
-  benchmark VM, 2 threads took the cold tensor 2->4 reshard of 1 GiB from
-  0.55-0.68 s to 0.26-0.57 s (when the cores were not busy with other work).
-  Once the large pieces collected reach _STREAM_BYTES they go to the
-  threads while the caller goes on collecting (working out the next arrays'
-  boxes is Python under the GIL, the copies are not): a held-out state of
-  1,632 arrays spent 152 ms collecting and 179 ms copying, one after the
-  other.
-  """
-
-  def __init__(self):
-    self.small: list = []
-    self.large: list = []
-    self.large_bytes = 0
-    self.futures: list = []
-    self.n = _copy_threads()
-
-  def append(self, copy: tuple) -> None:
-    nbytes = copy[2].nbytes
-    # Small pieces are copied by the calling thread while the others copy
-    # the large ones: a small copy is mostly Python work under the GIL,
-    # which threads would only pass back and forth (r0.16's 18,440 pieces
-    # are ~800 bytes on average).
-    if nbytes < _SMALL_PIECE_BYTES:
-      self.small.append(copy)
-      return
-    self.large.append(copy)
-    self.large_bytes += nbytes
-    if self.n > 1 and self.large_bytes >= _STREAM_BYTES:
-      self._submit()
-
-  def _submit(self) -> None:
-    pool = _pool(self.n)
-    self.futures += [pool.submit(_run_lane, lane)
-                     for lane in _lanes(self.large, self.n)]
-    self.large, self.large_bytes = [], 0
-
-  def run(self) -> None:
-    """Runs (or waits for) every copy collected; then holds none."""
-    try:
-      if self.futures or (self.n > 1
-                          and self.large_bytes >= _THREADED_MIN_BYTES):
-        if self.large:
-          self._submit()
-      else:
-        for buf, idx, src in self.large:
-          dst, src = _widened(buf[idx], src)
-          dst[...] = src
-      for buf, idx, src in self.small:
-        buf[idx] = src
-    finally:
-      self.wait()
-    self.small = self.large = []
-
-  def wait(self) -> None:
-    """Waits for the copies handed to the threads (raising the first
-    failure once all are done): none writes into a buffer after this."""
-    futures, self.futures = self.futures, []
-    concurrent.futures.wait(futures)
+    pool = _copy_pool
+  futures = [pool.submit(run, lane) for lane in lanes if lane]
+  try:
+    for buf, idx, src in small:
+      buf[idx] = src
+  finally:
     for f in futures:
       f.result()
-
-
-_STREAM_BYTES = 64 << 20
-
-
-def _copy_all(copies) -> None:
-  """Runs the piece copies ``copies`` (see :class:`_Copies`)."""
-  c = _Copies()
-  for copy in copies:
-    c.append(copy)
-  c.run()
 
 
 # -- building new arrays -------------------------------------------------------
@@ -2051,7 +1995,7 @@ _DONATE_BATCH_BYTES = 64 << 20
 def _build_cpu(batch: list, phys: list, tr) -> tuple[dict, tuple]:
   """Builds the arrays ``batch`` (indices into ``phys``) on the CPU path:
   every copy of the batch in one threaded pass, then one call per array."""
-  copies = _Copies()
+  copies: list = []
   staged = []
   aliased = copied = 0
   for i in batch:
@@ -2060,13 +2004,12 @@ def _build_cpu(batch: list, phys: list, tr) -> tuple[dict, tuple]:
     try:
       xs, shards, filled, nbytes = _run_cpu(prog, leaf, copies)
     except Exception as e:
-      copies.wait()  # no copy still writes into a buffer given back
       raise ReshardError(f"{name}: resharding failed: {e}") from e
     staged.append((i, xs, shards))
     aliased += sum(kind == "box" for kind, _ in prog.outs) - filled
     copied += nbytes
   try:
-    copies.run()
+    _copy_all(copies)
   except Exception as e:
     raise ReshardError(f"resharding failed while copying: {e}") from e
   del copies  # drop the source views before any source is donated
@@ -2185,13 +2128,10 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
     if direct:  # assembled on the host, as the CPU executor does
       for i in direct:
         _prefetch_to_host(tr.progs[i], phys[i][1])
-      copies = _Copies()
-      try:
-        for i in direct:
-          out[i] = _run_cpu(tr.progs[i], phys[i][1], copies)[:2]
-        copies.run()
-      finally:
-        copies.wait()  # also on a failure: no copy still writes
+      copies: list = []
+      for i in direct:
+        out[i] = _run_cpu(tr.progs[i], phys[i][1], copies)[:2]
+      _copy_all(copies)
       del copies
   except Exception as e:
     names = [phys[i][0] for i in batch]
