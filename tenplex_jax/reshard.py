@@ -872,7 +872,7 @@ def _generic_cold() -> str:
 # Platforms whose host tier is never slower than the device programs: CPU
 # devices, whose shards are host memory (the host tier reads them in place
 # and copies each moved byte at most once, the programs cut, send and glue:
-# warm calls 0.035-2.4 s against 0.014-0.26 s in docs/benchmarks.md). Their
+# warm calls 0.037-2.3 s against 0.011-0.22 s in docs/benchmarks.md). Their
 # programs are never compiled for the host tier (they would cost compile
 # time on the cores a job trains on, and be timed once, slower, before the
 # host tier was chosen again).
