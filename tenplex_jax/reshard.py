@@ -852,11 +852,10 @@ def _reused(key) -> None:
     _queue_recompile(*job)
 
 
-# The generic executor's host tier (see _build_generic): programs a call
-# needed and did not have, key -> (lower, platform, install), or ``None``
-# once queued. A later call that needs one again queues its compile (once);
-# until the install, calls build those arrays through the host.
-_compile_later: collections.OrderedDict = collections.OrderedDict()
+# The generic executor's host tier (see _build_generic): the programs whose
+# compile has been queued (once each; until installed, calls build their
+# arrays through the host).
+_compile_queued: collections.OrderedDict = collections.OrderedDict()
 
 
 def _generic_cold() -> str:
@@ -880,23 +879,18 @@ _HOST_ONLY = frozenset({"cpu"})
 
 
 def _needed(key, lower: Callable, platform: str, install) -> None:
-  """A call built arrays through the host for want of program ``key``: the
-  first time it is remembered, the second its compile is queued
-  (:func:`_queue_recompile` with ``new``), never again; never on
-  :data:`_HOST_ONLY` platforms."""
+  """A call that repeats a transition built arrays through the host for
+  want of program ``key``: its compile is queued (:func:`_queue_recompile`
+  with ``new``), once; never on :data:`_HOST_ONLY` platforms."""
   if platform in _HOST_ONLY:
     return
   with _recompile_cv:
-    if key not in _compile_later:
-      _compile_later[key] = (lower, platform, install)
-      while len(_compile_later) > _RECOMPILE_LATER_MAX:
-        _compile_later.popitem(last=False)
+    if key in _compile_queued:
       return
-    job = _compile_later[key]
-    if job is None:
-      return
-    _compile_later[key] = None
-  _queue_recompile(*job, new=True)
+    _compile_queued[key] = None
+    while len(_compile_queued) > _RECOMPILE_LATER_MAX:
+      _compile_queued.popitem(last=False)
+  _queue_recompile(lower, platform, install, new=True)
 
 
 class _Resharding:
@@ -1011,7 +1005,7 @@ def _reset_recompile_after_fork() -> None:
   global _recompile_cv, _recompile_thread, _resharding
   _recompile_jobs.clear()
   _recompile_later.clear()
-  _compile_later.clear()
+  _compile_queued.clear()
   _recompile_cv, _recompile_thread = threading.Condition(), None
   _resharding = 0
 
@@ -2053,24 +2047,29 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
 
   The host tier: an array whose device programs are not compiled yet is
   built as the CPU executor builds it, by the CPU executor's programs
-  (``tr.progs``, planned by class; the device programs are planned on
-  first use, see _Transition.device_programs) (its source shards read on the host,
-  on accelerators one copy each, its new boxes assembled there and put on
-  their devices; ``jax.device_put``'s own path between device sets), so a
-  cold call compiles nothing; where a later call needs the same programs,
-  they are compiled on the background thread (see _queue_recompile). Once
-  all of a batch's programs are in, the next call runs them and is timed
+  (``tr.progs``, planned by class): its source shards read on the host (on
+  accelerators one copy each), its new boxes assembled there and put on
+  their devices (``jax.device_put``'s own path between device sets). A
+  transition's first call builds every array so and plans no device
+  program (a one-off resize compiles nothing); a later call plans them
+  (see _Transition.device_programs), runs those already compiled and
+  queues the others for the background thread (see _queue_recompile).
+  Once all of a batch's programs are in, the next call runs them, timed
   (its results waited for), and later calls take the faster of the two
   tiers as last measured (see ``_Transition.tiers``): on accelerators
   presumably the device programs, which never leave device memory. On CPU
   devices (see _HOST_ONLY) the host tier is never slower and nothing is
-  compiled for it. ``TENPLEX_JAX_GENERIC_COLD=compile``: compiled in the
-  call instead, and run."""
+  planned or compiled for it. ``TENPLEX_JAX_GENERIC_COLD=compile``: the
+  programs compiled in the call instead, and run."""
   host_tier = _generic_cold() == "host"
   spmd, rest, direct = [], [], []
-  if host_tier and all(_platforms(phys[i][1].sharding) | _platforms(phys[i][2])
-                       <= _HOST_ONLY for i in batch):
-    direct = list(batch)  # nothing is compiled for these (see _HOST_ONLY)
+  times = tr.tiers.get(tuple(batch))
+  if host_tier and (times is None or all(
+      _platforms(phys[i][1].sharding) | _platforms(phys[i][2]) <= _HOST_ONLY
+      for i in batch)):
+    # A transition's first call (a one-off resize compiles and plans no
+    # device program), and every call on CPU devices (see _HOST_ONLY).
+    direct = list(batch)
   else:
     for i in batch:
       leaf, s = phys[i][1], phys[i][2]
@@ -2105,7 +2104,8 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
         rest_items = None
     # Every program compiled: the faster tier as measured on this batch
     # (see _Transition.tiers); the device programs are timed once first.
-    times = tr.tiers.setdefault(tuple(batch), [None, None])
+    if times is None:
+      times = tr.tiers.setdefault(tuple(batch), [None, None])
     measure = None
     if host_tier and ready and (spmd or rest):
       if times[1] is None:

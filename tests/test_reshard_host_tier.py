@@ -47,7 +47,7 @@ def _cold(monkeypatch):
   assert rmod._wait_recompiles(60.0)
   monkeypatch.setenv("TENPLEX_JAX_GENERIC_COLD", "host")
   monkeypatch.setattr(rmod, "_HOST_ONLY", frozenset())
-  for cache in (rmod._GROUP_EXES, rmod._programs, rmod._compile_later,
+  for cache in (rmod._GROUP_EXES, rmod._programs, rmod._compile_queued,
                 rmod._TRANSITIONS, rmod._SCHEDULES):
     cache.clear()
   yield
@@ -104,6 +104,8 @@ def test_cold_call_compiles_nothing_and_a_repeat_compiles_in_the_background():
   assert "through the host" in str(rep)
   _check(out, hosts, target)
   assert not rmod._GROUP_EXES and not rmod._programs
+  (tr,) = rmod._TRANSITIONS.values()
+  assert tr.device is None  # a one-off call plans no device program
   del out
   # The second call still compiles nothing in the call, through the host
   # again; it queues the programs, compiled on the background thread.
@@ -112,6 +114,7 @@ def test_cold_call_compiles_nothing_and_a_repeat_compiles_in_the_background():
     jax.block_until_ready(out)
     assert c.n == 0 and rep.host_staged == n
   _check(out, hosts, target)
+  assert tr.device is not None
   assert rmod._wait_recompiles(120.0)
   assert rmod._GROUP_EXES and rmod._programs  # both executors' programs
   # The third call runs them, timed: nothing through the host, nothing
@@ -121,7 +124,6 @@ def test_cold_call_compiles_nothing_and_a_repeat_compiles_in_the_background():
     jax.block_until_ready(out)
   assert (c.n, rep.host_staged) == (0, 0)
   _check(out, hosts, target)
-  (tr,) = rmod._TRANSITIONS.values()
   (times,) = tr.tiers.values()
   assert all(t > 0 for t in times), times
   for _ in range(2):
@@ -150,13 +152,15 @@ def test_compiled_groups_run_on_the_devices_beside_new_ones_on_the_host():
   more = {k: jax.device_put(v, NamedSharding(a, P(None, "b")))
           for k, v in more_hosts.items()}
   more_target = {k: NamedSharding(b, P("a")) for k in more_hosts}
-  with Compiles() as c:
-    out, rep = tj.reshard_with_report({**tree, **more},
-                                      {**target, **more_target},
-                                      method="generic")
-    jax.block_until_ready(out)
-  assert (c.n, rep.host_staged) == (0, len(more))
-  _check(out, {**hosts, **more_hosts}, {**target, **more_target})
+  both, both_target = {**tree, **more}, {**target, **more_target}
+  # The new transition's first call: everything through the host, no
+  # device program planned; its second runs the compiled ones.
+  for staged in (len(both), len(more)):
+    with Compiles() as c:
+      out, rep = tj.reshard_with_report(both, both_target, method="generic")
+      jax.block_until_ready(out)
+    assert (c.n, rep.host_staged) == (0, staged)
+    _check(out, {**hosts, **more_hosts}, both_target)
 
 
 def test_host_tier_donates_its_sources_and_keeps_every_value():
@@ -215,7 +219,7 @@ def test_cpu_devices_compile_nothing_for_the_host_tier(monkeypatch):
     assert (c.n, rep.host_staged) == (0, len(hosts))
     _check(out, hosts, target)
   assert not rmod._GROUP_EXES and not rmod._programs
-  assert not rmod._compile_later
+  assert not rmod._compile_queued
   # planned as the CPU executor plans (by class); the device programs never
   (tr,) = rmod._TRANSITIONS.values()
   assert tr.device is None
