@@ -2149,14 +2149,11 @@ def _build_generic(batch: list, phys: list, tr) -> tuple[dict, int]:
 def _prefetch_to_host(prog: _LeafProgram, x: jax.Array) -> None:
   """Starts the host copies of the source shards ``prog`` reads, where they
   are not in host memory already (all at once, before any is waited for)."""
-  shards = None
-  for _, pieces in prog.boxes:
-    for src, *_ in pieces:
-      if shards is None:
-        shards = _shards_of(x)
-        if next(iter(shards[src].devices())).platform == "cpu":
-          return
-      shards[src].copy_to_host_async()
+  if "cpu" in _platforms(x.sharding):  # host memory: nothing to copy
+    return
+  shards = _shards_of(x)
+  for src in {p[0] for _, pieces in prog.boxes for p in pieces}:
+    shards[src].copy_to_host_async()
 
 
 # -- transitions by class: one program per (old sharding, new sharding, rank) --
@@ -2380,11 +2377,11 @@ class _Transition:
   def build(cls, phys: list, method: str, sig: tuple) -> "_Transition":
     t0 = time.perf_counter()
     resolved = method
-    platforms = set()
-    for _, leaf, s, _ in phys:
-      if s is not None:
-        platforms |= _platforms(leaf.sharding) | _platforms(s)
     if method == "auto":
+      platforms = set()
+      for _, leaf, s, _ in phys:
+        if s is not None:
+          platforms |= _platforms(leaf.sharding) | _platforms(s)
       resolved = "cpu" if platforms <= {"cpu"} else "generic"
     # The generic executor's host tier runs the CPU executor's programs
     # (planned by class; see _build_generic); its device programs are
