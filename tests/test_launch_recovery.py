@@ -57,7 +57,11 @@ def launcher(tmp, cmd, *opts, job=True, **env):
   args = [sys.executable, "-m", "tenplex_jax", "launch", *opts]
   if job:
     args += ["--job-dir", os.path.join(tmp, "job")]
-  log = open(os.path.join(tmp, "launch.log"), "w+")
+  # Append mode: the processes write through the same open file as this
+  # test reads with seek(0), and a shared offset moved back by that seek
+  # would let their next line overwrite the log's start (a launcher
+  # test once saw 'pid 2110' and then a line cut to 'pid', for 60 s).
+  log = open(os.path.join(tmp, "launch.log"), "a+")
   p = subprocess.Popen(args + ["--timeout", "150", "--", *cmd],
                        env={**ENV, **{k: str(v) for k, v in env.items()}},
                        stdout=log, stderr=subprocess.STDOUT,

@@ -301,7 +301,11 @@ def test_a_job_stopped_by_the_launchers_timeout_leaves_no_directory(tmp):
   # timeout, 300 s, is far off) and the other waits for it in the step's
   # collectives: a stuck job, as a timeout usually stops, and no CPU spent on
   # steps until the timeout (the job's processes 46 -> 19 CPU s alone here).
-  log = open(os.path.join(tmp, "out.log"), "w+")
+  # Append mode: the processes write through the same open file as this
+  # test reads with seek(0), and a shared offset moved back by that seek
+  # would let their next line overwrite the log's start (a launcher
+  # test once saw 'pid 2110' and then a line cut to 'pid', for 60 s).
+  log = open(os.path.join(tmp, "out.log"), "a+")
   parent = os.path.join(tmp, "jobs")
   os.mkdir(parent)
   p = subprocess.Popen([

@@ -347,7 +347,11 @@ def launcher(tmp, total, *opts, procs=1, **env):
          str(procs), "--devices-per-proc", "2", "--job-dir", job,
          "--timeout", "150", *opts, "--", sys.executable,
          os.path.join(HERE, "launch_train.py"), str(total)]
-  log = open(os.path.join(tmp, "launch.log"), "w+")
+  # Append mode: the processes write through the same open file as this
+  # test reads with seek(0), and a shared offset moved back by that seek
+  # would let their next line overwrite the log's start (a launcher
+  # test once saw 'pid 2110' and then a line cut to 'pid', for 60 s).
+  log = open(os.path.join(tmp, "launch.log"), "a+")
   p = subprocess.Popen(cmd, env={**ENV, **{k: str(v) for k, v in env.items()}},
                        stdout=log, stderr=subprocess.STDOUT,
                        start_new_session=True)

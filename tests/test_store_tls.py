@@ -98,7 +98,11 @@ def cli_server(tmp_path, root, pki, *, token_file=None, name="srv",
   """``tenplex-jax store serve`` in its own process; killed on the way out
   whatever happened. Yields its ``https://`` (``http://``) URL."""
   ready = str(tmp_path / f"{name}.ready")
-  log = open(tmp_path / f"{name}.log", "w+")
+  # Append mode: the processes write through the same open file as this
+  # test reads with seek(0), and a shared offset moved back by that seek
+  # would let their next line overwrite the log's start (a launcher
+  # test once saw 'pid 2110' and then a line cut to 'pid', for 60 s).
+  log = open(tmp_path / f"{name}.log", "a+")
   cmd = [sys.executable, "-m", "tenplex_jax", "store", "serve", "--dir",
          str(root), "--port", "0", "--ready-file", ready]
   if tls:
