@@ -1,6 +1,6 @@
 """The CPU fast path hands its new shard buffers to jax without a copy."""
 
-import sys
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +139,7 @@ def test_host_pool_off_and_bad_setting(monkeypatch):
 
 @pytest.mark.parametrize("threads,small", [("1", 0), ("3", 0), ("3", 1024)])
 def test_threaded_copies_are_bitwise(monkeypatch, threads, small):
-  R = sys.modules["tenplex_jax.reshard"]
+  R = importlib.import_module("tenplex_jax.reshard")
   monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", threads)
   monkeypatch.setattr(R, "_THREADED_MIN_BYTES", 0)  # thread even tiny copies
   # small > 0: pieces under it are copied by the calling thread meanwhile.
@@ -168,7 +168,7 @@ def test_threaded_copies_are_bitwise(monkeypatch, threads, small):
 
 
 def test_bad_copy_threads_setting(monkeypatch):
-  R = sys.modules["tenplex_jax.reshard"]
+  R = importlib.import_module("tenplex_jax.reshard")
   monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", "many")
   with pytest.raises(ValueError, match="TENPLEX_JAX_COPY_THREADS"):
     R._copy_threads()
@@ -176,7 +176,7 @@ def test_bad_copy_threads_setting(monkeypatch):
 
 def test_copy_threads_work_in_a_forked_child(monkeypatch):
   import multiprocessing as mp
-  R = sys.modules["tenplex_jax.reshard"]
+  R = importlib.import_module("tenplex_jax.reshard")
   monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", "2")
   monkeypatch.setattr(R, "_THREADED_MIN_BYTES", 0)
   monkeypatch.setattr(R, "_SMALL_PIECE_BYTES", 0)
@@ -199,6 +199,49 @@ def test_copy_threads_work_in_a_forked_child(monkeypatch):
     p.join(10)
     if p.is_alive():
       p.kill()
+
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_copy_bands_give_no_two_threads_the_same_bytes(seed):
+  # Boxes glued from pieces side by side (columns), on top of each other
+  # (rows) and whole, cut into bands of rows: every task's destinations are
+  # disjoint from every other task's, and running the tasks fills each new
+  # buffer with exactly the bytes its pieces say.
+  R = importlib.import_module("tenplex_jax.reshard")
+  rng = np.random.default_rng(seed)
+  copies, want = [], []
+  for _ in range(int(rng.integers(1, 5))):
+    rows, cols = int(rng.integers(1, 40)), int(rng.integers(1, 9)) * 3
+    src = rng.integers(0, 1 << 30, (rows, cols)).astype(np.int32)
+    buf = np.zeros((rows, cols), np.int32)
+    want.append((buf, src))
+    cuts = sorted(set(rng.integers(1, max(2, cols), 2).tolist()) - {cols})
+    edges = [0, *cuts, cols]
+    for c0, c1 in zip(edges, edges[1:]):  # column pieces
+      r_edges = [0, int(rng.integers(0, rows + 1)), rows]
+      for r0, r1 in zip(r_edges, r_edges[1:]):  # each maybe cut in rows too
+        if r1 > r0:
+          copies.append((buf, (slice(r0, r1), slice(c0, c1), Ellipsis),
+                         src[r0:r1, c0:c1]))
+  extra = np.zeros(7, np.int64)  # a whole-buffer piece with an empty index
+  copies.append((extra, (), np.arange(7, dtype=np.int64)))
+  step = int(rng.integers(16, 400))
+  tasks = R._row_bands(copies, step)
+  views = [d for _, pairs in tasks for d, _ in pairs]
+  owner = [k for k, (_, pairs) in enumerate(tasks) for _ in pairs]
+  for i in range(len(views)):
+    for j in range(i + 1, len(views)):
+      if owner[i] != owner[j]:
+        assert not np.shares_memory(views[i], views[j], max_work=None)
+  for nbytes, pairs in tasks:
+    assert nbytes == sum(s.nbytes for _, s in pairs)
+    for d, s in pairs:
+      d[...] = s
+  for buf, src in want:
+    assert np.array_equal(buf, src)
+  assert np.array_equal(extra, np.arange(7))
+  assert sum(t[0] for t in tasks) == sum(c[2].nbytes for c in copies)
 
 
 def _ptrs(x):
@@ -463,7 +506,7 @@ def test_populated_blocks_are_resident_when_handed_out(monkeypatch):
 def test_short_rows_are_copied_bitwise_in_wider_units(monkeypatch, dtype):
   # Columns 2 -> rows 2 x columns 4: every piece is a strided block whose
   # rows are 2 (or 1) elements, which the copy moves as wider integers.
-  R = sys.modules["tenplex_jax.reshard"]
+  R = importlib.import_module("tenplex_jax.reshard")
   monkeypatch.setattr(R, "_SMALL_PIECE_BYTES", 0)  # every piece is "large"
   devs = np.array(jax.devices()[:8])
   rng = np.random.default_rng(3)
