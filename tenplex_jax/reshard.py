@@ -245,24 +245,36 @@ _THREADED_MIN_BYTES = 64 << 20
 _SMALL_PIECE_BYTES = 256 << 10
 
 
+_ROW_UNIT_MAX = 64  # bytes: shorter strided rows are copied as one element
 _WIDE = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
          8: np.dtype(np.uint64)}
 
 
 def _widened(dst: np.ndarray, src: np.ndarray) -> tuple:
-  """``dst`` and ``src`` (same shape) viewed in the widest unsigned integer
-  of at most 8 bytes that their innermost rows allow, for a bitwise copy.
+  """``dst`` and ``src`` (same shape) viewed for a bitwise copy in the
+  widest unit their innermost rows allow: a strided row of at most
+  ``_ROW_UNIT_MAX`` bytes as one raw (void) element, else the widest
+  unsigned integer of at most 8 bytes.
 
   numpy copies a strided array row by row along the last axis, so short
   rows cost a loop iteration per few bytes: a (15,916,852, 2) int8 box cut
   from (., 4) columns took 0.18 s, and 7 ms viewed as (., 1) uint16.
   """
   item = dst.dtype.itemsize
-  if dst.ndim == 0 or item >= 8 or dst.size == 0:
+  if dst.ndim == 0 or dst.size == 0:
     return dst, src
   if dst.strides[-1] != item or src.strides[-1] != item:
     return dst, src
   run = dst.shape[-1] * item
+  if (dst.ndim > 1 and dst.shape[-1] > 1 and run <= _ROW_UNIT_MAX
+      and not (dst.flags.c_contiguous and src.flags.c_contiguous)):
+    # A whole short row as one raw element: numpy then runs one strided
+    # loop over the rows instead of a loop per row (rows of 16 bytes copied
+    # 2.9x faster than as two uint64, of 32 bytes 1.5x, of 64 bytes 1.2x).
+    unit = np.dtype(f"V{run}")
+    return dst.view(unit), src.view(unit)
+  if item >= 8:
+    return dst, src
   for w in (8, 4, 2):
     if (w > item and run % w == 0
         and dst.ctypes.data % w == 0 and src.ctypes.data % w == 0

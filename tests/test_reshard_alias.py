@@ -502,6 +502,32 @@ def test_populated_blocks_are_resident_when_handed_out(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [np.int8, ml_dtypes.bfloat16, np.bool_,
+                                   ml_dtypes.int4, np.float32, np.complex64,
+                                   np.float64])
+def test_short_strided_rows_copied_as_one_raw_element_are_bitwise(dtype):
+  # Every row length up to past _ROW_UNIT_MAX, strided on either side, from
+  # random bytes (NaN payloads and all): the copy is the bytes; rows of at
+  # most _ROW_UNIT_MAX bytes go as one void element each.
+  R = importlib.import_module("tenplex_jax.reshard")
+  rng = np.random.default_rng(5)
+  item = np.dtype(dtype).itemsize
+  for cols in range(1, R._ROW_UNIT_MAX // item + 3):
+    raw = rng.integers(0, 256, (37, 3 * cols * item), dtype=np.uint8)
+    whole = raw.view(dtype) if dtype not in (np.bool_, ml_dtypes.int4) else (
+        (raw % 2).astype(dtype) if dtype is np.bool_ else
+        (raw % 16 - 8).astype(np.int8).astype(dtype))
+    for dst_strided in (False, True):
+      src = whole[:, cols:2 * cols]
+      out = np.zeros((37, 3 * cols), dtype)
+      dst = out[:, cols:2 * cols] if dst_strided else np.zeros((37, cols), dtype)
+      d, s_ = R._widened(dst, src)
+      if 1 < cols and cols * item <= R._ROW_UNIT_MAX:
+        assert d.dtype.kind == "V" and d.dtype.itemsize == cols * item
+      d[...] = s_
+      assert np.array_equal(dst.view(np.uint8), src.view(np.uint8)), cols
+
+
+@pytest.mark.parametrize("dtype", [np.int8, ml_dtypes.bfloat16, np.bool_,
                                    ml_dtypes.int4, np.float32])
 def test_short_rows_are_copied_bitwise_in_wider_units(monkeypatch, dtype):
   # Columns 2 -> rows 2 x columns 4: every piece is a strided block whose
