@@ -373,7 +373,8 @@ def _row_bands(large, step: int) -> list:
       continue
     rows = max(1, src.shape[0] * step // src.nbytes)
     for a in range(0, src.shape[0], rows):
-      tasks.append((src[a:a + rows].nbytes, [(dst[a:a + rows], src[a:a + rows])]))
+      part = src[a:a + rows]
+      tasks.append((part.nbytes, [(dst[a:a + rows], part)]))
   for buf, pieces in by_buf.values():
     nbytes = sum(src.nbytes for _, src in pieces)
     n_rows = buf.shape[0]
