@@ -201,7 +201,6 @@ def test_copy_threads_work_in_a_forked_child(monkeypatch):
       p.kill()
 
 
-
 @pytest.mark.parametrize("seed", range(6))
 def test_copy_bands_give_no_two_threads_the_same_bytes(seed):
   # Boxes glued from pieces side by side (columns), on top of each other
