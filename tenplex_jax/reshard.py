@@ -364,8 +364,9 @@ def _row_bands(large, step: int) -> list:
   by_buf: dict[int, tuple] = {}
   tasks = []
   for buf, idx, src in large:
-    if buf.ndim and _rows_of(idx) is not None:
-      by_buf.setdefault(id(buf), (buf, []))[1].append((idx, src))
+    span = _rows_of(idx) if buf.ndim else None
+    if span is not None:
+      by_buf.setdefault(id(buf), (buf, []))[1].append((span, idx, src))
       continue
     dst, src = _widened(buf[idx], src)  # a whole piece, cut along its rows
     if src.ndim == 0 or src.nbytes <= step or src.shape[0] < 2:
@@ -376,14 +377,13 @@ def _row_bands(large, step: int) -> list:
       part = src[a:a + rows]
       tasks.append((part.nbytes, [(dst[a:a + rows], part)]))
   for buf, pieces in by_buf.values():
-    nbytes = sum(src.nbytes for _, src in pieces)
+    nbytes = sum(src.nbytes for _, _, src in pieces)
     n_rows = buf.shape[0]
     bands = max(1, min(n_rows, nbytes // step))
     for j in range(bands):
       r0, r1 = n_rows * j // bands, n_rows * (j + 1) // bands
       pairs, band_bytes = [], 0
-      for idx, src in pieces:
-        a, b = _rows_of(idx)
+      for (a, b), idx, src in pieces:
         lo, hi = max(a, r0), min(b, r1)
         if lo < hi:
           part = src[lo - a:hi - a]
