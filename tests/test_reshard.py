@@ -3,7 +3,6 @@
 import contextlib
 import importlib
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +25,9 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn,
 def generic_cold(how):
   """``TENPLEX_JAX_GENERIC_COLD=how`` inside: how the generic executor builds
   arrays whose programs are not compiled yet (``host`` or ``compile``)."""
-  old = os.environ.get("TENPLEX_JAX_GENERIC_COLD")
-  os.environ["TENPLEX_JAX_GENERIC_COLD"] = how
-  try:
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("TENPLEX_JAX_GENERIC_COLD", how)
     yield
-  finally:
-    if old is None:
-      del os.environ["TENPLEX_JAX_GENERIC_COLD"]
-    else:
-      os.environ["TENPLEX_JAX_GENERIC_COLD"] = old
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -53,13 +53,9 @@ class CompileCounter:
 def _compile_cold():
   # This file tests the generic executor's device programs, which its host
   # tier (tests/test_reshard_host_tier.py) would stand in for on a cold call.
-  old = os.environ.get("TENPLEX_JAX_GENERIC_COLD")
-  os.environ["TENPLEX_JAX_GENERIC_COLD"] = "compile"
-  yield
-  if old is None:
-    del os.environ["TENPLEX_JAX_GENERIC_COLD"]
-  else:
-    os.environ["TENPLEX_JAX_GENERIC_COLD"] = old
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("TENPLEX_JAX_GENERIC_COLD", "compile")
+    yield
 
 
 @pytest.fixture(autouse=True)
