@@ -80,17 +80,9 @@ def _case(jax, name):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   devs = jax.devices()
   if name.startswith("heldout:"):  # heldout:SEED:INDEX
-    import random_transitions as rt
+    from bench_transitions import _random_case  # the same states as there
     _, seed, idx = name.split(":")
-    t = rt.make_transition(int(seed), int(idx))
-    src, dst = t.src.build(devs), t.dst.build(devs)
-    tree, target = {}, {}
-    for k, leaf in enumerate(t.leaves):
-      host = rt.host_value(leaf, k)
-      tree[f"l{k:04d}"] = jax.make_array_from_callback(
-          leaf.shape, NamedSharding(src, rt.pspec(leaf.src_spec)),
-          lambda i, h=host: h[i].copy())
-      target[f"l{k:04d}"] = NamedSharding(dst, rt.pspec(leaf.dst_spec))
+    tree, target, _, _ = _random_case(jax, int(seed), int(idx))
     return tree, target
   if name == "pieces":
     a = Mesh(np.array(devs), ("x",))
