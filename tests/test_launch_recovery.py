@@ -228,8 +228,8 @@ def test_a_store_server_that_dies_before_the_restore_loses_no_step(tmp):
   # shrinks to 1 process, whose restore needs process 1's half of step 4,
   # only in store 1. That store's server dies after the launcher looked at
   # it, just before the restore: the restore raises instead of starting
-  # from step 0, the launcher restarts the server (a new port, the store
-  # intact) with the next generation, which restores step 4.
+  # from step 0, the launcher restarts the server (on a port the kernel
+  # picks, the store intact) with the next generation, which restores step 4.
   job = os.path.join(tmp, "job")
   with launcher(tmp, train(7), "--procs", "2", "--on-failure", "shrink",
                 TRAIN_SNAPSHOT_EVERY=2, TRAIN_CRASH="5:1:exit",
