@@ -243,6 +243,7 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 _THREADED_MIN_BYTES = 64 << 20
 _SMALL_PIECE_BYTES = 256 << 10
+_SMALL_PIECE_COST = 8 << 10  # a small piece's Python work, in bytes copied
 
 
 _ROW_UNIT_MAX = 64  # bytes: shorter strided rows are copied as one element
@@ -312,8 +313,13 @@ def _copy_all(copies) -> None:
   # Tasks of (destination view, source view) pairs, each a band of rows of
   # one new buffer, so that no two threads write the same pages.
   tasks = _row_bands(large, max(1, total // (4 * n)))
+  # n lanes over n threads, this one included: lane 0 is this thread's,
+  # after the small copies, which count towards its load (their bytes and,
+  # per piece, about what copying 8 KiB costs). A pool thread per lane would
+  # leave n + 1 threads copying on n cores.
   lanes: list[list] = [[] for _ in range(n)]
   load = [0] * n
+  load[0] = sum(src.nbytes + _SMALL_PIECE_COST for _, _, src in small)
   for nbytes, pairs in sorted(tasks, key=lambda t: -t[0]):  # greedy by bytes
     i = load.index(min(load))
     lanes[i].extend(pairs)
@@ -324,16 +330,17 @@ def _copy_all(copies) -> None:
       dst[...] = src
 
   with _copy_pool_lock:
-    if (_copy_pool is None or _copy_pool_size < n
+    if (_copy_pool is None or _copy_pool_size < n - 1
         or _copy_pool_pid != os.getpid()):
       _copy_pool = concurrent.futures.ThreadPoolExecutor(
-          n, thread_name_prefix="tenplex-copy")
-      _copy_pool_size, _copy_pool_pid = n, os.getpid()
+          n - 1, thread_name_prefix="tenplex-copy")
+      _copy_pool_size, _copy_pool_pid = n - 1, os.getpid()
     pool = _copy_pool
-  futures = [pool.submit(run, lane) for lane in lanes if lane]
+  futures = [pool.submit(run, lane) for lane in lanes[1:] if lane]
   try:
     for buf, idx, src in small:
       buf[idx] = src
+    run(lanes[0])
   finally:
     for f in futures:
       f.result()
