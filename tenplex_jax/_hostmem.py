@@ -59,8 +59,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["collect_dropped_buffers", "host_empty", "host_empty_leased", "host_pool_stats",
-           "host_reclaim", "populate", "release_host_pool"]
+__all__ = ["collect_dropped_buffers", "host_empty", "host_empty_leased",
+           "host_pool_stats", "host_reclaim", "populate", "populate_range",
+           "release_host_pool"]
 
 _ALIGN = 64  # XLA's CPU client aliases host buffers aligned to 64 bytes.
 _PAGE = mmap.PAGESIZE  # mappings are rounded up to whole (small) pages
@@ -107,10 +108,13 @@ except AttributeError:  # pragma: no cover - no madvise to call
   _madvise = None
 
 
-def _populate_range(start: int, size: int) -> None:
+def populate_range(start: int, size: int) -> None:
   """Faults in the whole pages of ``[start, start + size)`` that are not
   resident yet, in one system call (``MADV_POPULATE_WRITE``); nothing where
-  the kernel has no such advice."""
+  the kernel has no such advice. Releases the GIL (a ``ctypes`` call).
+
+  Pages partly outside the range are left alone, so threads that populate
+  neighbouring ranges never fault in each other's pages."""
   lo = -(-start // _PAGE) * _PAGE
   hi = (start + size) // _PAGE * _PAGE
   if hi > lo and _madvise is not None:
@@ -127,7 +131,7 @@ def populate(buf: np.ndarray) -> None:
   its requests) allocates unpopulated and calls this after.
   """
   if buf.nbytes >= _MIN_POPULATED and buf.flags.c_contiguous:
-    _populate_range(buf.ctypes.data, buf.nbytes)
+    populate_range(buf.ctypes.data, buf.nbytes)
 
 
 class _HeapBlock:
@@ -151,7 +155,7 @@ class _HeapBlock:
     """Faults in the whole pages of the block that are not resident yet,
     in one system call (``MADV_POPULATE_WRITE``; pages the C heap reuses
     are already there); nothing where the kernel has no such advice."""
-    _populate_range(ctypes.addressof(self.buf), self._size)
+    populate_range(ctypes.addressof(self.buf), self._size)
 
   def close(self) -> None:
     raw, self.raw = self.raw, 0
@@ -193,11 +197,11 @@ class _Pool:
         m.close()
 
   def take(self, size: int, populate: bool = False, cap: int | None = None):
-    """``(block, lease)``: a free block of ``size`` bytes, else a new one:
-    from the C heap under ``_MIN_MAPPED`` (where the C library has a heap),
-    else mapped; with ``populate``, a new block's pages made resident at
-    once. ``cap``: the pool's cap in bytes (default: read from the
-    environment)."""
+    """``(block, lease, new)``: a free block of ``size`` bytes (``new``
+    false), else a new one: from the C heap under ``_MIN_MAPPED`` (where
+    the C library has a heap), else mapped; with ``populate``, a new
+    block's pages made resident at once. ``cap``: the pool's cap in bytes
+    (default: read from the environment)."""
     if cap is None:
       cap = _cap_bytes()
     with self._lock:
@@ -207,13 +211,13 @@ class _Pool:
       if free:
         self._free_bytes -= size
         self.reused += 1
-        return free.popitem()[1][0], lease
+        return free.popitem()[1][0], lease, False
       self.mapped += 1
     if size < _MIN_MAPPED and _libc is not None:
       block = _HeapBlock(size)
       if populate:
         block.populate()
-      return block, lease
+      return block, lease, True
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if populate:
       flags |= getattr(mmap, "MAP_POPULATE", 0)
@@ -223,7 +227,7 @@ class _Pool:
         m.madvise(mmap.MADV_HUGEPAGE)
       except OSError:  # kernels without transparent huge pages
         pass
-    return m, lease
+    return m, lease, True
 
   def reclaim(self, block_id: int, size: int, lease: int, cap: int):
     """``(block, new lease)`` if the block that lease ``lease`` took is idle
@@ -301,19 +305,23 @@ def host_empty(shape: tuple[int, ...], dtype, *,
 
 
 def host_empty_leased(shape: tuple[int, ...], dtype, populate: bool = False
-                ) -> tuple[np.ndarray, tuple | None]:
-  """:func:`host_empty`, and the lease of its block for
-  :func:`host_reclaim` (``None`` for a buffer that is not pooled)."""
+                      ) -> tuple[np.ndarray, tuple | None, bool]:
+  """:func:`host_empty`, the lease of its block for :func:`host_reclaim`
+  (``None`` for a buffer that is not pooled), and whether the block is new
+  (not recycled, so its pages may not be resident yet; ``False`` under
+  16 KiB, where numpy's allocator serves it)."""
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
   if nbytes < _MIN_POOLED:
     raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
     off = (-raw.ctypes.data) % _ALIGN
-    return raw[off:off + nbytes].view(dtype).reshape(shape), None
+    return raw[off:off + nbytes].view(dtype).reshape(shape), None, False
   cap = _cap_bytes()
   size = -(-nbytes // _PAGE) * _PAGE
-  block, lease = _POOL.take(size, populate and nbytes >= _MIN_POPULATED, cap)
-  return _lend(block, size, lease, nbytes, cap, shape, dtype)
+  populate = populate and nbytes >= _MIN_POPULATED
+  block, lease, new = _POOL.take(size, populate, cap)
+  return (*_lend(block, size, lease, nbytes, cap, shape, dtype),
+          new and not populate)
 
 
 def _lend(block, size: int, lease: int, nbytes: int, cap: int, shape,

@@ -139,24 +139,32 @@ def test_host_pool_off_and_bad_setting(monkeypatch):
 
 @pytest.mark.parametrize("threads,small", [("1", 0), ("3", 0), ("3", 1024)])
 def test_threaded_copies_are_bitwise(monkeypatch, threads, small):
+  from tenplex_jax import _hostmem
   R = importlib.import_module("tenplex_jax.reshard")
   monkeypatch.setenv("TENPLEX_JAX_COPY_THREADS", threads)
   monkeypatch.setattr(R, "_THREADED_MIN_BYTES", 0)  # thread even tiny copies
   # small > 0: pieces under it are copied by the calling thread meanwhile.
   monkeypatch.setattr(R, "_SMALL_PIECE_BYTES", small)
+  # "w"'s new boxes (24 KiB) come from new pool blocks: populated first.
+  monkeypatch.setattr(R, "_POPULATE_MIN_BYTES", 0)
+  spans = []
+  monkeypatch.setattr(R, "populate_range",
+                      lambda a, n: spans.append(n) or _hostmem.populate_range(a, n))
+  _hostmem.collect_dropped_buffers()
+  _hostmem.release_host_pool()
   devs = np.array(jax.devices()[:8])
   a = Mesh(devs.reshape(4, 2), ("data", "tensor"))
   b = Mesh(devs[::-1].reshape(2, 4), ("data", "tensor"))
   rng = np.random.default_rng(1)
   tree = {
-      "w": rng.standard_normal((64, 48)).astype(np.float32),
+      "w": rng.standard_normal((512, 96)).astype(np.float32),
       "v": rng.integers(0, 255, (40, 16, 3)).astype(np.uint8),
       "s": np.float32(3.5),
       "e": np.zeros((0, 8), np.float32),
   }
   src = {"w": P("data", "tensor"), "v": P(None, "tensor"), "s": P(),
          "e": P(None, "tensor")}
-  dst = {"w": P("tensor", "data"), "v": P("tensor", None), "s": P(),
+  dst = {"w": P("data", "tensor"), "v": P("tensor", None), "s": P(),
          "e": P(None, "tensor")}
   x = {k: jax.device_put(v, NamedSharding(a, src[k])) for k, v in tree.items()}
   y = tenplex_jax.reshard(x, {k: NamedSharding(b, p) for k, p in dst.items()},
@@ -165,6 +173,7 @@ def test_threaded_copies_are_bitwise(monkeypatch, threads, small):
     assert np.array_equal(np.asarray(y[k]), v)
     for s in y[k].addressable_shards:
       assert np.array_equal(np.asarray(s.data), v[s.index])
+  assert sum(spans) >= 8 * 256 * 24 * 4  # "w"'s 8 new boxes, every band
 
 
 def test_bad_copy_threads_setting(monkeypatch):
@@ -202,12 +211,15 @@ def test_copy_threads_work_in_a_forked_child(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_copy_bands_give_no_two_threads_the_same_bytes(seed):
+def test_copy_bands_give_no_two_threads_the_same_bytes(seed, monkeypatch):
   # Boxes glued from pieces side by side (columns), on top of each other
   # (rows) and whole, cut into bands of rows: every task's destinations are
   # disjoint from every other task's, and running the tasks fills each new
-  # buffer with exactly the bytes its pieces say.
+  # buffer with exactly the bytes its pieces say. A band of a fresh buffer
+  # populates exactly its rows' bytes first: inside that buffer, disjoint
+  # from every other band's, and holding all of its copies' destinations.
   R = importlib.import_module("tenplex_jax.reshard")
+  monkeypatch.setattr(R, "_POPULATE_MIN_BYTES", 0)
   rng = np.random.default_rng(seed)
   copies, want = [], []
   for _ in range(int(rng.integers(1, 5))):
@@ -226,17 +238,33 @@ def test_copy_bands_give_no_two_threads_the_same_bytes(seed):
   extra = np.zeros(7, np.int64)  # a whole-buffer piece with an empty index
   copies.append((extra, (), np.arange(7, dtype=np.int64)))
   step = int(rng.integers(16, 400))
-  tasks = R._row_bands(copies, step)
-  views = [d for _, pairs in tasks for d, _ in pairs]
-  owner = [k for k, (_, pairs) in enumerate(tasks) for _ in pairs]
+  fresh = {id(b) for b, _ in want[::2]}
+  tasks = R._row_bands(copies, step, fresh)
+  views = [d for _, pairs, _ in tasks for d, _ in pairs]
+  owner = [k for k, (_, pairs, _) in enumerate(tasks) for _ in pairs]
   for i in range(len(views)):
     for j in range(i + 1, len(views)):
       if owner[i] != owner[j]:
         assert not np.shares_memory(views[i], views[j], max_work=None)
-  for nbytes, pairs in tasks:
+  spans = []
+  for nbytes, pairs, span in tasks:
     assert nbytes == sum(s.nbytes for _, s in pairs)
+    bases = {id(d.base if d.base is not None else d) for d, _ in pairs}
+    if bases & fresh:
+      buf = next(b for b, _ in want[::2] if id(b) in bases)
+      lo, size = span
+      assert buf.ctypes.data <= lo and lo + size <= buf.ctypes.data + buf.nbytes
+      for d, _ in pairs:
+        first, last = np.lib.array_utils.byte_bounds(d)
+        assert lo <= first and last <= lo + size
+      spans.append((lo, lo + size))
+    else:
+      assert span is None
     for d, s in pairs:
       d[...] = s
+  spans.sort()
+  assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+  assert sum(hi - lo for lo, hi in spans) == sum(b.nbytes for b, _ in want[::2])
   for buf, src in want:
     assert np.array_equal(buf, src)
   assert np.array_equal(extra, np.arange(7))
