@@ -249,8 +249,9 @@ _THREADED_MIN_BYTES = 64 << 20
 # 32 MiB ones; on held-out states 8, 16 and 32 MiB were within noise).
 _BAND_MAX_BYTES = 16 << 20
 # Smaller fresh buffers are faulted page by page: on two held-out states of
-# 1,285 and 1,780 arrays, populating from 16 KiB cost 1.01-1.12x the copy
-# time of populating from 64 KiB, and from 1 MiB 1.04x-0.78x.
+# 1,285 and 1,780 arrays the copy stage took 0.78-1.04x its time when
+# populating from 64 KiB against from 1 MiB, and 1.01-1.12x from 16 KiB
+# against from 64 KiB.
 _POPULATE_MIN_BYTES = 64 << 10
 # Pieces under this are copied by the calling thread, outside the bands: a
 # copy of less than 16 KiB is mostly Python work under the GIL. Above it the
