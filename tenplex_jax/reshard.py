@@ -46,8 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 from tenplex_jax._keys import is_key as _is_key
 from tenplex_jax._keys import key_data_sharding, wrap_keys
 from tenplex_jax._hostmem import (collect_dropped_buffers, host_empty_leased,
-                                  populate_range,
-                                  host_reclaim)
+                                  host_reclaim, populate_range)
 from tenplex_jax._problems import raise_problems
 from tenplex_jax._targets import match_targets
 from tenplex_jax.errors import LayoutError, ReshardError
@@ -311,7 +310,8 @@ def _copy_all(copies, fresh=frozenset()) -> None:
   0.55-0.68 s to 0.26-0.57 s (when the cores were not busy with other work).
 
   ``fresh``: the ids of the buffers whose pages may not be resident yet (new
-  blocks, see ``host_empty_leased``). The thread that writes a band of such
+  blocks of at least ``_POPULATE_MIN_BYTES``, see ``host_empty_leased``;
+  C-contiguous, as it hands them out). The thread that writes a band of such
   a buffer first makes its pages resident in one system call
   (``populate_range``), then copies: a page fault per 4 KiB page costs
   about twice the kernel time of populating the same pages in one call.
@@ -338,8 +338,7 @@ def _copy_all(copies, fresh=frozenset()) -> None:
     for buf, idx, src in large:
       if id(buf) in fresh and id(buf) not in populated:
         populated.add(id(buf))
-        if buf.flags.c_contiguous and buf.nbytes >= _POPULATE_MIN_BYTES:
-          populate_range(buf.ctypes.data, buf.nbytes)
+        populate_range(buf.ctypes.data, buf.nbytes)
       dst, src = _widened(buf[idx], src)
       dst[...] = src
     return
@@ -430,8 +429,7 @@ def _row_bands(large, step: int, fresh=frozenset()) -> list:
     n_rows = buf.shape[0]
     bands = max(1, min(n_rows, nbytes // step))
     base = row_bytes = 0
-    if (id(buf) in fresh and buf.flags.c_contiguous
-        and buf.nbytes >= _POPULATE_MIN_BYTES):
+    if id(buf) in fresh and n_rows:
       base, row_bytes = buf.ctypes.data, buf.nbytes // n_rows
     for j in range(bands):
       r0, r1 = n_rows * j // bands, n_rows * (j + 1) // bands
@@ -680,6 +678,10 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list,
   held, not of every replica: a replicated (data-parallel) target costs one
   copy, not one per device.
 
+  ``fresh``: where the ids of new host buffers of at least
+  ``_POPULATE_MIN_BYTES`` (pages maybe not resident yet) are added, for
+  :func:`_copy_all` to populate.
+
   Returns ``(xs, shards, filled, copied bytes)``: ``xs`` for
   :func:`_make_array` (host buffers are filled only once ``copies`` ran).
   """
@@ -706,7 +708,7 @@ def _run_cpu(prog: _LeafProgram, x: jax.Array, copies: list,
     if built[k] is not None:
       continue
     buf, token, new = host_empty_leased(shape, x.dtype)
-    if new and fresh is not None:
+    if new and fresh is not None and buf.nbytes >= _POPULATE_MIN_BYTES:
       fresh.add(id(buf))
     for src, idx, at, _, _ in pieces:
       copies.append((buf, at, view(src)[idx]))

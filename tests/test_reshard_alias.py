@@ -211,7 +211,7 @@ def test_copy_threads_work_in_a_forked_child(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_copy_bands_give_no_two_threads_the_same_bytes(seed, monkeypatch):
+def test_copy_bands_give_no_two_threads_the_same_bytes(seed):
   # Boxes glued from pieces side by side (columns), on top of each other
   # (rows) and whole, cut into bands of rows: every task's destinations are
   # disjoint from every other task's, and running the tasks fills each new
@@ -219,7 +219,6 @@ def test_copy_bands_give_no_two_threads_the_same_bytes(seed, monkeypatch):
   # populates exactly its rows' bytes first: inside that buffer, disjoint
   # from every other band's, and holding all of its copies' destinations.
   R = importlib.import_module("tenplex_jax.reshard")
-  monkeypatch.setattr(R, "_POPULATE_MIN_BYTES", 0)
   rng = np.random.default_rng(seed)
   copies, want = [], []
   for _ in range(int(rng.integers(1, 5))):
