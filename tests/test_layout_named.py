@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from tenplex_jax import layout as layout_mod
 from tenplex_jax.layout import (_placement_from_indices_map,
                                  placement_by_arithmetic)
 
@@ -56,6 +57,53 @@ def test_arithmetic_placement_equals_jax(case):
   fast = placement_by_arithmetic(sharding, shape)
   assert fast is not None
   assert fast == jax_placement(sharding, shape)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_small_mesh_loop_equals_the_array_path(case):
+  # Meshes of up to _SMALL_MESH devices are placed by a loop over the
+  # devices, larger ones by whole-array arithmetic: the same placement.
+  sharding, shape = case
+  mesh = sharding.mesh
+  args = (shape, tuple(zip(mesh.axis_names, mesh.devices.shape)),
+          tuple(sharding.spec), tuple(d.id for d in mesh.devices.flat))
+  compute = layout_mod._named_placement_cached.__wrapped__
+  assert mesh.size <= layout_mod._SMALL_MESH
+  loop = compute(*args)
+  old = layout_mod._SMALL_MESH
+  layout_mod._SMALL_MESH = 0
+  try:
+    arrays = compute(*args)
+  finally:
+    layout_mod._SMALL_MESH = old
+  assert loop == arrays
+  assert loop.boxes == arrays.boxes and loop.holders == arrays.holders
+  assert all(type(v) is int for b in loop.boxes for r in b for v in r)
+  assert all(type(d) is int for h in loop.holders for d in h)
+
+
+def test_small_mesh_loop_on_a_64_device_mesh_equals_the_array_path():
+  # 64 devices (4 x 4 x 4, ids permuted), every spec of up to two axes
+  # per dimension over a rank-3 array: the loop's largest meshes.
+  rng = np.random.default_rng(0)
+  ids = tuple(int(i) for i in rng.permutation(64))
+  mesh_items = (("a", 4), ("b", 4), ("c", 4))
+  compute = layout_mod._named_placement_cached.__wrapped__
+  specs = [(None, "a", ("b", "c")), (("c", "a"), None, "b"), ("b",),
+           (("a", "b", "c"),), (None, None, None), ("c", "b", "a")]
+  for spec in specs:
+    for shape in [(64, 16, 16), (64, 64, 64), (0, 16, 16)]:
+      loop = compute(shape, mesh_items, spec, ids)
+      old = layout_mod._SMALL_MESH
+      layout_mod._SMALL_MESH = 0
+      try:
+        arrays = compute(shape, mesh_items, spec, ids)
+      finally:
+        layout_mod._SMALL_MESH = old
+      assert loop == arrays, (spec, shape)
+      assert loop.boxes == arrays.boxes, (spec, shape)
 
 
 @pytest.mark.parametrize("spec,shape", [
