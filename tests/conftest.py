@@ -57,10 +57,12 @@ def tmp():
 # The longest tests (multi-process jobs, local Ray clusters, trainers), run
 # first so that with `pytest -n 2` neither worker is left with one of them at
 # the end while the other idles.
-_LONG_FIRST = ("test_ray.py", "test_lm_procs.py", "test_examples_nnx.py",
-               "test_jobarray_example.py", "test_launch_recovery.py", "test_launch_ahead.py",
-               "test_determinism.py", "test_pipeline_lm.py", "test_store_multiprocess.py",
-               "test_collective_order.py")
+_LONG_FIRST = ("test_ray.py", "test_ray_share_nothing.py", "test_lm_procs.py",
+               "test_examples_nnx.py", "test_jobarray_example.py",
+               "test_launch_recovery.py", "test_launch_ahead.py", "test_determinism.py",
+               "test_determinism_compose.py", "test_pipeline_lm.py",
+               "test_store_multiprocess.py", "test_collective_order.py",
+               "test_objstore.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,5 @@
 """Smoke tests of benchmarks/bench_reshard.py (quick mode, one transition)
-and of one bench_warm.py worker.
+and of one bench_warm.py worker; bench_transitions.py's medians.
 
 No timing assertions: it checks that the benchmark runs end to end, that the
 resharded values and shardings are checked, and that the JSON has its fields.
@@ -56,3 +56,26 @@ def test_bench_warm_worker_fresh_source(tmp_path):
   assert r["paths"] == ["cpu", "cpu"], r
   assert len(r["seconds"]) == len(r["cpu_seconds"]) == 2
   assert all(t > 0 for t in r["seconds"]), r
+
+
+def test_bench_transitions_combines_processes_by_median():
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import bench_transitions as bt
+  finally:
+    sys.path.pop(0)
+  runs = [{"ok": True, "cold_seconds": c, "cold_cpu_seconds": c + 1,
+           "warm_seconds": w, "warm_cpu_seconds": w, "process_seconds": 9,
+           "cold_peak_bytes": p, "warm_peak_bytes": p, "check": "ok"}
+          for c, w, p in ((0.5, 0.2, 10), (0.1, 0.4, 30), (0.3, 0.3, 20))]
+  got = bt.combine_runs(runs)
+  assert got["cold_seconds"] == 0.3 and got["warm_seconds"] == 0.3
+  assert got["cold_cpu_seconds"] == 1.3
+  assert got["cold_peak_bytes"] == 30 and got["check"] == "ok"
+  assert [r["cold_seconds"] for r in got["runs"]] == [0.5, 0.1, 0.3]
+  # one bad check or one failed process decides the case
+  bad = bt.combine_runs(runs[:2] + [dict(runs[2], check="x: values differ")])
+  assert bad["check"] == "x: values differ"
+  failed = bt.combine_runs(runs[:1] + [{"ok": False, "failure": "stalled"}])
+  assert not failed["ok"] and failed["failure"] == "stalled"
+  assert len(failed["runs"]) == 2
