@@ -570,8 +570,20 @@ def _aliasable(v: np.ndarray) -> bool:
   return v.flags.c_contiguous and v.ctypes.data % _ALIGN == 0
 
 
-@dataclasses.dataclass(frozen=True)
-class _LeafProgram:
+class _Record:
+  """A record of named fields, made without the code generation of a
+  dataclass: ``dataclasses.dataclass`` compiles each class's methods when
+  its module is imported (0.7-1.3 ms a class), and importing this module
+  is part of a process's first reshard. Not for public classes."""
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
+    return f"{type(self).__name__}({fields})"
+
+
+class _LeafProgram(_Record):
   """How one array's new shards are made; built once per transition.
 
   Attributes:
@@ -588,11 +600,15 @@ class _LeafProgram:
       it) that the CPU executor may adopt as views of that shard.
   """
 
-  devices: tuple
-  outs: tuple
-  boxes: tuple
-  reused: frozenset
-  alias: tuple = ()
+  __slots__ = ("devices", "outs", "boxes", "reused", "alias")
+
+  def __init__(self, devices: tuple, outs: tuple, boxes: tuple,
+               reused: frozenset, alias: tuple = ()):
+    self.devices = devices
+    self.outs = outs
+    self.boxes = boxes
+    self.reused = reused
+    self.alias = alias
 
 
 def _leaf_program(path: str, template: Template, rotation: int, src_place,
@@ -1486,8 +1502,7 @@ _FLIGHT_WHOLE = 16 << 20
 _FLIGHT_MAX = 256 << 20
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _ClassMoves:
+class _ClassMoves(_Record):
   """Where the sub-blocks of every array of one class go (shape-free).
 
   Attributes:
@@ -1503,14 +1518,20 @@ class _ClassMoves:
       device of the source / target mesh).
   """
 
-  units: tuple
-  cut_grid: tuple
-  glue_counts: tuple
-  glue_grid: tuple
-  devices: tuple
-  need: tuple
-  flat_src: Sharding
-  flat_dst: Sharding
+  __slots__ = ("units", "cut_grid", "glue_counts", "glue_grid", "devices",
+               "need", "flat_src", "flat_dst")
+
+  def __init__(self, units: tuple, cut_grid: tuple, glue_counts: tuple,
+               glue_grid: tuple, devices: tuple, need: tuple,
+               flat_src: Sharding, flat_dst: Sharding):
+    self.units = units
+    self.cut_grid = cut_grid
+    self.glue_counts = glue_counts
+    self.glue_grid = glue_grid
+    self.devices = devices
+    self.need = need
+    self.flat_src = flat_src
+    self.flat_dst = flat_dst
 
 
 def _grid(counts: tuple) -> list:
@@ -2325,8 +2346,7 @@ def _dim_parts(s: NamedSharding, ndim: int) -> tuple[int, ...] | None:
   return tuple(out) + (1,) * (ndim - len(spec))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _UnitClass:
+class _UnitClass(_Record):
   """The move of every array of one rank between two plain NamedShardings.
 
   Such a sharding cuts dimension ``d`` into equal chunks, so the boxes of an
@@ -2348,13 +2368,19 @@ class _UnitClass:
     box_units: per new box of ``prog``, its shape, ``(boxes, rank)``.
   """
 
-  units: tuple[int, ...]
-  prog: _LeafProgram
-  kept: bool
-  local: int
-  lower: int
-  table: np.ndarray = dataclasses.field(repr=False, default=None)
-  box_units: np.ndarray = dataclasses.field(repr=False, default=None)
+  __slots__ = ("units", "prog", "kept", "local", "lower", "table",
+               "box_units")
+
+  def __init__(self, units: tuple[int, ...], prog: _LeafProgram, kept: bool,
+               local: int, lower: int, table: np.ndarray | None = None,
+               box_units: np.ndarray | None = None):
+    self.units = units
+    self.prog = prog
+    self.kept = kept
+    self.local = local
+    self.lower = lower
+    self.table = table
+    self.box_units = box_units
 
 
 @functools.lru_cache(maxsize=4096)
