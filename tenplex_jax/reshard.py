@@ -461,6 +461,7 @@ try:  # one C++ call per array: reuses same-device shards, adopts host views
       _jcore.ShapedArray(shape, dtype), s)
 except (ImportError, AttributeError):  # pragma: no cover - older/newer jax
   _batched = None
+
 _AVALS: dict = {}  # (dtype, sharding, rank) -> an aval on that sharding
 _AVALS_MAX = 4096
 
