@@ -620,10 +620,11 @@ def _named_placement_cached(shape, mesh_items, spec, device_ids) -> Placement:
   # Each tensor dimension's chunk index is its mesh axes' coordinates read
   # as one mixed-radix number (the first axis major); a box's key is its
   # dimensions' chunk indices read the same way, so keys sort as boxes do.
-  if n_dev <= _SMALL_MESH:
-    return _small_mesh_placement(shape, sizes, dim_axes,
-                                 list(range(n_dev)) if device_ids is None
-                                 else list(device_ids))
+  if n_dev <= _SMALL_MESH:  # Python ints out, as the array path's tolist()
+    return _small_mesh_placement(tuple(int(n) for n in shape), sizes,
+                                 dim_axes, list(range(n_dev))
+                                 if device_ids is None
+                                 else [int(d) for d in device_ids])
   # Whole arrays at a time: linear in devices, no Python loop over them.
   coords = np.indices(sizes).reshape(len(sizes), n_dev)
   key = np.zeros(n_dev, dtype=np.int64)

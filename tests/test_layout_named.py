@@ -104,6 +104,11 @@ def test_small_mesh_loop_on_a_64_device_mesh_equals_the_array_path():
         layout_mod._SMALL_MESH = old
       assert loop == arrays, (spec, shape)
       assert loop.boxes == arrays.boxes, (spec, shape)
+  # numpy integers in (a conversion spec's device ids): Python ints out
+  got = compute(tuple(np.int64(n) for n in (8, 4)), (("a", 4),), ("a",),
+                tuple(np.arange(4, dtype=np.int64)))
+  assert all(type(v) is int for b in got.boxes for r in b for v in r)
+  assert all(type(d) is int for h in got.holders for d in h)
 
 
 @pytest.mark.parametrize("spec,shape", [
