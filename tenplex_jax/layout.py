@@ -593,16 +593,23 @@ def _named_placement_cached(shape, mesh_items, spec, device_ids) -> Placement:
   names = list(mesh_shape)
   sizes = [int(mesh_shape[n]) for n in names]
   n_dev = math.prod(sizes)
-  ids = np.arange(n_dev) if device_ids is None else np.asarray(device_ids)
-  if ids.size != n_dev:
+  n_ids = n_dev if device_ids is None else len(device_ids)
+  if n_ids != n_dev:
     raise LayoutError(f"mesh {dict(mesh_shape)} needs {n_dev} devices,"
-                      f" got {ids.size}")
-  grid = ids.reshape(sizes)
+                      f" got {n_ids}")
   if len(spec) > len(shape):
     raise LayoutError(f"spec {spec} has {len(spec)} entries but the"
                       f" tensor has rank {len(shape)} (shape {shape})")
-  # For each tensor dim, the mesh axes it is split over (major first).
+  shape = tuple(int(n) for n in shape)  # Python ints in the boxes
+  # For each tensor dim, the mesh axes it is split over (major first), the
+  # number of boxes along it (1 where it is not split, or is empty) and
+  # their size. A dimension's chunk index is its mesh axes' coordinates
+  # read as one mixed-radix number (the first axis major); a box's key is
+  # its dimensions' chunk indices read the same way, so keys sort as boxes
+  # do.
   dim_axes: list[tuple[int, ...]] = []
+  radix: list[int] = []
+  chunk_of: list[int] = []
   for d, entry in enumerate(spec + (None,) * (len(shape) - len(spec))):
     axes = () if entry is None else ((entry,) if isinstance(entry, str)
                                      else tuple(entry))
@@ -617,32 +624,24 @@ def _named_placement_cached(shape, mesh_items, spec, device_ids) -> Placement:
           f"dimension {d} of size {shape[d]} cannot be split"
           f" {parts} ways over mesh axes {axes} (shape {shape})")
     dim_axes.append(idx)
-  # Each tensor dimension's chunk index is its mesh axes' coordinates read
-  # as one mixed-radix number (the first axis major); a box's key is its
-  # dimensions' chunk indices read the same way, so keys sort as boxes do.
-  if n_dev <= _SMALL_MESH:  # Python ints out, as the array path's tolist()
-    return _small_mesh_placement(tuple(int(n) for n in shape), sizes,
-                                 dim_axes, list(range(n_dev))
-                                 if device_ids is None
-                                 else [int(d) for d in device_ids])
+    chunk_of.append(shape[d] // parts)
+    radix.append(parts if chunk_of[-1] else 1)
+  if n_dev <= _SMALL_MESH:
+    return _small_mesh_placement(
+        sizes, dim_axes, radix, chunk_of, not shape,
+        range(n_dev) if device_ids is None else [int(d) for d in device_ids])
   # Whole arrays at a time: linear in devices, no Python loop over them.
+  flat_ids = (np.arange(n_dev) if device_ids is None
+              else np.asarray(device_ids).reshape(-1))
   coords = np.indices(sizes).reshape(len(sizes), n_dev)
   key = np.zeros(n_dev, dtype=np.int64)
-  radix, chunk_of = [], []
-  for idx, n in zip(dim_axes, shape):
-    parts = math.prod(sizes[i] for i in idx)
-    chunk = n // parts
-    if not idx or chunk == 0:  # one box along this dimension
-      radix.append(1)
-      chunk_of.append(chunk if idx else n)
+  for idx, r in zip(dim_axes, radix):
+    if r == 1:  # one box along this dimension
       continue
     c = np.zeros(n_dev, dtype=np.int64)
     for i in idx:
       c = c * sizes[i] + coords[i]
-    key = key * parts + c
-    radix.append(parts)
-    chunk_of.append(chunk)
-  flat_ids = grid.reshape(-1)
+    key = key * r + c
   order = np.lexsort((flat_ids, key))
   keys, counts = np.unique(key, return_counts=True)
   held = flat_ids[order].tolist()
@@ -659,29 +658,29 @@ def _named_placement_cached(shape, mesh_items, spec, device_ids) -> Placement:
 
 # Meshes of up to this many devices are placed by a Python loop over the
 # devices: a dozen numpy calls on arrays this small cost more (a placement
-# on 4-8 devices 62-81 us that way, 24-44 us by the loop, checks included),
+# on 4-8 devices 37-45 us that way, 14-25 us by the loop, checks included),
 # and a reshard plans two placements per class of arrays (about 90 classes
 # in a random state).
 _SMALL_MESH = 64
 
 
-def _small_mesh_placement(shape, sizes, dim_axes, ids) -> Placement:
-  """:func:`_named_placement_cached`'s placement, device by device: the
-  same keys, boxes and holders (``tests/test_layout_named.py`` checks both
-  ways against each other and against jax)."""
+def _small_mesh_placement(sizes, dim_axes, radix, chunk_of, scalar,
+                          ids) -> Placement:
+  """:func:`_named_placement_cached`'s placement from its ``dim_axes``,
+  ``radix`` and ``chunk_of``, device by device: the same keys, boxes and
+  holders (``tests/test_layout_named.py`` checks both ways against each
+  other and against jax). ``ids``: Python ints, in the mesh's order."""
   keys: dict[int, list[int]] = {}
   coord = [0] * len(sizes)
-  for dev in ids:  # row-major over the mesh, as the grid is flattened
+  for dev in ids:  # row-major over the mesh, as the array path flattens it
     key = 0
-    for idx, n in zip(dim_axes, shape):
-      if not idx:
+    for idx, r in zip(dim_axes, radix):
+      if r == 1:
         continue
-      parts, c = 1, 0
+      c = 0
       for i in idx:
         c = c * sizes[i] + coord[i]
-        parts *= sizes[i]
-      if n // parts:
-        key = key * parts + c
+      key = key * r + c
     keys.setdefault(key, []).append(dev)
     for i in range(len(sizes) - 1, -1, -1):  # the next mesh coordinate
       coord[i] += 1
@@ -690,22 +689,12 @@ def _small_mesh_placement(shape, sizes, dim_axes, ids) -> Placement:
       coord[i] = 0
   order = sorted(keys)
   holders = tuple(tuple(sorted(keys[k])) for k in order)
-  if not shape:
+  if scalar:
     return Placement(((),), holders)
-  radix, chunk_of = [], []
-  for idx, n in zip(dim_axes, shape):
-    parts = math.prod(sizes[i] for i in idx)
-    chunk = n // parts
-    if not idx or chunk == 0:
-      radix.append(1)
-      chunk_of.append(chunk if idx else n)
-    else:
-      radix.append(parts)
-      chunk_of.append(chunk)
   boxes = []
   for k in order:
-    box = [None] * len(shape)
-    for d in range(len(shape) - 1, -1, -1):
+    box = [None] * len(radix)
+    for d in range(len(radix) - 1, -1, -1):
       k, c = divmod(k, radix[d])
       box[d] = (c * chunk_of[d], (c + 1) * chunk_of[d])
     boxes.append(tuple(box))
