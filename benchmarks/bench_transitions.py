@@ -538,6 +538,8 @@ def main(argv=None) -> int:
       json.dump({**doc, "partial_suite": name, "partial_cases": cases}, f)
 
   picked = lambda name: args.cases is None or name in args.cases
+  medians = (f", medians of {args.repeat} fresh processes per method"
+             if args.repeat > 1 else "")  # in both suites' labels
   random_cases = []
   for i in range(args.n):
     t = rt.make_transition(args.seed, i)
@@ -550,9 +552,7 @@ def main(argv=None) -> int:
                                         ["reshard", "device_put"], args,
                                         partial)
     doc["suites"]["random"]["label"] = (
-        f"seed {args.seed}, {args.n} transitions, 8 CPU devices"
-        + (f", medians of {args.repeat} fresh processes per method"
-           if args.repeat > 1 else "")
+        f"seed {args.seed}, {args.n} transitions, 8 CPU devices" + medians
         + ("" if args.cases is None else
            f", only {len(random_cases)} of them"))
   if args.suite in ("all", "lm1b") and lm1b_cases:
@@ -572,9 +572,7 @@ def main(argv=None) -> int:
       doc["suites"]["lm1b"] = run_suite(
           "lm1b", cases, ["reshard", "remesh", "device_put"], args, partial)
       doc["suites"]["lm1b"]["label"] = (
-          f"flax lm1b {args.lm1b_size} train state, 8 CPU devices"
-          + (f", medians of {args.repeat} fresh processes per method"
-             if args.repeat > 1 else ""))
+          f"flax lm1b {args.lm1b_size} train state, 8 CPU devices" + medians)
     finally:
       shutil.rmtree(d, ignore_errors=True)
   doc["machine"]["loadavg_end"] = os.getloadavg()
