@@ -79,3 +79,28 @@ def test_bench_transitions_combines_processes_by_median():
   failed = bt.combine_runs(runs[:1] + [{"ok": False, "failure": "stalled"}])
   assert not failed["ok"] and failed["failure"] == "stalled"
   assert len(failed["runs"]) == 2
+
+
+def test_determinism_tables_render_a_committed_run():
+  # The committed 100M run (before the CPU seconds were recorded) renders as
+  # docs/determinism.md's tables: a row per cell, the temp memory in MiB and
+  # the ratios of the JSON's medians and minima.
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import render_determinism_md as rd
+  finally:
+    sys.path.pop(0)
+  with open(os.path.join(ROOT, "benchmarks",
+                         "bench_determinism_100m_result.json")) as f:
+    doc = json.load(f)
+  mem, times = rd.memory_table(doc).splitlines(), rd.time_table(doc).splitlines()
+  assert len(mem) == len(times) == 2 + 16
+  assert mem[0].startswith("| dtype | layout | V/n | temp MiB: plain / plain_acc / det")
+  assert "| float32 | dp | 8 | 384 / 384 / 1152 / - | 1.00 | 3.00 | - | 3.00 |" in mem
+  row = next(r for r in doc["rows"] if (r["dtype"], r["layout"],
+                                        r["workers_per_device"]) == ("float32", "dp", 1))
+  plain, det = row["seconds"]["plain"], row["seconds"]["det"]
+  line = next(l for l in times if l.startswith("| float32 | dp | 1 |"))
+  assert f"| {plain:.2f} / {row['min_seconds']['plain']:.2f} |" in line
+  assert f"| {det / plain:.2f} / " in line
+  assert "100m float32 dp V/n=8 (ms): plain " in rd.profile_lines(doc)

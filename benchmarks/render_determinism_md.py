@@ -1,0 +1,125 @@
+"""Renders a ``bench_determinism.py`` JSON result as the tables in docs/determinism.md.
+
+  python benchmarks/render_determinism_md.py benchmarks/bench_determinism_100m_s30_result.json
+
+Three tables: XLA's temporary buffers per device by method (MiB, from the
+compiled programs), step times (wall medians and minima, ratios to ``plain``
+and ``plain_acc``, and CPU seconds), and the profiles' op time by kind. Each
+row is one cell of the run; methods the run did not time are left out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+MIB = 1 << 20
+
+
+def _f(v, nd=2) -> str:
+  return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _cells(doc: dict) -> list[dict]:
+  rows = [r for r in doc["rows"] if "seconds" in r]
+  return sorted(rows, key=lambda r: (r["size"], r["dtype"] != "float32",
+                                     r["workers_per_device"], r["layout"]))
+
+
+def _methods(rows: list[dict]) -> list[str]:
+  seen: dict[str, None] = {}
+  for r in rows:
+    for m in r["seconds"]:
+      seen.setdefault(m, None)
+  return list(seen)
+
+
+def memory_table(doc: dict) -> str:
+  rows = _cells(doc)
+  ms = _methods(rows)
+  head = (f"| dtype | layout | V/n | temp MiB: {' / '.join(ms)} |"
+          + "".join(f" {m} / plain |" for m in ms if m != "plain")
+          + (" det / plain_acc |" if {"det", "plain_acc"} <= set(ms) else ""))
+  lines = [head, "|---|---|---:|---|" + "---:|" * (head.count("|") - 5)]
+  for r in rows:
+    xb = r["xla_bytes_per_device"]
+    temp = {m: xb[m]["temp"] for m in ms if m in xb}
+    line = (f"| {r['dtype']} | {r['layout']} | {r['workers_per_device']} |"
+            f" {' / '.join(str(round(temp[m] / MIB)) if m in temp else '-' for m in ms)} |")
+    for m in ms:
+      if m != "plain":
+        line += f" {_f(temp.get(m, 0) / temp['plain'] if m in temp else None)} |"
+    if {"det", "plain_acc"} <= set(ms):
+      line += f" {_f(temp['det'] / temp['plain_acc'])} |"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def _ratios(r: dict, base: str) -> dict | None:
+  """``r``'s times over ``base``'s (median, min; CPU where recorded)."""
+  if f"ratio_to_{base}_by" in r:
+    return r[f"ratio_to_{base}_by"]
+  if base not in r["seconds"]:
+    return None
+  med, lo = r["seconds"], r["min_seconds"]  # (results before the CPU times)
+  return {"median": {m: t / med[base] for m, t in med.items()},
+          "min": {m: t / lo[base] for m, t in lo.items()}, "cpu_median": {}}
+
+
+def time_table(doc: dict) -> str:
+  rows = _cells(doc)
+  ms = _methods(rows)
+  others = [m for m in ms if m not in ("plain", "plain_acc")]
+  head = "| dtype | layout | V/n | plain s (med / min) | plain_acc / plain |"
+  for m in others:
+    head += f" {m} / plain (med / min) | {m} / plain_acc (med / min / CPU) |"
+  head += " CPU s per step: " + " / ".join(ms) + " |"
+  lines = [head, "|---|---|---:|" + "---|" * (head.count("|") - 4)]
+  for r in rows:
+    by, acc = _ratios(r, "plain"), _ratios(r, "plain_acc")
+    line = (f"| {r['dtype']} | {r['layout']} | {r['workers_per_device']} |"
+            f" {_f(r['seconds']['plain'])} / {_f(r['min_seconds']['plain'])} |"
+            f" {_f(by['median'].get('plain_acc'))} |")
+    for m in others:
+      line += f" {_f(by['median'].get(m))} / {_f(by['min'].get(m))} |"
+      if acc:
+        line += (f" {_f(acc['median'].get(m))} / {_f(acc['min'].get(m))} /"
+                 f" {_f(acc['cpu_median'].get(m))} |")
+      else:
+        line += " - |"
+    cpu = r.get("cpu_seconds", {})
+    line += " " + " / ".join(_f(cpu.get(m)) for m in ms) + " |"
+    lines.append(line)
+  return "\n".join(lines)
+
+
+def profile_lines(doc: dict) -> str:
+  out = []
+  for cell, by_method in doc.get("profiles", {}).items():
+    parts = []
+    for m, p in by_method.items():
+      ops = ", ".join(f"{k} {v:.0f}" for k, v in
+                      p["op_ms_per_step_all_devices"].items() if v >= 1)
+      parts.append(f"{m} {p['wall_ms_per_step']:.0f} ms wall ({ops})")
+    out.append(f"XLA op time per step summed over the devices, {cell} (ms): "
+               + "; ".join(parts) + ".")
+  return "\n\n".join(out)
+
+
+def render(doc: dict) -> str:
+  return "\n\n".join(s for s in (memory_table(doc), time_table(doc),
+                                 profile_lines(doc)) if s)
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if len(argv) != 1:
+    print(__doc__.split("\n\n")[1].strip(), file=sys.stderr)
+    return 2
+  with open(argv[0]) as f:
+    print(render(json.load(f)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
