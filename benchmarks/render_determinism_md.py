@@ -37,9 +37,11 @@ def _methods(rows: list[dict]) -> list[str]:
 def memory_table(doc: dict) -> str:
   rows = _cells(doc)
   ms = _methods(rows)
+  base = "plain" if "plain" in ms else ms[0]
   head = (f"| dtype | layout | V/n | temp MiB: {' / '.join(ms)} |"
-          + "".join(f" {m} / plain |" for m in ms if m != "plain")
-          + (" det / plain_acc |" if {"det", "plain_acc"} <= set(ms) else ""))
+          + "".join(f" {m} / {base} |" for m in ms if m != base)
+          + (" det / plain_acc |" if base != "plain_acc"
+             and {"det", "plain_acc"} <= set(ms) else ""))
   lines = [head, "|---|---|---:|---|" + "---:|" * (head.count("|") - 5)]
   for r in rows:
     xb = r["xla_bytes_per_device"]
@@ -47,9 +49,9 @@ def memory_table(doc: dict) -> str:
     line = (f"| {r['dtype']} | {r['layout']} | {r['workers_per_device']} |"
             f" {' / '.join(str(round(temp[m] / MIB)) if m in temp else '-' for m in ms)} |")
     for m in ms:
-      if m != "plain":
-        line += f" {_f(temp.get(m, 0) / temp['plain'] if m in temp else None)} |"
-    if {"det", "plain_acc"} <= set(ms):
+      if m != base:
+        line += f" {_f(temp[m] / temp[base] if m in temp else None)} |"
+    if base != "plain_acc" and {"det", "plain_acc"} <= set(ms):
       line += f" {_f(temp['det'] / temp['plain_acc'])} |"
     lines.append(line)
   return "\n".join(lines)
@@ -69,24 +71,30 @@ def _ratios(r: dict, base: str) -> dict | None:
 def time_table(doc: dict) -> str:
   rows = _cells(doc)
   ms = _methods(rows)
-  others = [m for m in ms if m not in ("plain", "plain_acc")]
-  head = "| dtype | layout | V/n | plain s (med / min) | plain_acc / plain |"
+  first = "plain" if "plain" in ms else ms[0]
+  others = [m for m in ms if m not in ("plain", "plain_acc", first)]
+  head = f"| dtype | layout | V/n | {first} s (med / min) |"
+  if first == "plain" and "plain_acc" in ms:
+    head += " plain_acc / plain |"
   for m in others:
-    head += f" {m} / plain (med / min) | {m} / plain_acc (med / min / CPU) |"
+    if "plain" in ms:
+      head += f" {m} / plain (med / min) |"
+    if "plain_acc" in ms:
+      head += f" {m} / plain_acc (med / min / CPU) |"
   head += " CPU s per step: " + " / ".join(ms) + " |"
   lines = [head, "|---|---|---:|" + "---|" * (head.count("|") - 4)]
   for r in rows:
     by, acc = _ratios(r, "plain"), _ratios(r, "plain_acc")
     line = (f"| {r['dtype']} | {r['layout']} | {r['workers_per_device']} |"
-            f" {_f(r['seconds']['plain'])} / {_f(r['min_seconds']['plain'])} |"
-            f" {_f(by['median'].get('plain_acc'))} |")
+            f" {_f(r['seconds'][first])} / {_f(r['min_seconds'][first])} |")
+    if first == "plain" and "plain_acc" in ms:
+      line += f" {_f(by['median'].get('plain_acc'))} |"
     for m in others:
-      line += f" {_f(by['median'].get(m))} / {_f(by['min'].get(m))} |"
-      if acc:
+      if "plain" in ms:
+        line += f" {_f(by['median'].get(m))} / {_f(by['min'].get(m))} |"
+      if "plain_acc" in ms:
         line += (f" {_f(acc['median'].get(m))} / {_f(acc['min'].get(m))} /"
                  f" {_f(acc['cpu_median'].get(m))} |")
-      else:
-        line += " - |"
     cpu = r.get("cpu_seconds", {})
     line += " " + " / ".join(_f(cpu.get(m)) for m in ms) + " |"
     lines.append(line)
