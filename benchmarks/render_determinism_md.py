@@ -2,10 +2,11 @@
 
   python benchmarks/render_determinism_md.py benchmarks/bench_determinism_100m_s30_result.json
 
-Three tables: XLA's temporary buffers per device by method (MiB, from the
-compiled programs), step times (wall medians and minima, ratios to ``plain``
-and ``plain_acc``, and CPU seconds), and the profiles' op time by kind. Each
-row is one cell of the run; methods the run did not time are left out.
+Two tables and a paragraph: XLA's temporary buffers per device by method
+(MiB, from the compiled programs), step times (wall medians and minima, ratios
+to ``plain`` and ``plain_acc``, and CPU seconds), and a line per profiled cell
+with its op time by kind. Each row is one cell of the run; a run without
+``plain`` is compared with its first method and ``plain_acc``.
 """
 
 from __future__ import annotations

@@ -104,3 +104,11 @@ def test_determinism_tables_render_a_committed_run():
   assert f"| {plain:.2f} / {row['min_seconds']['plain']:.2f} |" in line
   assert f"| {det / plain:.2f} / " in line
   assert "100m float32 dp V/n=8 (ms): plain " in rd.profile_lines(doc)
+  # a run without plain (plain_acc_cond against plain_acc) is compared with plain_acc
+  with open(os.path.join(ROOT, "benchmarks",
+                         "bench_determinism_100m_s30_cond_result.json")) as f:
+    cond = json.load(f)
+  head = rd.time_table(cond).splitlines()[0]
+  assert head.startswith("| dtype | layout | V/n | plain_acc s (med / min) |"
+                         " plain_acc_cond / plain_acc (med / min / CPU) |"), head
+  assert "| float32 | dp | 8 | 384 / 384 / 1176 | 1.00 | 3.06 |" in rd.memory_table(cond)
