@@ -35,14 +35,20 @@ def _methods(rows: list[dict]) -> list[str]:
   return list(seen)
 
 
+def _base(ms: list[str]) -> str:
+  """The method the others are compared with first: ``plain`` where the
+  run has it, else its first method."""
+  return "plain" if "plain" in ms else ms[0]
+
+
 def memory_table(doc: dict) -> str:
   rows = _cells(doc)
   ms = _methods(rows)
-  base = "plain" if "plain" in ms else ms[0]
+  base = _base(ms)
+  det_acc = base != "plain_acc" and {"det", "plain_acc"} <= set(ms)
   head = (f"| dtype | layout | V/n | temp MiB: {' / '.join(ms)} |"
           + "".join(f" {m} / {base} |" for m in ms if m != base)
-          + (" det / plain_acc |" if base != "plain_acc"
-             and {"det", "plain_acc"} <= set(ms) else ""))
+          + (" det / plain_acc |" if det_acc else ""))
   lines = [head, "|---|---|---:|---|" + "---:|" * (head.count("|") - 5)]
   for r in rows:
     xb = r["xla_bytes_per_device"]
@@ -52,7 +58,7 @@ def memory_table(doc: dict) -> str:
     for m in ms:
       if m != base:
         line += f" {_f(temp[m] / temp[base] if m in temp else None)} |"
-    if base != "plain_acc" and {"det", "plain_acc"} <= set(ms):
+    if det_acc:
       line += f" {_f(temp['det'] / temp['plain_acc'])} |"
     lines.append(line)
   return "\n".join(lines)
@@ -72,7 +78,7 @@ def _ratios(r: dict, base: str) -> dict | None:
 def time_table(doc: dict) -> str:
   rows = _cells(doc)
   ms = _methods(rows)
-  first = "plain" if "plain" in ms else ms[0]
+  first = _base(ms)
   others = [m for m in ms if m not in ("plain", "plain_acc", first)]
   head = f"| dtype | layout | V/n | {first} s (med / min) |"
   if first == "plain" and "plain_acc" in ms:

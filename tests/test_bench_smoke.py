@@ -5,6 +5,7 @@ No timing assertions: it checks that the benchmark runs end to end, that the
 resharded values and shardings are checked, and that the JSON has its fields.
 """
 
+import importlib
 import json
 import os
 import subprocess
@@ -58,12 +59,17 @@ def test_bench_warm_worker_fresh_source(tmp_path):
   assert all(t > 0 for t in r["seconds"]), r
 
 
-def test_bench_transitions_combines_processes_by_median():
+def _benchmark(name):
+  """A script of benchmarks/, imported as a module."""
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   try:
-    import bench_transitions as bt
+    return importlib.import_module(name)
   finally:
     sys.path.pop(0)
+
+
+def test_bench_transitions_combines_processes_by_median():
+  bt = _benchmark("bench_transitions")
   runs = [{"ok": True, "cold_seconds": c, "cold_cpu_seconds": c + 1,
            "warm_seconds": w, "warm_cpu_seconds": w, "process_seconds": 9,
            "cold_peak_bytes": p, "warm_peak_bytes": p, "check": "ok"}
@@ -85,11 +91,7 @@ def test_determinism_tables_render_a_committed_run():
   # The committed 100M run (before the CPU seconds were recorded) renders as
   # docs/determinism.md's tables: a row per cell, the temp memory in MiB and
   # the ratios of the JSON's medians and minima.
-  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-  try:
-    import render_determinism_md as rd
-  finally:
-    sys.path.pop(0)
+  rd = _benchmark("render_determinism_md")
   with open(os.path.join(ROOT, "benchmarks",
                          "bench_determinism_100m_result.json")) as f:
     doc = json.load(f)
