@@ -443,7 +443,8 @@ def measure(row, args, mesh):
                                 row["virtual_workers"], args.rows)
     print(f"bitwise: {row['bitwise']}", file=sys.stderr, flush=True)
   del outs, ref
-  times, cpu = time_interleaved(compiled, (params, batch), args.reps)
+  kernel = {}
+  times, cpu = time_interleaved(compiled, (params, batch), args.reps, kernel)
   row["loadavg_after"] = os.getloadavg()
   med = {name: statistics.median(t) for name, t in times.items()}
   row["seconds"] = med
@@ -454,6 +455,14 @@ def measure(row, args, mesh):
   # other jobs taking the cores (not to their cache and memory traffic).
   row["cpu_seconds"] = {name: statistics.median(t) for name, t in cpu.items()}
   row["min_cpu_seconds"] = {name: min(t) for name, t in cpu.items()}
+  # Of that, the kernel's share: system seconds and minor page faults per
+  # call (XLA:CPU maps each call's temp buffer afresh, so every page of it
+  # is faulted in and zeroed on every step; GLIBC_TUNABLES can change that).
+  row["system_seconds"] = {name: statistics.median(t)
+                           for name, t in kernel["system"].items()}
+  row["minor_faults"] = {name: statistics.median(t)
+                         for name, t in kernel["minor_faults"].items()}
+  row["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
   if "plain" in med:
     row["ratio_to_plain"] = {name: t / med["plain"] for name, t in med.items()}
     row["min_ratio_to_plain"] = {

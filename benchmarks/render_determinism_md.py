@@ -5,7 +5,8 @@
 Two tables and a paragraph: XLA's temporary buffers per device by method
 (MiB, from the compiled programs), step times (wall medians and minima, ratios
 to ``plain`` and ``plain_acc``, and CPU seconds), and a line per profiled cell
-with its op time by kind. Each row is one cell of the run; a run without
+with its op time by kind; for runs that recorded them, a third table of the
+kernel's share per step (system seconds and minor page faults). Each row is one cell of the run; a run without
 ``plain`` is compared with its first method and ``plain_acc``.
 """
 
@@ -108,6 +109,27 @@ def time_table(doc: dict) -> str:
   return "\n".join(lines)
 
 
+def kernel_table(doc: dict) -> str:
+  """System seconds and minor page faults per step by method (medians), with
+  the run's ``GLIBC_TUNABLES``; empty for runs that did not record them."""
+  rows = [r for r in _cells(doc) if "minor_faults" in r]
+  if not rows:
+    return ""
+  ms = _methods(rows)
+  head = ("| dtype | layout | V/n | GLIBC_TUNABLES | system s per step: "
+          + " / ".join(ms) + " | minor faults per step (thousands): "
+          + " / ".join(ms) + " |")
+  lines = [head, "|---|---|---:|---|---|---|"]
+  for r in rows:
+    sys_s, faults = r["system_seconds"], r["minor_faults"]
+    lines.append(
+        f"| {r['dtype']} | {r['layout']} | {r['workers_per_device']} |"
+        f" {r.get('glibc_tunables') or '(none)'} |"
+        f" {' / '.join(_f(sys_s.get(m)) for m in ms)} |"
+        f" {' / '.join(str(round(faults[m] / 1000)) if m in faults else '-' for m in ms)} |")
+  return "\n".join(lines)
+
+
 def profile_lines(doc: dict) -> str:
   out = []
   for cell, by_method in doc.get("profiles", {}).items():
@@ -123,7 +145,7 @@ def profile_lines(doc: dict) -> str:
 
 def render(doc: dict) -> str:
   return "\n\n".join(s for s in (memory_table(doc), time_table(doc),
-                                 profile_lines(doc)) if s)
+                                 kernel_table(doc), profile_lines(doc)) if s)
 
 
 def main(argv=None) -> int:

@@ -114,3 +114,17 @@ def test_determinism_tables_render_a_committed_run():
   assert head.startswith("| dtype | layout | V/n | plain_acc s (med / min) |"
                          " plain_acc_cond / plain_acc (med / min / CPU) |"), head
   assert "| float32 | dp | 8 | 384 / 384 / 1176 | 1.00 | 3.06 |" in rd.memory_table(cond)
+  assert rd.kernel_table(cond) == ""  # recorded from the thirty-first session on
+  # A run that recorded the kernel's share: its system seconds and minor
+  # faults per step by method, and the allocator settings it ran with.
+  with open(os.path.join(ROOT, "benchmarks",
+                         "bench_determinism_100m_s31_arena1_2_result.json")) as f:
+    kern = json.load(f)
+  table = rd.kernel_table(kern).splitlines()
+  assert len(table) == 2 + len(kern["rows"]) == 4
+  row = next(r for r in kern["rows"] if r["layout"] == "fsdp")
+  line = next(l for l in table if l.startswith("| float32 | fsdp | 8 |"))
+  assert f"| {row['glibc_tunables']} |" in line and "arena_max=1" in line
+  assert " / ".join(str(round(row["minor_faults"][m] / 1000))
+                    for m in ("plain", "plain_acc", "det")) in line
+  assert table[-1] in rd.render(kern)
