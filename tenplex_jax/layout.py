@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import itertools
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -339,10 +341,22 @@ class TensorLayout:
 
 
 def dtype_info(dtype) -> tuple[str, int]:
-  import jax
-  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  """``(name, itemsize)`` of a numpy, ml_dtypes or jax PRNG key dtype (or its
+  name).
+
+  Imports no jax: a key dtype is an object jax made, so where jax is not
+  loaded ``dtype`` is a plain one (planning over abstract devices, the store
+  server), and importing jax for it cost a second.
+  """
+  jax = sys.modules.get("jax")
+  if jax is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return str(dtype), int(dtype.itemsize)
-  dt = np.dtype(dtype)
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    # ml_dtypes, once loaded, gives numpy the names "bfloat16", "int4", ...
+    importlib.import_module("ml_dtypes")
+    dt = np.dtype(dtype)
   return dt.name, int(dt.itemsize)
 
 

@@ -203,3 +203,30 @@ def test_plan_scales_to_1024_devices():
   p = plan(ptc_from_layouts(a, 8), ptc_from_layouts(b, 8))
   assert len(p.groups) == 1
   assert p.moved_bytes == p.lower_bound_bytes > 0
+
+
+def test_planning_abstract_layouts_imports_no_jax():
+  # Layouts over abstract devices and their plan (float32, bfloat16, int4
+  # named by string) need no jax: a process that plans (the config search, a
+  # scheduler sizing a resize) does not pay jax's import, about a second.
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = (
+      "import sys\n"
+      "from tenplex_jax.layout import named_layout, ptc_from_layouts\n"
+      "from tenplex_jax.planner import plan\n"
+      "def side(mesh):\n"
+      "  return ptc_from_layouts([named_layout(f'p{i}', (64, 32), dt,\n"
+      "      mesh_shape=mesh, spec=('fsdp', 'tensor'))\n"
+      "      for i, dt in enumerate(('float32', 'bfloat16', 'int4'))], 4)\n"
+      "p = plan(side({'data': 2, 'fsdp': 4, 'tensor': 2}),\n"
+      "         side({'data': 4, 'fsdp': 2, 'tensor': 2}))\n"
+      "assert p.moved_bytes == p.lower_bound_bytes > 0, p.summary()\n"
+      "print(sorted(m for m in ('jax', 'jaxlib') if m in sys.modules))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=root), cwd=root)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == "[]", out.stdout
