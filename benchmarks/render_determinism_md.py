@@ -6,8 +6,9 @@ Two tables and a paragraph: XLA's temporary buffers per device by method
 (MiB, from the compiled programs), step times (wall medians and minima, ratios
 to ``plain`` and ``plain_acc``, and CPU seconds), and a line per profiled cell
 with its op time by kind; for runs that recorded them, a third table of the
-kernel's share per step (system seconds and minor page faults). Each row is one cell of the run; a run without
-``plain`` is compared with its first method and ``plain_acc``.
+kernel's share per step (system seconds and minor page faults). Each row is
+one cell of the run; a run without ``plain`` is compared with its first method
+and ``plain_acc``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 import itertools
 import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -209,9 +212,6 @@ def test_planning_abstract_layouts_imports_no_jax():
   # Layouts over abstract devices and their plan (float32, bfloat16, int4
   # named by string) need no jax: a process that plans (the config search, a
   # scheduler sizing a resize) does not pay jax's import, about a second.
-  import os
-  import subprocess
-  import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   code = (
       "import sys\n"
