@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import itertools
 import json
 import math
@@ -29,6 +28,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import ml_dtypes
 import numpy as np
 
 from tenplex_jax.errors import LayoutError
@@ -340,6 +340,29 @@ class TensorLayout:
             "sharding": self.sharding}
 
 
+def dtype_of_name(name: str) -> np.dtype:
+  """The numpy dtype a dtype name spells, ``ml_dtypes``' ones included.
+
+  What ``jnp.dtype(name)`` gives (``jnp.dtype`` is numpy's; importing
+  ``ml_dtypes`` registers its names, ``bfloat16`` and the like), without
+  importing jax (a store server does not). A name that is not a dtype
+  raises ``TypeError``, as there.
+
+  Example:
+    >>> dtype_of_name("bfloat16"), dtype_of_name("float32")
+    (dtype(bfloat16), dtype('float32'))
+  """
+  try:
+    return np.dtype(name)
+  except TypeError:
+    # An ml_dtypes release that does not register its names: its scalar
+    # types only (``np.dtype`` of any other class is ``object``).
+    t = getattr(ml_dtypes, name, None)
+    if not (isinstance(t, type) and issubclass(t, np.generic)):
+      raise
+    return np.dtype(t)
+
+
 def dtype_info(dtype) -> tuple[str, int]:
   """``(name, itemsize)`` of a numpy, ml_dtypes or jax PRNG key dtype (or its
   name).
@@ -351,12 +374,7 @@ def dtype_info(dtype) -> tuple[str, int]:
   jax = sys.modules.get("jax")
   if jax is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return str(dtype), int(dtype.itemsize)
-  try:
-    dt = np.dtype(dtype)
-  except TypeError:
-    # ml_dtypes, once loaded, gives numpy the names "bfloat16", "int4", ...
-    importlib.import_module("ml_dtypes")
-    dt = np.dtype(dtype)
+  dt = dtype_of_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
   return dt.name, int(dt.itemsize)
 
 

@@ -60,11 +60,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import google_crc32c
-import ml_dtypes
 import numpy as np
 
 from tenplex_jax.errors import ChecksumError, StoreError, UsageError
-from tenplex_jax.layout import PTC, Box
+from tenplex_jax.layout import PTC, Box, dtype_of_name
 from tenplex_jax.store import private
 
 # tensorstore (0.1-0.2 s to import) loads where a read or write uses it: a
@@ -449,29 +448,6 @@ def to_storage(arr: np.ndarray, storage: str, extra: tuple[int, ...]
   if extra:
     out = out.reshape(arr.shape + extra)
   return out
-
-
-def dtype_of_name(name: str) -> np.dtype:
-  """The numpy dtype a dtype name spells, ``ml_dtypes``' ones included.
-
-  What ``jnp.dtype(name)`` gives (``jnp.dtype`` is numpy's; importing
-  ``ml_dtypes`` registers its names, ``bfloat16`` and the like), without
-  importing jax (a store server does not). A name that is not a dtype
-  raises ``TypeError``, as there.
-
-  Example:
-    >>> dtype_of_name("bfloat16"), dtype_of_name("float32")
-    (dtype(bfloat16), dtype('float32'))
-  """
-  try:
-    return np.dtype(name)
-  except TypeError:
-    # An ml_dtypes release that does not register its names: its scalar
-    # types only (``np.dtype`` of any other class is ``object``).
-    t = getattr(ml_dtypes, name, None)
-    if not (isinstance(t, type) and issubclass(t, np.generic)):
-      raise
-    return np.dtype(t)
 
 
 def from_storage(arr: np.ndarray, dtype_name: str) -> np.ndarray:

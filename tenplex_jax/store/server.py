@@ -63,13 +63,13 @@ import numpy as np
 
 from tenplex_jax.errors import (ChecksumError, StoreError, TLSError,
                                 UnreachableError, UsageError)
-from tenplex_jax.layout import PTC, Box
+from tenplex_jax.layout import PTC, Box, dtype_of_name
 from tenplex_jax.store import private
 from tenplex_jax.store.format import (ChunkMaps, HostStore, SnapshotWriter,
                                       check_manifest, check_step,
-                                      check_tensor_path, dtype_of_name,
-                                      ensure_store_id, format_box, parse_box,
-                                      round_id, storage_of)
+                                      check_tensor_path, ensure_store_id,
+                                      format_box, parse_box, round_id,
+                                      storage_of)
 
 __all__ = ["CA_ENV", "RemoteStore", "TOKEN_ENV", "is_remote", "make_server",
            "new_token", "resolve_token", "serve"]
