@@ -4,8 +4,11 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_all(cmds, *, timeout: float, env=None, merge_stderr: bool = True,
@@ -53,6 +56,22 @@ def run_all(cmds, *, timeout: float, env=None, merge_stderr: bool = True,
                                       decode(outs.get(i, (b"", b""))[0]),
                                       decode(outs.get(i, (b"", b""))[1]))
           for i, p in enumerate(procs)]
+
+
+def python(code: str, *, timeout: float = 300, env: dict | None = None) -> str:
+  """Runs ``code`` in a fresh Python (this checkout first on its path, the
+  caller's environment updated with ``env``) and returns its stdout; a
+  non-zero exit or the timeout fails the caller's test with the output's
+  tails. For what only a fresh process shows (which modules an import
+  loads) or what may crash its process rather than the test's worker."""
+  full = {**os.environ, **(env or {})}
+  full["PYTHONPATH"] = os.pathsep.join(
+      p for p in (ROOT, full.get("PYTHONPATH")) if p)
+  (r,) = run_all([[sys.executable, "-c", code]], timeout=timeout, env=full,
+                 merge_stderr=False)
+  assert r.returncode == 0, (
+      f"exit {r.returncode}", r.stdout[-2000:], r.stderr[-3000:])
+  return r.stdout
 
 
 def check_stage_change_resize(script: str, out: str, *, root: str,

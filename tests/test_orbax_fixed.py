@@ -6,9 +6,6 @@ to the target.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +14,11 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import procs
 import tenplex_jax as tj
 from tenplex_jax import orbax as tor
 from tenplex_jax.orbax import _read
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Modules a local restore does not use, which importing every part of the
 # package eagerly loaded (0.3-0.5 s in a fresh process).
@@ -33,12 +30,8 @@ _NOT_FOR_A_RESTORE = ("fsspec", "rich", "orbax.checkpoint",
 
 
 def _fresh(code: str) -> dict:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  p = subprocess.run([sys.executable, "-c", code], env=env,
-                     capture_output=True, text=True, timeout=300)
-  assert p.returncode == 0, p.stderr[-3000:]
-  return json.loads(p.stdout.strip().splitlines()[-1])
+  """The JSON that ``code``, run in a fresh Python, prints last."""
+  return json.loads(procs.python(code).strip().splitlines()[-1])
 
 
 def test_restore_imports_only_what_it_uses(tmp_path):

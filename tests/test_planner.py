@@ -3,14 +3,12 @@
 import itertools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import procs
 from tenplex_jax import PlanError, plan
 from tenplex_jax.layout import PTC, named_layout, ptc_from_layouts
 
@@ -212,7 +210,6 @@ def test_planning_abstract_layouts_imports_no_jax():
   # Layouts over abstract devices and their plan (float32, bfloat16, int4
   # named by string) need no jax: a process that plans (the config search, a
   # scheduler sizing a resize) does not pay jax's import, about a second.
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   code = (
       "import sys\n"
       "from tenplex_jax.layout import named_layout, ptc_from_layouts\n"
@@ -225,8 +222,5 @@ def test_planning_abstract_layouts_imports_no_jax():
       "         side({'data': 4, 'fsdp': 2, 'tensor': 2}))\n"
       "assert p.moved_bytes == p.lower_bound_bytes > 0, p.summary()\n"
       "print(sorted(m for m in ('jax', 'jaxlib') if m in sys.modules))\n")
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=root), cwd=root)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert out.stdout.strip() == "[]", out.stdout
+  out = procs.python(code, timeout=120)
+  assert out.strip() == "[]", out

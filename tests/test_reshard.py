@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+import procs
 import tenplex_jax as tj
 from tenplex_jax import LayoutError, PTC, ReshardError, reshard, reshard_with_report
 from tenplex_jax.layout import placement_of
@@ -343,14 +344,8 @@ print("ok")
 def _run_alone(script: str) -> None:
   """Runs ``script`` in a fresh Python (a crash there fails this test, not
   the worker) and asserts that it printed ``ok``."""
-  import os
-  import subprocess
-  import sys
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  r = subprocess.run([sys.executable, "-c", script], env=env,
-                     capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0 and r.stdout.strip() == "ok", (
-      r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+  out = procs.python(script, env={"JAX_PLATFORMS": "cpu"})
+  assert out.strip() == "ok", out[-2000:]
 
 
 def test_donated_array_used_again_raises_not_crashes():
