@@ -177,9 +177,12 @@ def restore(path: str, target: Any, *, step: int | None = None,
     target: a pytree of ``jax.ShapeDtypeStruct``s with shardings (live
       ``jax.Array``s and Flax boxes such as ``nn.LogicallyPartitioned`` or
       ``nnx`` variables holding them work too; PRNG key arrays are key
-      dtypes). Shardings on an ``AbstractMesh`` (what ``nnx.eval_shape``
-      gives under ``jax.set_mesh``) are placed on ``mesh``, else on the
-      mesh in context. Any other leaf takes the saved value at its path (a
+      dtypes). A dtype other than the saved one is a cast, bitwise what
+      Orbax's own restore gives (a key is never cast); a shape other than
+      the saved one is an error naming the leaf. Shardings on an
+      ``AbstractMesh`` (what ``nnx.eval_shape`` gives under
+      ``jax.set_mesh``) are placed on ``mesh``, else on the mesh in
+      context. Any other leaf takes the saved value at its path (a
       Python number stays one), or passes through when nothing is saved
       there.
     step: see ``path``.
