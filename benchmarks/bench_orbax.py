@@ -58,8 +58,10 @@ wall and CPU seconds (medians), the ratio to Orbax, the ratio to our own
 restore in the saved layout, and the worst and median ratio to Orbax over
 the random layouts. Writes benchmarks/bench_orbax_layouts_result.json
 (or ``--result``). ``--no-ocdbt`` saves the checkpoint without OCDBT (a
-zarr directory per leaf); ``--methods tenplex,orbax`` leaves out the
-per-piece path.
+zarr directory per leaf); ``--chunk-bytes N`` saves it with Orbax's
+sub-chunking (``SaveArgs(chunk_byte_size=N)``: chunks of at most N bytes,
+several per saved shard, what Orbax advises for restores into other
+layouts); ``--methods tenplex,orbax`` leaves out the per-piece path.
 """
 
 from __future__ import annotations
@@ -313,8 +315,12 @@ def _layout_save(args) -> None:
   tree = jax.device_put(tree, s)
   handlers = None if not args.no_ocdbt else \
       ocp.StandardCheckpointHandler(use_ocdbt=False)
+  save_args = None
+  if args.chunk_bytes:  # Orbax's sub-chunking: chunks of at most so many bytes
+    save_args = jax.tree.map(
+        lambda _: ocp.SaveArgs(chunk_byte_size=args.chunk_bytes), tree)
   with ocp.CheckpointManager(args.dir, item_handlers=handlers) as m:
-    m.save(1, args=ocp.args.StandardSave(tree))
+    m.save(1, args=ocp.args.StandardSave(tree, save_args=save_args))
     m.wait_until_finished()
   print(json.dumps({"state_bytes": sum(x.nbytes
                                        for x in jax.tree.leaves(tree))}))
@@ -448,14 +454,16 @@ def layouts_main(args) -> None:
   try:
     if not os.path.isdir(ck):
       saved = _run(me + ["--role", "lsave", "--dir", ck]
-                   + (["--no-ocdbt"] if args.no_ocdbt else []), _child_env(8))
+                   + (["--no-ocdbt"] if args.no_ocdbt else [])
+                   + (["--chunk-bytes", str(args.chunk_bytes)]
+                      if args.chunk_bytes else []), _child_env(8))
     else:  # --dir holding the checkpoint of an earlier run
       saved = {"state_bytes": None}
     print(f"state {saved['state_bytes'] or 'as saved before'} bytes,"
           f" checkpoint {_du(ck)} bytes on disk, load {os.getloadavg()}")
     results = {"state_bytes": saved["state_bytes"], "disk_bytes": _du(ck),
                "layers": args.layers, "div": args.div,
-               "ocdbt": not args.no_ocdbt,
+               "ocdbt": not args.no_ocdbt, "chunk_bytes": args.chunk_bytes,
                "methods": list(methods), "seeds": args.seeds,
                "repeat": args.repeat, "load_before": os.getloadavg(),
                "restore": {}}
@@ -610,6 +618,10 @@ def main() -> None:
   ap.add_argument("--no-ocdbt", action="store_true", help="--layouts: save"
                   " the checkpoint without OCDBT (one zarr array directory"
                   " per leaf)")
+  ap.add_argument("--chunk-bytes", type=int, default=0, help="--layouts:"
+                  " save with Orbax's sub-chunking, SaveArgs(chunk_byte_size="
+                  "N): every saved shard cut into chunks of at most N bytes,"
+                  " what Orbax advises for restores into other layouts")
   ap.add_argument("--methods", default="tenplex,per-piece,orbax",
                   help="--layouts: methods to time (comma-separated)")
   ap.add_argument("--result", dest="out_json", default=None,
