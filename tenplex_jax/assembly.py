@@ -197,10 +197,14 @@ _GROUP_READS = True
 
 # From a source with ``shared_reads``, a box's pieces go straight into
 # place when they average at least this many bytes; smaller ones are copied
-# out of a scratch buffer, which costs the Python thread less than a read
-# each (about 20 us a piece; a 64 KiB piece's copy costs 17 us, a 1 MiB
-# one's 230 us, measured on the 2-core VM).
-_DIRECT_PIECE = 32 << 10
+# out of a scratch buffer. A tensorstore read costs about 20 us of the
+# Python thread and, on tensorstore's threads, about 50 us more (futures,
+# locks, the strided copy's set-up: perf on the 2-core VM); a 64 KiB
+# piece's copy costs 17 us, a 1 MiB one's 230 us. A 1 GiB checkpoint saved
+# with Orbax's sub-chunking (512 KiB chunks, 128 KiB pieces into columns)
+# restored 10% faster through the scratch buffer, one saved without it
+# (512 KiB pieces) 5% slower (docs/orbax.md).
+_DIRECT_PIECE = 256 << 10
 
 
 @dataclasses.dataclass
