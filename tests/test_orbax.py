@@ -180,6 +180,37 @@ def test_inspect_and_restore_every_variant(tmp_path, variant):
   assert dir_hash(path) == before  # nothing that only reads writes
 
 
+def test_composite_save_with_a_json_item(tmp_path):
+  """A ``Composite`` save of arrays and a ``JsonSave`` item: the array item
+  is the one restored when none is named (columns on other devices,
+  bitwise); naming the JSON item says it holds no arrays, naming none that
+  exists lists the items; nothing is written."""
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  w = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+  state = {"w": jax.device_put(w, NamedSharding(mesh, P("x")))}
+  d = str(tmp_path / "ck")
+  with ocp.CheckpointManager(d) as mgr:
+    mgr.save(5, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        meta=ocp.args.JsonSave({"lr": 0.1})))
+    mgr.wait_until_finished()
+  before = dir_hash(d)
+  s = NamedSharding(Mesh(np.array(jax.devices()[4:6]), ("y",)), P(None, "y"))
+  target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=s)}
+  for item in (None, "state"):
+    out = tor.restore(d, target, item=item)
+    assert out["w"].sharding == s
+    np.testing.assert_array_equal(np.asarray(out["w"]).view(np.uint32),
+                                  w.view(np.uint32))
+  with pytest.raises(UsageError, match=r"5/meta holds no arrays .*"
+                     r"items with arrays: \['state'\]"):
+    tor.restore(d, target, item="meta")
+  with pytest.raises(UsageError, match=r"has no item 'nope'; items: "
+                     r"\['state'\]"):
+    tor.restore(d, target, item="nope")
+  assert dir_hash(d) == before
+
+
 def test_paths_steps_items_and_errors(tmp_path):
   mesh = mesh_of((4, 2), ("data", "model"))
   tree = small_tree(mesh)

@@ -155,6 +155,12 @@ def _pick_item(step_dir: str, item: str | None, fs=_LOCAL) -> str:
   items = _items_of(step_dir, fs)
   if item is not None:
     if item not in items:
+      where = os.path.join(step_dir, item)
+      if fs.isdir(where):  # e.g. a JsonSave item of a Composite save
+        raise UsageError(
+            f"{where} holds no arrays (no _METADATA or manifest.ocdbt: not an"
+            f" array item, such as a JsonSave item); items with arrays:"
+            f" {items}")
       raise UsageError(f"{step_dir} has no item {item!r}; items: {items}")
     return os.path.join(step_dir, item)
   if "default" in items:
