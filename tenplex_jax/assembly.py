@@ -45,7 +45,7 @@ from tenplex_jax._keys import is_key, key_data_sharding, wrap_keys
 from tenplex_jax._targets import match_saved, raise_tree_problems
 from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
-                                relative_index)
+                                key_path_name, relative_index)
 from tenplex_jax.planner import Plan, plan
 from tenplex_jax.sources import Source, SourceTensor
 
@@ -654,6 +654,8 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
       out.append(_empty_array(leaf))
     elif plain.get(i) is not None:
       out.append(_plain(source, held[plain[i]], leaf))
+    elif isinstance(leaf, str):  # a saved string, if there is one
+      out.append(source.saved_values().get(key_path_name(kp), leaf))
     else:
       out.append(leaf)
   built.clear()

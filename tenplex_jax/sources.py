@@ -22,6 +22,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -111,6 +112,12 @@ class Source(abc.ABC):
     source with ``shared_reads`` reads the box once for all of them; the
     default reads each part on its own."""
     return [self.read_async(path, box, out) for box, out in parts]
+
+  def saved_values(self) -> Mapping[str, Any]:
+    """Plain values saved by path that are not tensors (an Orbax
+    checkpoint's strings): a target leaf of the same type at such a path
+    takes the saved value. The default holds none."""
+    return {}
 
   def close(self) -> None:
     """Releases open handles; the default holds none."""

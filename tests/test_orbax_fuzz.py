@@ -256,3 +256,39 @@ def test_sub_chunked_save_restores_and_converts_bitwise(tmp_path, ocdbt):
   for k, v in tree.items():
     assert back[k].sharding == cols
     np.testing.assert_array_equal(_bits(back[k]), _bits(v))
+
+
+@pytest.mark.parametrize("ocdbt", [False, True])
+def test_saved_strings_restore_and_convert(tmp_path, ocdbt):
+  """Orbax keeps a tree's strings in the item's ``_strings.json``: a string
+  target leaf takes the saved string (a top-level and a nested one; one
+  where nothing is saved passes through), and ``convert`` carries them, so
+  that stock Orbax restores the converted checkpoint whole (before, it
+  listed the strings in ``_METADATA`` without their file and Orbax's
+  restore failed)."""
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  w = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+  tree = {"w": jax.device_put(w, NamedSharding(mesh, P("x"))),
+          "name": "hello", "cfg": {"act": "gelu"}, "lr": 0.5}
+  src = str(tmp_path / "src")
+  with ocp.PyTreeCheckpointer(use_ocdbt=ocdbt) as c:
+    c.save(src, tree)
+  before = _dir_hash(src)
+  s = NamedSharding(Mesh(np.array(jax.devices()[4:6]), ("y",)), P(None, "y"))
+  target = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=s),
+            "name": "", "cfg": {"act": "", "extra": "kept"}, "lr": 0.0}
+  out = tor.restore(src, target)
+  assert out["name"] == "hello" and out["cfg"] == {"act": "gelu",
+                                                   "extra": "kept"}
+  assert out["lr"] == 0.5 and isinstance(out["lr"], float)
+  np.testing.assert_array_equal(_bits(out["w"]), _bits(w))
+  dst = str(tmp_path / "dst")
+  tor.convert(src, dst, {"w": target["w"]}, ocdbt=ocdbt, progress=False)
+  assert _dir_hash(src) == before
+  with ocp.PyTreeCheckpointer() as c:
+    back = c.restore(dst, args=ocp.args.PyTreeRestore(restore_args={
+        "w": ocp.ArrayRestoreArgs(sharding=s), "name": ocp.RestoreArgs(),
+        "cfg": {"act": ocp.RestoreArgs()}, "lr": ocp.RestoreArgs()}))
+  assert back["name"] == "hello" and back["cfg"] == {"act": "gelu"}
+  assert float(back["lr"]) == 0.5 and back["w"].sharding == s
+  np.testing.assert_array_equal(_bits(back["w"]), _bits(w))

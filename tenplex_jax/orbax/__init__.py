@@ -183,8 +183,8 @@ def restore(path: str, target: Any, *, step: int | None = None,
       ``AbstractMesh`` (what ``nnx.eval_shape`` gives under
       ``jax.set_mesh``) are placed on ``mesh``, else on the mesh in
       context. Any other leaf takes the saved value at its path (a
-      Python number stays one), or passes through when nothing is saved
-      there.
+      Python number stays one; a string leaf takes a saved string), or
+      passes through when nothing is saved there.
     step: see ``path``.
     item: the item of a step (default ``default`` or the only one).
     inflight_bytes: bound on the checkpoint bytes being decoded at once

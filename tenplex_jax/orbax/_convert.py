@@ -888,6 +888,13 @@ def _write_metadata(item, held, chunks, names, new, params, base, mapped,
                        {"key_metadata": e.keys, "value_metadata": {
                            "value_type": e.value_type,
                            "skip_deserialize": True}})
+  # Strings: where Orbax's StringHandler keeps them (the tree above lists
+  # them; without the file stock Orbax fails to restore the checkpoint).
+  values = base.saved_values()
+  strings = {e.param: values[e.name] for e in base.entries
+             if e.value_type == "string" and e.name in values}
+  if strings:
+    _dump(os.path.join(item, "_strings.json"), strings)
   _dump(os.path.join(item, "_METADATA"), {
       "tree_metadata": tree, "use_ocdbt": bool(ocdbt), "use_zarr3": True,
       "store_array_data_equal_to_fill_value": True,

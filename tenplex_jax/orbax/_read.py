@@ -392,6 +392,20 @@ class OrbaxSource(Source):
     self._zarr3 = zarr3
     self.others = {e.name: e.value_type for e in self.entries
                    if e.value_type not in ARRAY_TYPES}
+    self._values: dict[str, Any] | None = None
+
+  def saved_values(self) -> dict[str, Any]:
+    """The checkpoint's strings by path: Orbax writes them, whatever the
+    array format, to the item's ``_strings.json`` keyed by parameter name
+    (its ``StringHandler``); read on first use."""
+    if self._values is None:
+      names = {e.param: e.name for e in self.entries
+               if e.value_type == "string"}
+      raw = read_json(os.path.join(self.location.item, "_strings.json"),
+                      self.fs) if names else None
+      self._values = {names[p]: v for p, v in (raw or {}).items()
+                      if p in names and isinstance(v, str)}
+    return self._values
 
   # -- metadata ------------------------------------------------------------
   def _kvstore(self, param: str | None) -> dict:
