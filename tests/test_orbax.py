@@ -478,8 +478,9 @@ def test_store_snapshot_exported_for_stock_orbax(tmp_path):
   assert arep.read_bytes == arep.new_shard_bytes
   with pytest.raises(NoCopyError, match="step 8"):
     StoreSource(d, step=8)
-  store.save({"s": "text"}, str(tmp_path / "s2"), step=1)
-  with pytest.raises(TreeError, match="s: str"):
+  # (strings are exported: test_store_strings_exported_for_stock_orbax)
+  store.save({"c": 1 + 2j}, str(tmp_path / "s2"), step=1)
+  with pytest.raises(TreeError, match=r"c: complex \(1\+2j\)"):
     tor.convert(str(tmp_path / "s2"), str(tmp_path / "s2o"))
   assert not os.path.exists(tmp_path / "s2o")
 
@@ -584,3 +585,40 @@ def test_boxed_linen_state_saved_with_its_boxes(tmp_path):
     assert g.sharding == g2.sharding == t.sharding
     assert np.asarray(g).tobytes() == np.asarray(w).tobytes() == \
         np.asarray(g2).tobytes()
+
+
+def test_store_strings_exported_for_stock_orbax(tmp_path):
+  """A store snapshot's strings (kept in its manifest) go to the exported
+  checkpoint's ``_strings.json``, where Orbax's own restore reads them
+  (before, ``convert`` refused them); the store as a source gives them to a
+  string target leaf."""
+  from tenplex_jax import assembly, store
+  from tenplex_jax.store.source import StoreSource
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  w = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+  tree = {"w": jax.device_put(w, NamedSharding(mesh, P("x"))),
+          "name": "run-7", "cfg": {"act": "gelu"}, "step": 7}
+  d = str(tmp_path / "store")
+  store.save(tree, d, step=7)
+  before = dir_hash(d)
+  s = NamedSharding(Mesh(np.array(jax.devices()[4:6]), ("y",)), P(None, "y"))
+  for ocdbt in (False, True):
+    out = str(tmp_path / f"ck{ocdbt}")
+    tor.convert(d, out, {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                                                   sharding=s)},
+                ocdbt=ocdbt, progress=False)
+    with ocp.PyTreeCheckpointer() as c:
+      got = c.restore(os.path.join(out, "7", "default"),
+                      args=ocp.args.PyTreeRestore(restore_args={
+                          "w": ocp.ArrayRestoreArgs(sharding=s),
+                          "name": ocp.RestoreArgs(),
+                          "cfg": {"act": ocp.RestoreArgs()},
+                          "step": ocp.RestoreArgs()}))
+    assert got["name"] == "run-7" and got["cfg"] == {"act": "gelu"}
+    assert int(got["step"]) == 7 and got["w"].sharding == s
+    np.testing.assert_array_equal(np.asarray(got["w"]).view(np.uint32),
+                                  w.view(np.uint32))
+  assert dir_hash(d) == before
+  with StoreSource(d) as src:
+    got, _ = assembly.assemble(src, {"name": "", "cfg": {"act": ""}})
+  assert got == {"name": "run-7", "cfg": {"act": "gelu"}}

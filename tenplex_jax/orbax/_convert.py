@@ -562,7 +562,9 @@ def convert(src: str, dst: str, target: Any = None, *,
       complete snapshot (or
       ``step``) is exported as a standard Orbax checkpoint, box by box
       (see :class:`tenplex_jax.store.source.StoreSource`; plain numbers become
-      Orbax scalars, ``None`` an empty node).
+      Orbax scalars, strings Orbax strings (``_strings.json``), ``None`` an
+      empty node; a complex number is refused). An Orbax source's strings
+      are carried over the same way.
     dst: the new checkpoint; must not exist. When ``src`` is a step of a
       ``CheckpointManager`` or a store, ``dst`` is written as a manager
       directory (``dst/<step>/default``), else as an item directory.
@@ -825,6 +827,8 @@ def open_base(src: str, step: int | None, item: str | None,
       continue
     if v is None:
       entries.append(TreeEntry(p, p.replace("/", "."), keys(p), "None"))
+    elif isinstance(v, str):  # written to _strings.json, as Orbax does
+      entries.append(TreeEntry(p, p.replace("/", "."), keys(p), "string"))
     else:
       bad.append(f"{p}: {type(v).__name__} {v!r}"[:80])
   if bad:
@@ -887,7 +891,8 @@ def _write_metadata(item, held, chunks, names, new, params, base, mapped,
                         if v.get("key_metadata") == e.keys),
                        {"key_metadata": e.keys, "value_metadata": {
                            "value_type": e.value_type,
-                           "skip_deserialize": True}})
+                           # an empty node is not read; a string is
+                           "skip_deserialize": e.value_type != "string"}})
   # Strings: where Orbax's StringHandler keeps them (the tree above lists
   # them; without the file stock Orbax fails to restore the checkpoint).
   values = base.saved_values()

@@ -135,6 +135,10 @@ class StoreSource(Source):
   def tensors(self) -> Mapping[str, SourceTensor]:
     return self._tensors
 
+  def saved_values(self) -> dict[str, str]:
+    """The round's strings by path (kept in its manifest)."""
+    return {p: v for p, v in self.plain.items() if isinstance(v, str)}
+
   def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
     if path in self._values:
       out[...] = self._values[path][tuple(slice(a, b) for a, b in box)]
