@@ -703,7 +703,7 @@ def convert(src: str, dst: str, target: Any = None, *,
                              "level": 1, "checksum": False}}],
               "data_type": ts.dtype(h.storage).name,
               # zarr v3 takes a bool array's fill value as a JSON boolean
-              "fill_value": False if h.storage == np.bool_ else 0},
+              "fill_value": _fill_value(h.storage)},
           "store_data_equal_to_fill_value": True,
       }, create=True, open=False, context=ctx).result()
     # Stream: every new chunk is a new box of the restore core
@@ -843,6 +843,16 @@ def open_base(src: str, step: int | None, item: str | None,
   base.location = Location(path, base.step, None, path)
   base.meta = None
   return base
+
+
+def _fill_value(dtype: np.dtype):
+  """zarr v3's JSON zero of ``dtype``: a boolean for bool (tensorstore
+  refuses 0 there), a [real, imaginary] pair for complex numbers."""
+  if dtype == np.bool_:
+    return False
+  if dtype.kind == "c":
+    return [0, 0]
+  return 0
 
 
 def _dump(path: str, obj) -> None:
