@@ -103,6 +103,57 @@ def test_random_layouts_restore_in_two_processes(tmp_path, seed, ocdbt):
   _restore_in_two_processes(tmp_path, tree, leaves, ocdbt=ocdbt)
 
 
+# A tree saved by a 2-process job (tests/orbax_save_worker.py): path ->
+# (dtype, spec on the saving (data=2, model=2) mesh).
+SAVED_BY_TWO = {"w": ("float32", ["data", "model"]),
+                "e": ("bfloat16", [None, "model"]),
+                "r": ("float32", []),
+                "t": ("int8", ["model"])}
+_SAVED_SHAPES = {"w": (16, 12), "e": (8, 8), "r": (10,), "t": (12, 4)}
+
+
+def saved_by_two_values() -> dict:
+  """The values of ``SAVED_BY_TWO``, the same in every process."""
+  rng = np.random.default_rng(11)
+  return {k: (rng.standard_normal(_SAVED_SHAPES[k]) * 10).astype(
+      jnp.dtype(dt)) for k, (dt, _) in SAVED_BY_TWO.items()}
+
+
+@pytest.mark.parametrize("ocdbt", [True, False])
+def test_checkpoint_saved_by_two_processes_restores_in_one(tmp_path, ocdbt):
+  """A checkpoint stock Orbax saves from a 2-process job (with OCDBT each
+  process writes its own ``ocdbt.process_<i>``, merged by the manifest)
+  restores in one process onto columns of 4 other devices and replicated,
+  bitwise, as Orbax's own restore does; ``convert`` writes it in that
+  layout for Orbax."""
+  ck = str(tmp_path / "ck")
+  port = str(_port())
+  children = run_all([[sys.executable, os.path.join(HERE, "orbax_save_worker.py"),
+                        port, str(i), ck, "1" if ocdbt else "0"]
+                       for i in range(2)], env=ENV, timeout=120)
+  for i, c in enumerate(children):
+    assert c.returncode == 0, f"process {i}:\n{c.stdout[-3000:]}"
+  if ocdbt:
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(
+        os.listdir(os.path.join(ck, "2", "default")))
+  from tenplex_jax import orbax as tor
+  full = saved_by_two_values()
+  mesh = Mesh(np.array(jax.devices()[3:7]), ("y",))
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+      mesh, P(None, "y") if v.ndim == 2 else P())) for k, v in full.items()}
+  ours = tor.restore(ck, target)
+  with ocp.CheckpointManager(ck) as m:
+    theirs = m.restore(2, args=ocp.args.StandardRestore(target))
+  out = str(tmp_path / "conv")
+  tor.convert(ck, out, target, progress=False)
+  with ocp.CheckpointManager(out) as m:
+    converted = m.restore(2, args=ocp.args.StandardRestore(target))
+  for k, v in full.items():
+    for got in (ours[k], theirs[k], converted[k]):
+      assert got.sharding == target[k].sharding and got.dtype == v.dtype
+      assert np.asarray(got).tobytes() == v.tobytes(), k
+
+
 def _restore_in_two_processes(tmp_path, tree, leaves, ocdbt):
   """Saves ``tree`` with stock Orbax (OCDBT on or off), restores it in two
   processes of 2 devices each onto ``leaves``' (shape, dtype, spec on the
