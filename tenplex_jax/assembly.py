@@ -42,6 +42,7 @@ import numpy as np
 
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax._keys import is_key, key_data_sharding, wrap_keys
+from tenplex_jax._problems import Problem
 from tenplex_jax._targets import match_saved, raise_tree_problems
 from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
@@ -609,6 +610,7 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
   t0 = time.perf_counter()
   held = source.tensors()
   flat, treedef, arrays, plain = match_target(target, held, mesh=mesh)
+  _check_plain_types(source, flat, plain, held)
   phys, impls, dtypes = {}, {}, {}
   empty = {i for i, (saved, _) in arrays.items() if saved is None}
   for i in empty:
@@ -666,6 +668,32 @@ def assemble(source: Source, target: Any, *, inflight_bytes: int = 32 << 20,
       new_shard_bytes=new_bytes, read_bytes=st.bytes, pieces=st.pieces,
       reads=st.reads, seconds={"plan": t1 - t0, "read": t2 - t1,
                                "build": t3 - t2, "total": t3 - t0})
+
+
+def _check_plain_types(source: Source, flat, plain, held) -> None:
+  """A string target leaf where an array or number is saved, or a number
+  target leaf where a string is saved, is a :class:`TreeError` naming the
+  leaf and both types (before anything is read), not a silent mix-up."""
+  problems = []
+  strings = None
+  for i, (kp, leaf) in enumerate(flat):
+    if i not in plain:
+      continue
+    saved = plain[i]
+    if saved is not None and isinstance(leaf, str):
+      t = held[saved]
+      problems.append(Problem(key_path_name(kp), (
+          f"the target is a string, the checkpoint saved {t.dtype}"
+          f"{list(t.shape)}"), "the target is a string, an array is saved"))
+    elif saved is None and isinstance(leaf, (bool, int, float, complex)):
+      if strings is None:
+        strings = source.saved_values()
+      name = key_path_name(kp)
+      if isinstance(strings.get(name), str):
+        problems.append(Problem(name, (
+            f"the target is {type(leaf).__name__} {leaf!r}, the checkpoint"
+            f" saved a string"), "the target is a number, a string is saved"))
+  raise_tree_problems("the target does not match the checkpoint", problems)
 
 
 def _empty_array(leaf):

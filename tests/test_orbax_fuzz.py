@@ -280,6 +280,13 @@ def test_saved_strings_restore_and_convert(tmp_path, ocdbt):
   out = tor.restore(src, target)
   assert out["name"] == "hello" and out["cfg"] == {"act": "gelu",
                                                    "extra": "kept"}
+  # A type mix-up is an error naming the leaf and both types.
+  with pytest.raises(TreeError, match="name: the target is int 0, the"
+                     " checkpoint saved a string"):
+    tor.restore(src, {"name": 0})
+  with pytest.raises(TreeError, match=r"lr: the target is a string, the"
+                     r" checkpoint saved float64\[\]"):
+    tor.restore(src, {"lr": ""})
   assert out["lr"] == 0.5 and isinstance(out["lr"], float)
   np.testing.assert_array_equal(_bits(out["w"]), _bits(w))
   dst = str(tmp_path / "dst")
