@@ -14,20 +14,14 @@ import sys
 port, proc, ck, ocdbt = sys.argv[1], int(sys.argv[2]), sys.argv[3], \
     sys.argv[4] == "1"
 
-import jax  # noqa: E402
+from procs import cpu_job  # noqa: E402  (tests/, this script's directory)
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                           num_processes=2, process_id=proc,
-                           initialization_timeout=60)
+jax = cpu_job(2, procs=2, proc=proc, port=port)
 
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_orbax_multiprocess import SAVED_BY_TWO, saved_by_two_values  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))

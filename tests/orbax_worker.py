@@ -15,14 +15,9 @@ with open(sys.argv[1]) as f:
   cfg = json.load(f)
 proc = int(sys.argv[2])
 
-import jax  # noqa: E402
+from procs import cpu_job  # noqa: E402  (tests/, this script's directory)
 
-jax.config.update("jax_platforms", "cpu")
-jax.config.update("jax_num_cpu_devices", cfg["devices"])
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{cfg['port']}",
-                           num_processes=cfg["procs"], process_id=proc,
-                           initialization_timeout=60)
+jax = cpu_job(cfg["devices"], procs=cfg["procs"], proc=proc, port=cfg["port"])
 
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402

@@ -58,6 +58,23 @@ def run_all(cmds, *, timeout: float, env=None, merge_stderr: bool = True,
           for i, p in enumerate(procs)]
 
 
+def cpu_job(devices: int, procs: int = 1, proc: int = 0,
+            port: str | int | None = None):
+  """Sets up jax in a fresh worker process (before anything else uses it):
+  ``devices`` CPU devices, and with ``procs`` > 1 process ``proc`` of a
+  ``jax.distributed`` job over gloo, coordinated on 127.0.0.1:``port``.
+  Returns the ``jax`` module."""
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", devices)
+  if procs > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=procs, process_id=proc,
+                               initialization_timeout=60)
+  return jax
+
+
 def python(code: str, *, timeout: float = 300, env: dict | None = None) -> str:
   """Runs ``code`` in a fresh Python (this checkout first on its path, the
   caller's environment updated with ``env``) and returns its stdout; a

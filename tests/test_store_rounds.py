@@ -540,13 +540,8 @@ def test_a_read_request_of_current_snapshots_reads_one_snapshot(
 _SAVER = textwrap.dedent("""
     import os, sys, time
     proc, base, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    import jax
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 2)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                               num_processes=2, process_id=proc,
-                               initialization_timeout=60)
+    from procs import cpu_job  # tests/, on PYTHONPATH
+    jax = cpu_job(2, procs=2, proc=proc, port=port)
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from tenplex_jax import store
@@ -579,8 +574,11 @@ def test_two_real_processes_saving_twice_at_step_0(tmp_path):
   id through the coordination service and number their saves."""
   from tenplex_jax.store.server import free_port
   port = str(free_port())
+  tests = os.path.dirname(os.path.abspath(__file__))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
   procs = run_all([[sys.executable, "-c", _SAVER, str(k), str(tmp_path),
-                     port] for k in (0, 1)], timeout=180)
+                     port] for k in (0, 1)], timeout=180, env=env)
   assert [p.returncode for p in procs] == [0, 0], [p.stdout[-2000:]
                                                     for p in procs]
   dirs = [str(tmp_path / "p0"), str(tmp_path / "p1")]
