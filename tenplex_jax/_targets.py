@@ -31,6 +31,7 @@ order, so the executor only ever sees ``(path, leaf, sharding)``:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -524,16 +525,45 @@ def saved_names(kp) -> list[str]:
   return list(dict.fromkeys(out))
 
 
+_CLOSE_MAX = 1024  # saved paths compared with a missing one for a near name
+_SIMILAR_FIRST = 3  # problems before which a missing leaf gets near names
+
+
 def _missing(name: str, kind: str, saved: Mapping[str, Any],
-             where: str) -> Problem:
-  """An array the target has where nothing is saved."""
-  near = [p for p in saved
-          if p.rsplit("/", 1)[-1] == name.rsplit("/", 1)[-1]][:3]
+             where: str, similar: bool = True) -> Problem:
+  """An array the target has where nothing is saved.
+
+  The message names saved paths with the same leaf name (the three spelt
+  most nearly the same), else those of the same parent (or else of the
+  same depth) spelt nearly the same (a typo, a renamed module), else the
+  first saved paths. Near spellings are looked for only where ``similar``
+  (a caller with many missing leaves asks for the first few).
+
+  >>> from types import SimpleNamespace as T
+  >>> saved = {"params/dense/kernel": T(), "params/dense/bias": T()}
+  >>> str(_missing("params/dense/kernal", "float32[2, 2]", saved,
+  ...              "the checkpoint"))  # doctest: +NORMALIZE_WHITESPACE
+  "params/dense/kernal: the target is float32[2, 2], the checkpoint saved
+  nothing at this path (saved with a similar path: ['params/dense/kernel'])"
+  """
+  leaf = name.rsplit("/", 1)[-1]
+  near = [p for p in saved if p.rsplit("/", 1)[-1] == leaf]
+  if len(near) > 3:  # the three spelt most nearly the same
+    near = (difflib.get_close_matches(name, near[:_CLOSE_MAX], n=3, cutoff=0)
+            if similar else near[:3])
+  if near:
+    hint = f" (same leaf name: {near})"
+  else:
+    parent, depth = name.rpartition("/")[0], name.count("/")
+    same = ([p for p in saved if p.rpartition("/")[0] == parent]
+            or [p for p in saved if p.count("/") == depth]) if similar else []
+    close = (difflib.get_close_matches(name, same, n=3, cutoff=0.8)
+             if similar and len(same) <= _CLOSE_MAX else [])
+    hint = (f" (saved with a similar path: {close})" if close else
+            f" (saved arrays: {list(saved)[:6]})")
   return Problem(
       name, f"the target is {kind}, {where} saved nothing at this path"
-      + (f" (same leaf name: {near})" if near else
-         f" (saved arrays: {list(saved)[:6]})"),
-      f"the target has arrays where {where} saved nothing")
+      + hint, f"the target has arrays where {where} saved nothing")
 
 
 def _differs(name: str, shape: tuple, dtype: str, t: Any,
@@ -581,7 +611,7 @@ def match_layout(tensors: Sequence[Any], saved: Mapping[str, Any], *,
     hit = next((c for c in (t.path, t.path + "/value") if c in saved), None)
     if hit is None:
       problems.append(_missing(t.path, f"{t.dtype}{list(t.shape)}", saved,
-                               where))
+                               where, similar=len(problems) < _SIMILAR_FIRST))
       continue
     paths[t.path] = hit
     differs = _differs(t.path, tuple(t.shape), t.dtype, saved[hit], where)
@@ -731,7 +761,8 @@ def match_saved(target: Any, saved: Mapping[str, Any], *, where: str,
     shape = tuple(int(n) for n in leaf.shape)
     if hit is None:
       if math.prod(shape) and name not in values:
-        problems.append(_missing(name, leaf_kind(leaf), saved, where))
+        problems.append(_missing(name, leaf_kind(leaf), saved, where,
+                                 similar=len(problems) < _SIMILAR_FIRST))
         continue
       slots.append(Slot(i, name, leaf, None, True))
       continue

@@ -234,6 +234,14 @@ def test_paths_steps_items_and_errors(tmp_path):
       " saved float32[64, 48]" in msg, msg
   assert "extra: the target is int32[], the checkpoint saved nothing at this" \
       " path" in msg, msg
+  # A misspelt path: the saved path spelt nearly the same is named.
+  target = target_of(tree, mesh_of((2,), ("t",)), {})
+  target["params"]["dense"]["kernal"] = target["params"]["dense"].pop("kernel")
+  with pytest.raises(TreeError) as e:
+    tor.restore(mgr, target)
+  assert "params/dense/kernal: the target is float32[64, 48], the checkpoint" \
+      " saved nothing at this path (saved with a similar path:" \
+      " ['params/dense/kernel'])" in str(e.value), str(e.value)
 
 
 def test_plain_leaves_and_boxed_targets(tmp_path):
