@@ -586,6 +586,34 @@ def test_orbax_checkpoint_on_object_storage(scheme, request):
     tjo.convert(url, f"{scheme}://{bucket}/ckpts/conv")
 
 
+def test_unfinished_gcs_step_is_never_read(gs):
+  """Orbax writes a step on GCS in place and ``commit_success.txt`` last, so
+  a step without that file is a save still running or one that failed. As
+  Orbax's ``CheckpointManager`` does, the newest step is the newest finished
+  one, and naming the unfinished step is a clear error, not a read of half a
+  checkpoint."""
+  import shutil
+  state, want = _state()
+  d = _orbax_manager_dir(state)  # steps 3 and 5
+  try:
+    # step 7: step 5's files but its commit file (a save cut short)
+    shutil.copytree(os.path.join(d, "5"), os.path.join(d, "7"))
+    os.remove(os.path.join(d, "7", "commit_success.txt"))
+    upload_dir(d, "gs", gs, "ckpts/orbax")
+  finally:
+    shutil.rmtree(d)
+  url = f"gs://{gs}/ckpts/orbax"
+  info = tjo.inspect(url)
+  assert (info["step"], info["steps"], info["unfinished_steps"]) == \
+      (5, [3, 5], [7]), info
+  target = {k: v for k, v in _target().items() if k != "step"}
+  out = tjo.restore(url, target)
+  np.testing.assert_array_equal(np.asarray(out["w"]), want["w"] + 1)
+  with pytest.raises(UsageError, match=r"step 7 of gs://\S+ is not finished:"
+                     r" no commit_success.txt .* finished steps: \[3, 5\]"):
+    tjo.restore(url, target, step=7)
+
+
 def test_orbax_ocdbt_on_s3_is_staged_in_few_requests(s3, monkeypatch):
   """An OCDBT checkpoint on a bucket: a restore fetches the chunks it needs
   into a local copy with a few large requests (not one per chunk), reads

@@ -136,17 +136,34 @@ def _items_of(d: str, fs=_LOCAL) -> list[str]:
           and _is_item(os.path.join(d, n), fs)]
 
 
-def _steps_of(d: str, fs=_LOCAL) -> dict[int, str]:
+_COMMIT = "commit_success.txt"
+
+
+def _steps_of(d: str, fs=_LOCAL, unfinished: dict | None = None
+              ) -> dict[int, str]:
+  """A ``CheckpointManager`` directory's finalized steps: ``{step: dir}``.
+
+  As Orbax's own manager reads them: a step whose save is still running or
+  failed is left out. Locally Orbax writes a step under a temporary name and
+  renames it when done; on GCS it writes the step in place and
+  ``commit_success.txt`` last, so a ``gs://`` step without that file is not
+  finished. Such steps go to ``unfinished`` where given.
+  """
   out = {}
   try:
     names = fs.listdir(d)
   except OSError:
     return out
+  commit = d.startswith("gs://")
   for n in names:
     m = _STEP_RE.match(n)
     full = os.path.join(d, n)
     if m and _TMP not in n and fs.isdir(full) and (
         _is_item(full, fs) or _items_of(full, fs)):
+      if commit and not fs.isfile(os.path.join(full, _COMMIT)):
+        if unfinished is not None:
+          unfinished.setdefault(int(m.group(2)), full)
+        continue
       out.setdefault(int(m.group(2)), full)
   return out
 
@@ -231,13 +248,20 @@ def locate(path: str, *, step: int | None = None,
       return one_step(Location(path, int(m.group(2)), path, parent, fs),
                       "the step directory")
     return one_step(Location(path, files=fs), what)
-  steps = _steps_of(path, fs)
-  if not steps and _items_of(path, fs):  # a step directory
+  unfinished: dict[int, str] = {}
+  steps = _steps_of(path, fs, unfinished)
+  if not steps and not unfinished and _items_of(path, fs):  # a step dir
     m = _STEP_RE.match(os.path.basename(path))
     return one_step(Location(_pick_item(path, item, fs),
                              int(m.group(2)) if m else None,
                              path, os.path.dirname(path) if m else None, fs),
                     "the step directory")
+  if step in unfinished or (step is None and not steps and unfinished):
+    n = step if step is not None else max(unfinished)
+    raise UsageError(
+        f"step {n} of {path} is not finished: no {_COMMIT} (its save is still"
+        " running, or failed), so Orbax's CheckpointManager does not list it"
+        " either; finished steps: " + str(sorted(steps)))
   if not steps:
     raise UsageError(
         f"{path} is not an Orbax checkpoint: no _METADATA or manifest.ocdbt"
@@ -1089,10 +1113,14 @@ def inspect(path: str, *, step: int | None = None,
           "driver"] == "zarr3" else 2
     ck = read_json(os.path.join(loc.step_dir or loc.item,
                                  "_CHECKPOINT_METADATA"), src.fs) or {}
+    unfinished: dict[int, str] = {}
+    steps = (sorted(_steps_of(loc.manager_dir, src.fs, unfinished))
+             if loc.manager_dir else None)
     return {
-        "item": loc.item, "step": loc.step,
-        "steps": sorted(_steps_of(loc.manager_dir, src.fs))
-        if loc.manager_dir else None,
+        "item": loc.item, "step": loc.step, "steps": steps,
+        # saves still running or failed (gs:// steps without their commit
+        # file), which neither Orbax's manager nor restore reads
+        **({"unfinished_steps": sorted(unfinished)} if unfinished else {}),
         "format": {"ocdbt": src.ocdbt, "zarr": zarr,
                    "handler": ck.get("item_handlers")},
         "tensors": tensors, "others": src.others,
