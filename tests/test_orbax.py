@@ -27,6 +27,7 @@ from tenplex_jax.errors import NoCopyError, TreeError, UsageError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fixtures.lm1b_state import SMALL, abstract_state, make_mesh, make_state  # noqa: E402
+import procs  # noqa: E402
 
 KEY = jax.random.key(0).dtype
 
@@ -630,3 +631,74 @@ def test_store_strings_exported_for_stock_orbax(tmp_path):
   with StoreSource(d) as src:
     got, _ = assembly.assemble(src, {"name": "", "cfg": {"act": ""}})
   assert got == {"name": "run-7", "cfg": {"act": "gelu"}}
+
+
+@pytest.mark.parametrize("ocdbt", [False, True])
+def test_a_missing_chunk_is_an_error_where_orbax_raises(tmp_path, ocdbt):
+  """Orbax's ``_METADATA`` says ``store_array_data_equal_to_fill_value``:
+  every chunk was written (zeros too), so a chunk that is not there is
+  damage, and Orbax's restore raises. Ours raises too (a StoreError naming
+  the leaf), from restore and convert, and convert leaves no destination;
+  never zeros in place of the lost data. A checkpoint whose metadata does
+  not say so (older Orbax) reads a missing chunk as zeros, as Orbax does."""
+  import tensorstore as ts
+  from tenplex_jax.errors import StoreError
+  mesh = mesh_of((8,), ("d",))
+  x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + 1
+  tree = {"p": jax.device_put(x, NamedSharding(mesh, P("d")))}
+  item = str(tmp_path / "c")
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt)) as c:
+    c.save(item, args=ocp.args.PyTreeSave(tree))
+  with open(os.path.join(item, "_METADATA")) as f:
+    assert json.load(f)["store_array_data_equal_to_fill_value"] is True
+  # lose the chunk of rows 16-23
+  if ocdbt:
+    kv = ts.KvStore.open({"driver": "ocdbt",
+                          "base": f"file://{item}/"}).result()
+    keys = [k.decode() for k in kv.list().result()]
+    victim = next(k for k in keys if k.startswith("p/")
+                  and k.rsplit("/", 1)[-1] in ("c/2/0", "2.0", "2/0"))
+    kv.delete_range(ts.KvStore.KeyRange(victim, victim + "\0")).result()
+    assert victim not in [k.decode() for k in kv.list().result()]
+  else:
+    os.remove(os.path.join(item, "p", "2.0"))
+  target = {"p": jax.ShapeDtypeStruct(
+      (64, 32), jnp.float32,
+      sharding=NamedSharding(mesh_of((2, 2), ("a", "b"), 4), P("b", "a")))}
+  with pytest.raises(StoreError, match=r"leaf p \(array p\): a chunk is"
+                     r" missing.*damaged or incomplete"):
+    tor.restore(item, target)
+  # Orbax's own restore refuses it (in a process of its own: the failing
+  # restore leaves asyncio callbacks behind that would be reported, as
+  # unraisable, in whichever test collects them).
+  code = (
+      "import jax, orbax.checkpoint as ocp\n"
+      "s = jax.sharding.SingleDeviceSharding(jax.devices()[0])\n"
+      "try:\n"
+      "  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as c:\n"
+      f"    c.restore({item!r}, args=ocp.args.PyTreeRestore(restore_args={{\n"
+      "        'p': ocp.ArrayRestoreArgs(sharding=s)}))\n"
+      "  print('RESTORED')\n"
+      "except Exception as e:\n"
+      "  print('REFUSED', 'NOT_FOUND' in str(e) or 'missing' in str(e))\n")
+  assert procs.python(code, timeout=120, env={"JAX_PLATFORMS": "cpu"}) \
+      .strip().splitlines()[-1] == "REFUSED True"
+  dst = str(tmp_path / "converted")
+  with pytest.raises(StoreError, match="a chunk is missing"):
+    tor.convert(item, dst, target, progress=False)
+  assert not os.path.exists(dst)
+  # Without the metadata's promise the lost chunk reads as zeros, as Orbax
+  # reads it.
+  with open(os.path.join(item, "_METADATA")) as f:
+    meta = json.load(f)
+  meta["store_array_data_equal_to_fill_value"] = False
+  with open(os.path.join(item, "_METADATA"), "w") as f:
+    json.dump(meta, f)
+  want = x.copy()
+  want[16:24] = 0
+  np.testing.assert_array_equal(np.asarray(tor.restore(item, target)["p"]),
+                                want)
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as c:
+    got = c.restore(item, args=ocp.args.PyTreeRestore(restore_args={
+        "p": ocp.ArrayRestoreArgs(sharding=target["p"].sharding)}))
+  np.testing.assert_array_equal(np.asarray(got["p"]), want)

@@ -391,6 +391,12 @@ class OrbaxSource(Source):
     self.ocdbt = bool(self.meta.get("use_ocdbt", True)) if self.meta \
         else self.fs.isfile(os.path.join(d, "manifest.ocdbt"))
     zarr3 = self.meta.get("use_zarr3") if self.meta else None
+    # Where the checkpoint says every chunk was written (those equal to the
+    # fill value too, as Orbax writes them now), a chunk that is not there
+    # is damage and a read of it an error, as in Orbax's restore; where it
+    # does not say so (older checkpoints), such a chunk reads as zeros.
+    self._all_chunks = bool(self.meta and self.meta.get(
+        "store_array_data_equal_to_fill_value"))
     # Fewer decode threads than the default (a small restore): as few file
     # reads at once, whose buffers also stay in their threads' arenas.
     few = copy_threads is not None and copy_threads < COPY_THREADS
@@ -484,7 +490,9 @@ class OrbaxSource(Source):
   def _spec(self, param: str, zarr3: bool) -> dict:
     return {"driver": "zarr3" if zarr3 else "zarr",
             "kvstore": self._kvstore(param),
-            "recheck_cached_data": False, "recheck_cached_metadata": False}
+            "recheck_cached_data": False, "recheck_cached_metadata": False,
+            **({"fill_missing_data_reads": False} if self._all_chunks
+               else {})}
 
   def _open_all(self) -> None:
     arrays = [e for e in self.entries if e.value_type in ARRAY_TYPES]
@@ -674,7 +682,9 @@ class OrbaxSource(Source):
     for param, (name, _, ids) in want.items():
       driver = self._stores[name].spec().to_json()["driver"]
       spec = {"driver": driver, "kvstore": dict(kv, path=param + "/"),
-              "recheck_cached_data": False, "recheck_cached_metadata": False}
+              "recheck_cached_data": False, "recheck_cached_metadata": False,
+              **({"fill_missing_data_reads": False} if self._all_chunks
+                 else {})}
       futs[name] = (ts.open(spec, read=True, open=True,
                             context=self._stage_ctx()),
                     None if ids is None else frozenset(staged[name]))
@@ -799,7 +809,8 @@ class OrbaxSource(Source):
 
   def read_async(self, path: str, box: Box, out: np.ndarray):
     src = self._view(path, box, out.dtype)
-    return ts.array(out, copy=False, write=True).write(src)
+    fut = ts.array(out, copy=False, write=True).write(src)
+    return _Read(fut, self, path) if self._all_chunks else fut
 
   def read_parts_async(self, path: str, parts) -> list:
     # One batch: the chunk is read when it is submitted, once for all parts
@@ -807,11 +818,12 @@ class OrbaxSource(Source):
     # started would read and decode the chunk again).
     batch = ts.Batch()
     try:
-      return [ts.array(out, copy=False, write=True).write(
+      futs = [ts.array(out, copy=False, write=True).write(
           self._view(path, box, out.dtype), batch=batch)
               for box, out in parts]
     finally:
       batch.submit()
+    return [_Read(f, self, path) for f in futs] if self._all_chunks else futs
 
   def read_into(self, path: str, box: Box, out: np.ndarray) -> None:
     self.read_async(path, box, out).result()
@@ -857,6 +869,32 @@ class OrbaxSource(Source):
     if not out:
       return None
     return PTC(tuple(out), tuple((d, 0) for d in sorted(devices)))
+
+
+class _Read:
+  """A read's future whose ``result()`` names the leaf of a chunk that is
+  missing from a checkpoint that says it wrote every chunk (tensorstore's
+  ``NOT_FOUND``), as a :class:`StoreError`; any other error as it is."""
+
+  __slots__ = ("fut", "src", "path")
+
+  def __init__(self, fut, src: OrbaxSource, path: str):
+    self.fut, self.src, self.path = fut, src, path
+
+  def result(self):
+    try:
+      return self.fut.result()
+    except ValueError as e:
+      if not str(e).startswith("NOT_FOUND"):
+        raise
+      param = next((x.param for x in self.src.entries
+                    if x.name == self.path), self.path)
+      raise StoreError(
+          f"{self.src.location.item}: leaf {self.path} (array {param}): a"
+          f" chunk is missing, though the checkpoint says every chunk was"
+          f" written (store_array_data_equal_to_fill_value): the checkpoint"
+          f" is damaged or incomplete, and Orbax's restore refuses it too"
+          f" ({e})") from e
 
 
 class _Cancelled(Exception):
