@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -173,9 +174,13 @@ def place(leaves) -> list:
   bufs, devs, spans = [], [], []
   for shape, sharding, hosts, _, _ in leaves:
     lo = len(bufs)
+    kind = _other_memory(sharding)
     for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
       bufs.append(hosts[d.id])
-      devs.append(d)
+      # a target in another memory of the device (e.g. "pinned_host", an
+      # offloaded optimizer state): the shard goes to that memory
+      devs.append(d if kind is None else
+                  jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
     spans.append((lo, len(bufs)))
   shards = jax.device_put(bufs, devs, may_alias=True) if bufs else []
   del bufs
@@ -188,6 +193,17 @@ def place(leaves) -> list:
       arr = wrap_keys(arr, impl, keys_sharding)
     out.append(arr)
   return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _other_memory(sharding) -> str | None:
+  """The sharding's memory kind where it is not its devices' default one
+  (``None`` for the default)."""
+  kind = getattr(sharding, "memory_kind", None)
+  if kind is None:
+    return None
+  d = next(iter(sharding.device_set))
+  return None if kind == d.default_memory().kind else kind
 
 
 # -- reads: one source -------------------------------------------------------

@@ -702,3 +702,41 @@ def test_a_missing_chunk_is_an_error_where_orbax_raises(tmp_path, ocdbt):
     got = c.restore(item, args=ocp.args.PyTreeRestore(restore_args={
         "p": ocp.ArrayRestoreArgs(sharding=target["p"].sharding)}))
   np.testing.assert_array_equal(np.asarray(got["p"]), want)
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_restore_into_host_memory(tmp_path, kind):
+  """A target in another memory of the devices (an optimizer state offloaded
+  to host memory: ``NamedSharding(..., memory_kind="pinned_host")``), from a
+  stock Orbax checkpoint and from a store snapshot: every array, PRNG keys
+  too, lands in that memory, bitwise, with the target's sharding, as
+  Orbax's restore and ``jax.device_put`` place it (before: jax refused the
+  arrays, "Memory kind mismatch")."""
+  from tenplex_jax import store
+  mesh = mesh_of((8,), ("d",))
+  x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  keys = jax.random.split(jax.random.key(0), 8)
+  tree = {"p": jax.device_put(x, NamedSharding(mesh, P("d"))),
+          "k": jax.device_put(keys, NamedSharding(mesh, P("d")))}
+  with ocp.StandardCheckpointer() as c:
+    c.save(str(tmp_path / "c"), tree)
+  store.save(tree, str(tmp_path / "s"), step=3)
+  m4 = mesh_of((2, 2), ("a", "b"), 4)
+  target = {
+      "p": jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(
+          m4, P("b", "a"), memory_kind=kind)),
+      "k": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=NamedSharding(
+          m4, P("a"), memory_kind=kind))}
+  with ocp.StandardCheckpointer() as c:
+    ref = c.restore(str(tmp_path / "c"), target)
+  for out in (tor.restore(str(tmp_path / "c"), target),
+              store.restore(str(tmp_path / "s"), target)):
+    for k in ("p", "k"):
+      assert out[k].sharding == target[k].sharding == ref[k].sharding
+      assert out[k].sharding.memory_kind == kind
+      assert {s.data.sharding.memory_kind
+              for s in out[k].addressable_shards} == {kind}
+    np.testing.assert_array_equal(np.asarray(out["p"]).view(np.uint32),
+                                  x.view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(out["k"])),
+                                  np.asarray(jax.random.key_data(keys)))
