@@ -865,13 +865,17 @@ def test_convert_of_a_store_on_a_bucket_says_what_it_is(s3):
   assert snapshot_objects("s3", s3) == before
 
 
-def test_persistent_checkpoint_on_s3(s3):
-  """save_checkpoint to s3://, and a restore whose stores hold nothing falls
-  back to it (the launcher's --checkpoint s3://...)."""
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_persistent_checkpoint_on_object_storage(scheme, request):
+  """save_checkpoint to s3:// or gs://, and a restore whose stores hold
+  nothing falls back to it (the launcher's --checkpoint s3://...). On GCS
+  each step is an item whose commit file came with it (uploaded last), so
+  it counts as finished."""
   from tenplex_jax.store import (latest_step, restore_checkpoint,
                                  save_checkpoint)
   from tenplex_jax.runtime.launch import _checkpoint_location
-  url = f"s3://{s3}/persistent"
+  bucket = request.getfixturevalue("s3" if scheme == "s3" else "gs")
+  url = f"{scheme}://{bucket}/persistent"
   assert _checkpoint_location(url + "/") == url
   with pytest.raises(UsageError, match="not a store server"):
     _checkpoint_location("http://127.0.0.1:1")
@@ -887,8 +891,8 @@ def test_persistent_checkpoint_on_s3(s3):
   assert step == 50
   np.testing.assert_array_equal(np.asarray(out["w"]), want["w"] + 1)
   assert out["w"].sharding == target["w"].sharding
-  out, rep = tj.store.restore_with_report([f"s3://{s3}/none"], target,
-                                          checkpoint=url)
+  out, rep = tj.store.restore_with_report([f"{scheme}://{bucket}/none"],
+                                          target, checkpoint=url)
   assert rep.from_checkpoint and rep.step == 50
   np.testing.assert_array_equal(np.asarray(out["b"]), want["b"])
 
