@@ -558,7 +558,7 @@ def _missing(name: str, kind: str, saved: Mapping[str, Any],
     same = ([p for p in saved if p.rpartition("/")[0] == parent]
             or [p for p in saved if p.count("/") == depth]) if similar else []
     close = (difflib.get_close_matches(name, same, n=3, cutoff=0.8)
-             if similar and len(same) <= _CLOSE_MAX else [])
+             if len(same) <= _CLOSE_MAX else [])
     hint = (f" (saved with a similar path: {close})" if close else
             f" (saved arrays: {list(saved)[:6]})")
   return Problem(

@@ -154,7 +154,7 @@ def _steps_of(d: str, fs=_LOCAL, unfinished: dict | None = None
     names = fs.listdir(d)
   except OSError:
     return out
-  commit = d.startswith("gs://")
+  commit = parse_location(d).scheme == "gs"
   for n in names:
     m = _STEP_RE.match(n)
     full = os.path.join(d, n)
@@ -411,6 +411,8 @@ class OrbaxSource(Source):
     listed = [] if self.meta else self._list_params()
     self.entries = _tree_entries(self.meta, listed)
     _check_names(self.entries, self.location.item)
+    # Orbax's parameter name of each leaf, by path name (unique: checked)
+    self.params = {e.name: e.param for e in self.entries}
     self.array_meta = self._array_metadatas()
     self.shardings = self._shardings()
     self._stores: dict[str, Any] = {}
@@ -488,8 +490,13 @@ class OrbaxSource(Source):
     return out
 
   def _spec(self, param: str, zarr3: bool) -> dict:
-    return {"driver": "zarr3" if zarr3 else "zarr",
-            "kvstore": self._kvstore(param),
+    return self._array_spec("zarr3" if zarr3 else "zarr",
+                            self._kvstore(param))
+
+  def _array_spec(self, driver: str, kvstore: dict) -> dict:
+    """A tensorstore spec reading one array of this checkpoint (or of its
+    staged local copy) through ``kvstore``."""
+    return {"driver": driver, "kvstore": kvstore,
             "recheck_cached_data": False, "recheck_cached_metadata": False,
             **({"fill_missing_data_reads": False} if self._all_chunks
                else {})}
@@ -589,7 +596,7 @@ class OrbaxSource(Source):
       t = tensors.get(name)
       if t is None:
         continue
-      param = next(e.param for e in self.entries if e.name == name)
+      param = self.params[name]
       chunk = tuple(b - a for a, b in t.boxes[0]) if t.shape else ()
       ids = set()
       for box in boxes:
@@ -681,10 +688,7 @@ class OrbaxSource(Source):
     futs = {}
     for param, (name, _, ids) in want.items():
       driver = self._stores[name].spec().to_json()["driver"]
-      spec = {"driver": driver, "kvstore": dict(kv, path=param + "/"),
-              "recheck_cached_data": False, "recheck_cached_metadata": False,
-              **({"fill_missing_data_reads": False} if self._all_chunks
-                 else {})}
+      spec = self._array_spec(driver, dict(kv, path=param + "/"))
       futs[name] = (ts.open(spec, read=True, open=True,
                             context=self._stage_ctx()),
                     None if ids is None else frozenset(staged[name]))
@@ -847,7 +851,7 @@ class OrbaxSource(Source):
     when no sharding is recorded."""
     out, devices = [], set()
     for name, t in self.tensors().items():
-      param = next(e.param for e in self.entries if e.name == name)
+      param = self.params[name]
       desc = sharding_from_orbax(self.shardings.get(param), len(t.shape))
       if desc is None:
         continue
@@ -887,10 +891,9 @@ class _Read:
     except ValueError as e:
       if not str(e).startswith("NOT_FOUND"):
         raise
-      param = next((x.param for x in self.src.entries
-                    if x.name == self.path), self.path)
       raise StoreError(
-          f"{self.src.location.item}: leaf {self.path} (array {param}): a"
+          f"{self.src.location.item}: leaf {self.path} (array"
+          f" {self.src.params.get(self.path, self.path)}): a"
           f" chunk is missing, though the checkpoint says every chunk was"
           f" written (store_array_data_equal_to_fill_value): the checkpoint"
           f" is damaged or incomplete, and Orbax's restore refuses it too"
@@ -1134,7 +1137,7 @@ def inspect(path: str, *, step: int | None = None,
   with OrbaxSource(path, step=step, item=item) as src:
     tensors = {}
     for name, t in src.tensors().items():
-      param = next(e.param for e in src.entries if e.name == name)
+      param = src.params[name]
       desc = sharding_from_orbax(src.shardings.get(param), len(t.shape))
       chunk = [b - a for a, b in t.boxes[0]] if t.boxes else []
       tensors[name] = {
