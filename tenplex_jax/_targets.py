@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,8 +49,8 @@ from tenplex_jax.errors import LayoutError, TreeError
 from tenplex_jax.layout import key_path_name
 
 __all__ = ["MISMATCH", "Slot", "bind_sharding", "context_mesh", "is_box",
-           "bind_target", "match_layout", "match_saved", "match_targets",
-           "per_leaf",
+           "bind_target", "default_memory_kind", "match_layout",
+           "match_saved", "match_targets", "other_memory_kind", "per_leaf",
            "raise_tree_problems",
            "shardings_tree", "unbox", "variable_names"]
 
@@ -125,6 +126,20 @@ def is_abstract(s) -> bool:
   """Whether ``s`` is a ``NamedSharding`` on an ``AbstractMesh`` (no
   devices: it cannot place an array until bound to a concrete mesh)."""
   return isinstance(s, NamedSharding) and isinstance(s.mesh, AbstractMesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def default_memory_kind(sharding: Sharding) -> str:
+  """The default memory kind of the sharding's devices (``"device"``)."""
+  return next(iter(sharding.device_set)).default_memory().kind
+
+
+def other_memory_kind(sharding: Sharding) -> str | None:
+  """The sharding's memory kind where it is not its devices' default one
+  (e.g. ``"pinned_host"``: an offloaded state), else ``None``."""
+  kind = sharding.memory_kind
+  return None if kind is None or kind == default_memory_kind(sharding) \
+      else kind
 
 
 def bind_sharding(s: Sharding, path: str, mesh: Mesh | None = None,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
-import functools
 import itertools
 import math
 import time
@@ -44,7 +43,8 @@ import numpy as np
 from tenplex_jax._hostmem import host_empty
 from tenplex_jax._keys import is_key, key_data_sharding, wrap_keys
 from tenplex_jax._problems import Problem
-from tenplex_jax._targets import match_saved, raise_tree_problems
+from tenplex_jax._targets import (match_saved, other_memory_kind,
+                                  raise_tree_problems)
 from tenplex_jax.errors import StoreError, UnreachableError
 from tenplex_jax.layout import (PTC, Box, Placement, TensorLayout, box_volume,
                                 key_path_name, relative_index)
@@ -174,7 +174,7 @@ def place(leaves) -> list:
   bufs, devs, spans = [], [], []
   for shape, sharding, hosts, _, _ in leaves:
     lo = len(bufs)
-    kind = _other_memory(sharding)
+    kind = other_memory_kind(sharding)
     for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
       bufs.append(hosts[d.id])
       # a target in another memory of the device (e.g. "pinned_host", an
@@ -193,17 +193,6 @@ def place(leaves) -> list:
       arr = wrap_keys(arr, impl, keys_sharding)
     out.append(arr)
   return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _other_memory(sharding) -> str | None:
-  """The sharding's memory kind where it is not its devices' default one
-  (``None`` for the default)."""
-  kind = getattr(sharding, "memory_kind", None)
-  if kind is None:
-    return None
-  d = next(iter(sharding.device_set))
-  return None if kind == d.default_memory().kind else kind
 
 
 # -- reads: one source -------------------------------------------------------

@@ -48,7 +48,7 @@ from tenplex_jax._keys import key_data_sharding, wrap_keys
 from tenplex_jax._hostmem import (collect_dropped_buffers, host_empty_leased,
                                   host_reclaim, populate_range)
 from tenplex_jax._problems import raise_problems
-from tenplex_jax._targets import match_targets
+from tenplex_jax._targets import default_memory_kind, match_targets
 from tenplex_jax.errors import LayoutError, ReshardError
 from tenplex_jax.layout import (PTC, dtype_info, placement_by_arithmetic,
                                 box_volume, intersect, key_path_name,
@@ -2654,12 +2654,6 @@ def _remember_transition(key, tr: _Transition) -> None:
       _TRANSITIONS.popitem(last=False)
 
 
-@functools.lru_cache(maxsize=4096)
-def _default_kind(sharding: Sharding) -> str:
-  """The default memory kind of the sharding's devices."""
-  return next(iter(sharding.device_set)).default_memory().kind
-
-
 def _gc_paused(fn: Callable) -> Callable:
   """Runs ``fn`` with Python's cycle collector paused (then restored).
 
@@ -2739,7 +2733,7 @@ def reshard_items(items: list, rebuild: Callable, *, donate: bool = False,
           f"{name}: the array {leaf.dtype.name}{list(leaf.shape)} has been "
           "deleted (donated to an earlier call?): nothing to reshard")
     if s is not None and isinstance(leaf, jax.Array):
-      dflt = _default_kind(leaf.sharding)
+      dflt = default_memory_kind(leaf.sharding)
       if (leaf.sharding.memory_kind or dflt) != dflt:
         if leaf.sharding == s:  # already there: the array itself
           adjusted.append((name, leaf, None))
