@@ -75,16 +75,24 @@ def cpu_job(devices: int, procs: int = 1, proc: int = 0,
   return jax
 
 
+def path_env(*dirs: str, env: dict | None = None) -> dict:
+  """The caller's environment, updated with ``env``, with ``dirs`` first on
+  ``PYTHONPATH`` (for a child that imports this checkout or these
+  helpers)."""
+  full = {**os.environ, **(env or {})}
+  full["PYTHONPATH"] = os.pathsep.join(
+      p for p in (*dirs, full.get("PYTHONPATH")) if p)
+  return full
+
+
 def python(code: str, *, timeout: float = 300, env: dict | None = None) -> str:
   """Runs ``code`` in a fresh Python (this checkout first on its path, the
   caller's environment updated with ``env``) and returns its stdout; a
   non-zero exit or the timeout fails the caller's test with the output's
   tails. For what only a fresh process shows (which modules an import
   loads) or what may crash its process rather than the test's worker."""
-  full = {**os.environ, **(env or {})}
-  full["PYTHONPATH"] = os.pathsep.join(
-      p for p in (ROOT, full.get("PYTHONPATH")) if p)
-  (r,) = run_all([[sys.executable, "-c", code]], timeout=timeout, env=full,
+  (r,) = run_all([[sys.executable, "-c", code]], timeout=timeout,
+                 env=path_env(ROOT, env=env),
                  merge_stderr=False)
   assert r.returncode == 0, (
       f"exit {r.returncode}", r.stdout[-2000:], r.stderr[-3000:])

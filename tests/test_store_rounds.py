@@ -28,7 +28,7 @@ from tenplex_jax.store import HostStore, api, cli as store_cli, gc
 from tenplex_jax.store.format import (SnapshotWriter, manifest_checksum,
                                       write_zarr3)
 
-from procs import run_all
+from procs import path_env, run_all
 from store_state import save_as_two
 
 
@@ -574,9 +574,7 @@ def test_two_real_processes_saving_twice_at_step_0(tmp_path):
   id through the coordination service and number their saves."""
   from tenplex_jax.store.server import free_port
   port = str(free_port())
-  tests = os.path.dirname(os.path.abspath(__file__))
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-      p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
+  env = path_env(os.path.dirname(os.path.abspath(__file__)))  # tests/
   procs = run_all([[sys.executable, "-c", _SAVER, str(k), str(tmp_path),
                      port] for k in (0, 1)], timeout=180, env=env)
   assert [p.returncode for p in procs] == [0, 0], [p.stdout[-2000:]
